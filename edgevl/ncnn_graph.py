@@ -1,0 +1,383 @@
+"""A small writer for ncnn graphs: `.param` text plus `.bin` weights.
+
+It knows ncnn's file formats and nothing about models. Layers are appended in execution order;
+their weights are streamed into the `.bin` immediately (row chunks), so a graph of any size is
+written with memory near one chunk. Blobs have names; a blob read by more than one layer gets
+an automatic `Split` (ncnn requires it), and the original name stays extractable.
+
+Weight encodings (see ../shared/specs/ncnn_notes.md, "The .bin file"):
+- ``Tagged``: 4-byte tag, data, zero padding to 4 bytes (Gemm A/B/C, Embed, MemoryData 21=0).
+- ``Raw``: untagged fp32 (RMSNorm gamma, LayerNorm gamma/beta, MemoryData default).
+- ``BlockQuant``: ncnn block-quantized Gemm B (no tag), packed values then fp32 scales.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MAGIC = 7767517
+
+TAG_FP32 = 0x00000000
+TAG_FP16 = 0x01306B47
+TAG_BF16 = 0x01348B83
+
+DTYPES = ("fp32", "fp16", "bf16")
+
+# Rows converted per write: keeps memory near 16 MiB for any tensor (a 283k-row embedding too).
+CHUNK_BYTES = 16 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor sources and dtype conversion
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns (uint16), round to nearest even, NaN kept NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def bf16_bits_to_f32(u: np.ndarray) -> np.ndarray:
+    return (np.asarray(u, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode(x: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 array -> the on-disk element array of ``dtype``."""
+    if dtype == "fp32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "fp16":
+        return np.ascontiguousarray(x, dtype=np.float32).astype(np.float16)
+    if dtype == "bf16":
+        return f32_to_bf16_bits(x)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def _rows(src) -> int:
+    return int(src.shape[0]) if len(src.shape) else 1
+
+
+def iter_row_chunks(src, row_bytes: int | None = None) -> Iterable[np.ndarray]:
+    """Yield fp32 row blocks of ``src`` (a numpy array or a lazy tensor with ``read_rows``)."""
+    shape = tuple(src.shape)
+    n = _rows(src)
+    per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    step = max(1, CHUNK_BYTES // max(1, (row_bytes or per_row * 4)))
+    if isinstance(src, np.ndarray):
+        flat = src.reshape(n, -1) if src.ndim else src.reshape(1, 1)
+        for s in range(0, n, step):
+            yield np.ascontiguousarray(flat[s:s + step], dtype=np.float32)
+        return
+    for s in range(0, n, step):
+        yield np.asarray(src.read_rows(s, min(n, s + step)), dtype=np.float32).reshape(-1, per_row)
+
+
+# ---------------------------------------------------------------------------------------------
+# weight encodings
+
+
+class Weight:
+    def write(self, f) -> int:  # returns bytes written
+        raise NotImplementedError
+
+
+class Raw(Weight):
+    """Untagged fp32 data."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def write(self, f) -> int:
+        n = 0
+        for chunk in iter_row_chunks(self.src):
+            b = chunk.astype("<f4").tobytes()
+            f.write(b)
+            n += len(b)
+        return n
+
+
+class Tagged(Weight):
+    """Type tag + data (+ padding to 4 bytes)."""
+
+    def __init__(self, src, dtype: str = "fp32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported weight dtype {dtype!r}")
+        self.src, self.dtype = src, dtype
+
+    def write(self, f) -> int:
+        tag = {"fp32": TAG_FP32, "fp16": TAG_FP16, "bf16": TAG_BF16}[self.dtype]
+        f.write(np.uint32(tag).tobytes())
+        n = 4
+        for chunk in iter_row_chunks(self.src):
+            b = encode(chunk, self.dtype).tobytes()
+            f.write(b)
+            n += len(b)
+        pad = (-n) % 4
+        f.write(b"\0" * pad)
+        return n + pad
+
+
+BLOCK_CODES = {32: 0, 64: 1, 128: 2}
+
+
+def block_quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-block quantization of rows of ``w`` [N, K].
+
+    Returns (q int8 [N, K], scales fp32 [N, ceil(K/block)]) with scale = qmax/absmax, so that
+    dequantized = q / scale (ncnn's convention for block-quantized Gemm).
+    """
+    n, k = w.shape
+    nb = -(-k // block)
+    qmax = float((1 << (bits - 1)) - 1)
+    padded = np.zeros((n, nb * block), np.float32)
+    padded[:, :k] = w
+    blocks = padded.reshape(n, nb, block)
+    absmax = np.abs(blocks).max(axis=2)
+    scale = np.where(absmax > 0, qmax / np.maximum(absmax, 1e-30), 1.0).astype(np.float32)
+    q = np.clip(np.rint(blocks * scale[:, :, None]), -qmax, qmax).astype(np.int8)
+    return q.reshape(n, nb * block)[:, :k], scale
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack signed values LSB-first, one row of ceil(K*bits/8) bytes per output column."""
+    if bits == 8:
+        return q.astype(np.int8).view(np.uint8)
+    n, k = q.shape
+    mask = (1 << bits) - 1
+    u = (q.astype(np.int16) & mask).astype(np.uint32)
+    bitpos = np.arange(k, dtype=np.int64) * bits
+    nbytes = -(-k * bits // 8)
+    out = np.zeros((n, nbytes + 1), np.uint32)
+    byte, off = bitpos // 8, (bitpos % 8).astype(np.uint32)
+    for j in range(k):  # tiny helper for 4/6-bit (slow paths in ncnn anyway)
+        v = u[:, j] << off[j]
+        out[:, byte[j]] |= v & 0xFF
+        out[:, byte[j] + 1] |= (v >> 8) & 0xFF
+    return out[:, :nbytes].astype(np.uint8)
+
+
+class BlockQuant(Weight):
+    """Gemm constant B [N, K] block-quantized (param 18 = bits*100 + block_code)."""
+
+    def __init__(self, src, bits: int = 8, block: int = 32):
+        if bits not in (4, 6, 8) or block not in BLOCK_CODES:
+            raise ValueError("block quantization needs bits in {4,6,8} and block in {32,64,128}")
+        self.src, self.bits, self.block = src, bits, block
+
+    @property
+    def quantize_term(self) -> int:
+        return self.bits * 100 + BLOCK_CODES[self.block]
+
+    def write(self, f) -> int:
+        # values for every row first, then every row's scales: stream values, buffer scales
+        # (N * K/block floats: ~1/8 of the int8 data at block 32).
+        scales = []
+        n = 0
+        for chunk in iter_row_chunks(self.src):
+            q, s = block_quantize(chunk, self.bits, self.block)
+            packed = pack_bits(q, self.bits)
+            pad = (-packed.shape[1]) % 4
+            if pad:
+                packed = np.concatenate([packed, np.zeros((packed.shape[0], pad), np.uint8)], 1)
+            b = packed.tobytes()
+            f.write(b)
+            n += len(b)
+            scales.append(s)
+        b = np.concatenate(scales, 0).astype("<f4").tobytes()
+        f.write(b)
+        return n + len(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# the graph
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return "%.9e" % float(v)
+    if isinstance(v, str):
+        return '"%s"' % v
+    raise TypeError(f"unsupported param value {v!r}")
+
+
+def format_params(params: dict) -> str:
+    out = []
+    for k, v in params.items():
+        if isinstance(v, (list, tuple)):
+            if not v:
+                continue
+            out.append("%d=%d,%s" % (-23300 - int(k), len(v), ",".join(_fmt_value(x) for x in v)))
+        else:
+            out.append("%d=%s" % (int(k), _fmt_value(v)))
+    return " ".join(out)
+
+
+class Graph:
+    """Build an ncnn graph layer by layer; weights go straight to ``bin_path``."""
+
+    def __init__(self, bin_path: str | os.PathLike):
+        self.bin_path = os.fspath(bin_path)
+        self._bin = open(self.bin_path, "wb")
+        self._layers: list[tuple[str, str, list[str], list[str], dict]] = []
+        self._produced: set[str] = set()
+        self._names: Counter = Counter()
+        self._blob_id = 0
+        self.weight_offsets: dict[str, tuple[int, int]] = {}  # layer name -> (offset, bytes)
+        self._closed = False
+
+    # -- naming -------------------------------------------------------------------------------
+    def _layer_name(self, typ: str, name: str | None) -> str:
+        base = name or typ.lower()
+        self._names[base] += 1
+        return base if self._names[base] == 1 and name else f"{base}_{self._names[base]}"
+
+    def _new_blob(self) -> str:
+        self._blob_id += 1
+        return f"b{self._blob_id}"
+
+    # -- layers -------------------------------------------------------------------------------
+    def layer(self, typ: str, inputs: Sequence[str], params: dict | None = None,
+              weights: Sequence[Weight] = (), outputs: int | Sequence[str] = 1,
+              name: str | None = None):
+        """Append a layer; returns its output blob name (or a tuple when several)."""
+        for b in inputs:
+            if b not in self._produced:
+                raise ValueError(f"blob {b!r} is used before any layer produces it")
+        outs = [self._new_blob() for _ in range(outputs)] if isinstance(outputs, int) else list(outputs)
+        for b in outs:
+            if b in self._produced:
+                raise ValueError(f"blob {b!r} is produced twice")
+            self._produced.add(b)
+        lname = self._layer_name(typ, name)
+        if weights:
+            start = self._bin.tell()
+            for w in weights:
+                w.write(self._bin)
+            self.weight_offsets[lname] = (start, self._bin.tell() - start)
+        self._layers.append((typ, lname, list(inputs), outs, dict(params or {})))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def input(self, name: str) -> str:
+        return self.layer("Input", [], outputs=[name], name=name)
+
+    # -- output -------------------------------------------------------------------------------
+    def save(self, param_path: str | os.PathLike) -> None:
+        """Write the .param text (with Splits inserted) and close the .bin."""
+        consumers = Counter(b for _, _, ins, _, _ in self._layers for b in ins)
+        lines = []
+        taken: dict[str, list[str]] = {}
+        nblobs = 0
+        for typ, lname, ins, outs, params in self._layers:
+            ins = [taken[b].pop(0) if b in taken else b for b in ins]
+            lines.append(self._line(typ, lname, ins, outs, params))
+            nblobs += len(outs)
+            for b in outs:
+                k = consumers.get(b, 0)
+                if k > 1:
+                    parts = [f"{b}_s{i}" for i in range(k)]
+                    taken[b] = parts
+                    lines.append(self._line("Split", f"split_{b}", [b], parts, {}))
+                    nblobs += k
+        with open(param_path, "w") as f:
+            f.write(f"{MAGIC}\n{len(lines)} {nblobs}\n")
+            f.write("\n".join(lines) + "\n")
+        self.close()
+
+    @staticmethod
+    def _line(typ, lname, ins, outs, params) -> str:
+        s = f"{typ:<24} {lname:<32} {len(ins)} {len(outs)} {' '.join(ins + outs)}"
+        p = format_params(params)
+        return s + (" " + p if p else "")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._bin.close()
+            self._closed = True
+
+    @property
+    def layer_count(self) -> int:
+        return len(self._layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# common layer emitters (thin wrappers that fix ncnn's parameter ids in one place)
+
+
+def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant: tuple[int, int] | None = None,
+         name: str | None = None, out: str | None = None) -> str:
+    """y = x @ W^T (+ b): a Linear layer. ``w`` is [N, K]; x is 2-D (h=rows, w=K) or 1-D."""
+    n, k = (int(s) for s in w.shape)
+    params = {10: 4 if bias is not None else -1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 1 if bias is not None else 0,
+              7: 0, 8: n, 9: k}
+    if quant is not None:
+        bq = BlockQuant(w, bits=quant[0], block=quant[1])
+        params[18] = bq.quantize_term
+        weights = [bq]
+    else:
+        weights = [Tagged(w, dtype)]
+    if bias is not None:
+        weights.append(Tagged(bias, "fp32"))
+    return g.layer("Gemm", [x], params, weights, outputs=[out] if out else 1, name=name)
+
+
+def rms_norm(g: Graph, x: str, gamma, eps: float, name: str | None = None, out: str | None = None) -> str:
+    return g.layer("RMSNorm", [x], {0: int(gamma.shape[0]), 1: float(eps), 2: 1}, [Raw(gamma)],
+                   outputs=[out] if out else 1, name=name)
+
+
+def layer_norm(g: Graph, x: str, gamma, beta, eps: float, name: str | None = None,
+               out: str | None = None) -> str:
+    return g.layer("LayerNorm", [x], {0: int(gamma.shape[0]), 1: float(eps), 2: 1},
+                   [Raw(gamma), Raw(beta)], outputs=[out] if out else 1, name=name)
+
+
+def binary(g: Graph, a: str, b: str, op: str, name: str | None = None, out: str | None = None) -> str:
+    code = {"add": 0, "sub": 1, "mul": 2, "div": 3}[op]
+    return g.layer("BinaryOp", [a, b], {0: code}, outputs=[out] if out else 1, name=name)
+
+
+def reshape(g: Graph, x: str, w: int, h: int | None = None, c: int | None = None,
+            name: str | None = None) -> str:
+    params = {0: w}
+    if h is not None:
+        params[1] = h
+    if c is not None:
+        params[2] = c
+    return g.layer("Reshape", [x], params, name=name)
+
+
+def permute(g: Graph, x: str, order_type: int, name: str | None = None) -> str:
+    return g.layer("Permute", [x], {0: order_type}, name=name)
+
+
+def slice_(g: Graph, x: str, sizes: Sequence[int], axis: int, name: str | None = None):
+    return g.layer("Slice", [x], {0: list(sizes), 1: axis}, outputs=len(sizes), name=name)
+
+
+def concat(g: Graph, xs: Sequence[str], axis: int, name: str | None = None) -> str:
+    return g.layer("Concat", list(xs), {0: axis}, name=name)
+
+
+def memory_data(g: Graph, arr: np.ndarray, dtype: str = "fp32", name: str | None = None) -> str:
+    """A constant blob; numpy shape (c, h, w) / (h, w) / (w,) maps to ncnn (w, h, c)."""
+    shape = arr.shape[::-1]
+    params = {0: int(shape[0])}
+    if len(shape) > 1:
+        params[1] = int(shape[1])
+    if len(shape) > 2:
+        params[2] = int(shape[2])
+    params[21] = 0  # tagged: lets bf16/fp16 constants shrink on disk
+    return g.layer("MemoryData", [], params, [Tagged(arr.reshape(arr.shape[0] if arr.ndim > 1 else 1, -1),
+                                                     dtype)], name=name)

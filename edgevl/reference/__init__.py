@@ -1,0 +1,1 @@
+"""PyTorch references used only for verification (``pip install edgevl[verify]``)."""

@@ -1,0 +1,187 @@
+"""Stream tensors from a Hugging Face checkpoint folder without loading the model.
+
+safetensors is an 8-byte header length, a JSON header (name -> dtype, shape, byte range) and
+raw little-endian data. We parse it ourselves and read each tensor (or a block of its rows)
+with plain file reads, so peak memory is one tensor or one row block, and pages of a
+multi-GB file never pile up in the process (an mmap would count them in RSS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgevlError
+
+# safetensors dtype -> (numpy storage dtype, bytes per element)
+_STORAGE = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
+_KNOWN_UNSUPPORTED = {"F64", "F8_E4M3", "F8_E5M2", "I8", "U8", "I16", "I32", "I64", "BOOL"}
+
+
+def sha256_file(path, block=8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(block)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+class LazyTensor:
+    """One tensor in a safetensors file; reads on demand."""
+
+    def __init__(self, name: str, path: str, dtype: str, shape, start: int, end: int):
+        self.name, self.path, self.dtype = name, path, dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.start, self.end = start, end
+        if dtype not in _STORAGE:
+            raise EdgevlError(
+                f"tensor {name} in {os.path.basename(path)} has dtype {dtype}; edgevl converts "
+                "bf16, fp16 and fp32 checkpoints — convert the checkpoint to one of those first")
+        itemsize = _STORAGE[dtype][1]
+        if (end - start) != int(np.prod(self.shape, dtype=np.int64)) * itemsize:
+            raise EdgevlError(f"tensor {name} in {os.path.basename(path)} has a byte range that does "
+                              f"not match its shape {list(self.shape)}; the file is corrupt — re-download it")
+
+    @property
+    def row_elems(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    def read_raw_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) in the checkpoint's own dtype (bf16 as uint16)."""
+        np_dtype, itemsize = _STORAGE[self.dtype]
+        per_row = self.row_elems * itemsize
+        with open(self.path, "rb") as f:
+            f.seek(self.start + r0 * per_row)
+            buf = f.read((r1 - r0) * per_row)
+        if len(buf) != (r1 - r0) * per_row:
+            raise EdgevlError(f"{os.path.basename(self.path)} ends inside tensor {self.name}; "
+                              "the file is truncated — re-download it")
+        return np.frombuffer(buf, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(
+            (r1 - r0,) + self.shape[1:])
+
+    def read_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) as float32."""
+        return _to_f32(self.read_raw_rows(r0, r1), self.dtype)
+
+    def numpy(self) -> np.ndarray:
+        n = self.shape[0] if self.shape else 1
+        return self.read_rows(0, n).reshape(self.shape)
+
+    def __repr__(self):
+        return f"LazyTensor({self.name}, {self.dtype}, {list(self.shape)})"
+
+
+def _read_header(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("short file")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise ValueError("header too large")
+            meta = json.loads(f.read(n))
+        meta.pop("__metadata__", None)
+        base = 8 + n
+        return {k: (v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
+                for k, v in meta.items()}
+    except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgevlError(f"{path} is not a valid safetensors file ({e}); re-download it") from None
+
+
+class Checkpoint:
+    """A Hugging Face model folder: config.json plus safetensors (single or sharded)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        if not self.folder.exists():
+            raise EdgevlError(f"{self.folder} does not exist; pass a Hugging Face checkpoint folder")
+        if not self.folder.is_dir():
+            raise EdgevlError(f"{self.folder} is not a folder; pass a Hugging Face checkpoint folder "
+                              "(with config.json and *.safetensors)")
+        cfg = self.folder / "config.json"
+        if not cfg.is_file():
+            raise EdgevlError(f"{self.folder} has no config.json; pass the folder of a Hugging Face "
+                              "checkpoint (config.json + *.safetensors)")
+        try:
+            self.config = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise EdgevlError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
+        self.files = self._shard_files()
+        self._tensors: dict[str, LazyTensor] = {}
+        for path in self.files:
+            for name, (dt, shape, s, e) in _read_header(str(path)).items():
+                if dt in _KNOWN_UNSUPPORTED or dt not in _STORAGE:
+                    # defer the error until the tensor is actually needed
+                    self._tensors[name] = _Unsupported(name, str(path), dt, shape)
+                else:
+                    self._tensors[name] = LazyTensor(name, str(path), dt, shape, s, e)
+
+    def _shard_files(self) -> list[Path]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise EdgevlError(f"{index} is not a valid safetensors index; re-download it") from None
+            names = sorted(set(wm.values()))
+            missing = [n for n in names if not (self.folder / n).is_file()]
+            if missing:
+                raise EdgevlError(f"checkpoint shard {missing[0]} listed in model.safetensors.index.json "
+                                  f"is missing from {self.folder}; download all {len(names)} shards")
+            return [self.folder / n for n in names]
+        single = self.folder / "model.safetensors"
+        if single.is_file():
+            return [single]
+        found = sorted(self.folder.glob("*.safetensors"))
+        if found:
+            return found
+        raise EdgevlError(f"{self.folder} has no *.safetensors weights; edgevl converts safetensors "
+                          "checkpoints (save the model with save_pretrained(safe_serialization=True))")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def get(self, name: str, shape=None) -> "LazyTensor":
+        t = self._tensors.get(name)
+        if t is None:
+            raise EdgevlError(f"tensor {name} is missing from the checkpoint in {self.folder}; "
+                              "the weights do not match config.json (or a shard is incomplete)")
+        if isinstance(t, _Unsupported):
+            t.fail()
+        if shape is not None and tuple(t.shape) != tuple(int(s) for s in shape):
+            raise EdgevlError(f"tensor {name} has shape {list(t.shape)} but config.json implies "
+                              f"{[int(s) for s in shape]}; the checkpoint does not match its config")
+        return t
+
+    def numpy(self, name: str, shape=None) -> np.ndarray:
+        return self.get(name, shape).numpy()
+
+    def file_hashes(self) -> dict[str, str]:
+        return {p.name: sha256_file(p) for p in self.files}
+
+
+class _Unsupported:
+    def __init__(self, name, path, dtype, shape):
+        self.name, self.path, self.dtype, self.shape = name, path, dtype, tuple(shape)
+
+    def fail(self):
+        raise EdgevlError(f"tensor {self.name} in {os.path.basename(self.path)} has dtype {self.dtype}; "
+                          "edgevl converts bf16, fp16 and fp32 checkpoints — convert it to one of those first")
