@@ -23,7 +23,7 @@ _STORAGE = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 
 _KNOWN_UNSUPPORTED = {"F64", "F8_E4M3", "F8_E5M2", "I8", "U8", "I16", "I32", "I64", "BOOL"}
 
 
-def sha256_file(path, block=8 << 20) -> str:
+def sha256_file(path, on_bytes=None, block=8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -31,6 +31,8 @@ def sha256_file(path, block=8 << 20) -> str:
             if not b:
                 break
             h.update(b)
+            if on_bytes is not None:
+                on_bytes(len(b))
     return h.hexdigest()
 
 

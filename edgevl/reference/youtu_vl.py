@@ -533,6 +533,25 @@ class YoutuVLForConditionalGeneration(nn.Module):
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _reset_rotary(self) -> None:
+        """(Re)build the text RoPE inv_freq in float32 on the model's device.
+
+        transformers computes inv_freq in float32 even when loading in bf16; a plain
+        ``.to(bf16)`` would round it, so keep it float32 after every dtype/device move.
+        """
+        from transformers.models.youtu.modeling_youtu import YoutuRotaryEmbedding
+
+        dev = self.lm_head.weight.device
+        if dev.type == "meta":
+            dev = torch.device("cpu")
+        self.model.rotary_emb = YoutuRotaryEmbedding(self.text_config).to(dev)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.lm_head.weight.device.type != "meta":
+            self._reset_rotary()
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -761,7 +780,10 @@ class YoutuVLForConditionalGeneration(nn.Module):
             raise FileNotFoundError(f"{load_dir}: no config.json")
         with open(cfg_path) as f:
             cfg = json.load(f)
-        model = cls(cfg)
+        # Build on the meta device and adopt the loaded tensors (assign=True): the real model is
+        # 5.3 B parameters, so skipping a random fp32 init saves minutes and ~21 GB.
+        with torch.device("meta"):
+            model = cls(cfg)
         raw = cls._read_tensors(load_dir)
         sd = {}
         for k, v in raw.items():
@@ -786,35 +808,44 @@ class YoutuVLForConditionalGeneration(nn.Module):
         bad = [(k, tuple(sd[k].shape), tuple(v.shape)) for k, v in expected.items() if sd[k].shape != v.shape]
         if bad:
             raise ValueError(f"{load_dir}: shape mismatch (key, file, model): {bad[:8]}")
+        sd = {k: v.to(dtype).contiguous() for k, v in sd.items()}
         if model.tied:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
-        model.to(dtype)
-        if model.tied:
-            assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.load_state_dict(sd, strict=True, assign=True)
+        if model.tied:  # assign=True wraps each key in its own Parameter: re-tie
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model._reset_rotary()  # non-persistent buffers are still on meta
+        left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if left:
+            raise RuntimeError(f"tensors left uninitialised after loading: {left[:8]}")
         return model.eval()
 
     @classmethod
     def make_random(cls, config: dict, seed: int = 0) -> "YoutuVLForConditionalGeneration":
         """Random weights, deterministic from ``seed``, scaled for well-conditioned activations.
 
-        Linear weights ~ N(0, (gain/sqrt(fan_in))^2) so each residual branch contributes at the
-        scale of the stream (otherwise a tied random LM just echoes its input token); norm weights
-        1 + N(0, 0.1^2) (never exactly 1, so a missed load is visible); biases ~ N(0, 0.02^2);
-        embeddings ~ N(0, 1).
+        Linear weights ~ N(0, (gain/sqrt(fan_in))^2); biases ~ N(0, 0.02^2); norm weights
+        1 + N(0, 0.1^2) (never exactly 1, so a missed load is visible); token embeddings
+        ~ N(0, 0.1^2). The gains were tuned so a random tiny model decodes varied tokens: with
+        large embeddings a tied LM echoes its input token, and with flat attention it repeats one
+        token; sharper q/k (gain 3 in MLA, 2 in vision) and stronger residual branches (o_proj,
+        down_proj gain 3) avoid both.
         """
         model = cls(config)
         g = torch.Generator().manual_seed(int(seed))
+        gains = {"q_b_proj": 3.0, "kv_b_proj": 3.0, "o_proj": 3.0, "down_proj": 3.0, "q_proj": 2.0, "k_proj": 2.0}
         with torch.no_grad():
             for name, p in model.named_parameters():  # named_parameters yields a tied weight once
+                leaf = name.split(".")[-2] if "." in name else name
                 if p.dim() == 1 and ("norm" in name or "ln_q" in name):
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
                 elif p.dim() == 1:
                     p.copy_(0.02 * torch.randn(p.shape, generator=g))
                 elif "embed_tokens" in name or "lm_head" in name:
-                    p.copy_(torch.randn(p.shape, generator=g))
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+                    std = gains.get(leaf, 1.0) / math.sqrt(p.shape[1])
+                    p.copy_(std * torch.randn(p.shape, generator=g))
         return model.eval()
 
 

@@ -1,0 +1,147 @@
+"""Checkpoint -> package conversion: the architecture registry and the shared LM writer.
+
+A registry keyed by ``model_type`` (and the HF ``architectures`` string) maps each checkpoint
+to a converter; each converter streams tensors from the checkpoint as it emits layers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from . import ncnn_graph as G
+from .errors import EdgevlError
+from .models import youtu
+from .models.base import Ctx
+from .package import finalize, temp_dir_for
+from .progress import Progress
+from .tokenizer import TOKENIZER_FILES
+from .weights import Checkpoint, sha256_file
+
+DTYPES = ("fp32", "fp16", "bf16", "q8")
+KV_MODES = ("absorbed", "expanded")
+DEFAULT_KV_MODE = "absorbed"
+
+
+def storage_dtype(dtype: str) -> str:
+    """The float format of weights that are not block-quantized."""
+    return "bf16" if dtype == "q8" else dtype
+
+
+def write_language_model(ckpt: Checkpoint, out: Path, a: youtu.ModelArgs, dtype: str, kv_mode: str,
+                         prefix: str, on_tensor) -> dict:
+    """decoder.param/.bin, lm_head.param/.bin and the host-side embedding table."""
+    sd = storage_dtype(dtype)
+    quant = (8, 32) if dtype == "q8" else None
+    g = G.Graph(out / "decoder.bin")
+    dec = youtu.build_decoder(Ctx(ckpt, g, sd, quant, on_tensor), a, prefix, absorbed=(kv_mode == "absorbed"))
+    g.save(out / "decoder.param")
+
+    head_name = youtu.lm_head_name(ckpt, a, prefix)
+    g = G.Graph(out / "lm_head.bin")
+    head = youtu.build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name)
+    g.save(out / "lm_head.param")
+
+    embed_name = f"{prefix}.embed_tokens.weight"
+    if head_name == embed_name and quant is None:
+        # Tied float head: its Gemm B *is* the embedding table; read rows from lm_head.bin after
+        # the 4-byte type tag instead of storing the table twice.
+        embedding = {"file": "lm_head.bin", "offset": 4, "dtype": sd}
+    else:
+        t = ckpt.get(embed_name, (a.vocab_size, a.hidden_size))
+        on_tensor(t)
+        with open(out / "embed.bin", "wb") as f:
+            for chunk in G.iter_row_chunks(t):
+                f.write(G.encode(chunk, sd).tobytes())
+        embedding = {"file": "embed.bin", "offset": 0, "dtype": sd}
+    embedding.update(rows=a.vocab_size, dim=a.hidden_size)
+    return {"graphs": {"decoder": vars(dec), "lm_head": vars(head)}, "embedding": embedding}
+
+
+def _convert_youtu(ckpt: Checkpoint, out: Path, dtype: str, kv_mode: str, on_tensor) -> dict:
+    a = youtu.ModelArgs.from_config(ckpt.config)
+    return write_language_model(ckpt, out, a, dtype, kv_mode, "model", on_tensor)
+
+
+def _convert_youtu_vl(ckpt: Checkpoint, out: Path, dtype: str, kv_mode: str, on_tensor) -> dict:
+    from .models import youtu_vl
+
+    return youtu_vl.convert(ckpt, out, dtype, kv_mode, on_tensor, write_language_model)
+
+
+# model_type -> (family, converter); architectures strings map onto the same entries
+REGISTRY = {
+    "youtu": ("youtu", _convert_youtu),
+    "youtu_vl": ("youtu_vl", _convert_youtu_vl),
+}
+ARCHITECTURES = {
+    "YoutuForCausalLM": "youtu",
+    "YoutuVLForConditionalGeneration": "youtu_vl",
+}
+
+
+def resolve_architecture(cfg: dict) -> str:
+    mt = cfg.get("model_type")
+    if mt in REGISTRY:
+        return mt
+    for arch in cfg.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    supported = ", ".join(sorted(REGISTRY))
+    raise EdgevlError(f"model_type {mt!r} (architectures {cfg.get('architectures')}) is not supported; "
+                      f"edgevl converts: {supported}")
+
+
+def convert(hf_path, out_path, dtype: str = "bf16", kv_mode: str = DEFAULT_KV_MODE,
+            overwrite: bool = False, progress: bool = True) -> Path:
+    """Convert a Hugging Face checkpoint folder into an edgevl package folder."""
+    if dtype not in DTYPES:
+        raise EdgevlError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if kv_mode not in KV_MODES:
+        raise EdgevlError(f"unsupported kv cache mode {kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+    ckpt = Checkpoint(hf_path)
+    arch = resolve_architecture(ckpt.config)
+    family, fn = REGISTRY[arch]
+    out_dir = Path(out_path)
+    if out_dir.exists() and not overwrite:
+        raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
+    if out_dir.resolve() == Path(hf_path).resolve():
+        raise EdgevlError("the output folder must differ from the checkpoint folder")
+
+    src_bytes = sum(p.stat().st_size for p in ckpt.files)
+    bar = Progress(2 * src_bytes, desc=f"convert {Path(hf_path).name}", enabled=progress)
+    seen = set()
+
+    def on_tensor(t):
+        if t.name not in seen:
+            seen.add(t.name)
+            bar.update(t.end - t.start, t.name)
+
+    tmp = temp_dir_for(out_dir)
+    try:
+        parts = fn(ckpt, tmp, dtype, kv_mode, on_tensor)
+        bar.update(max(0, src_bytes - bar.n), "hashing source")
+        source_hashes = {}
+        for p in ckpt.files:
+            source_hashes[p.name] = sha256_file(p, lambda n, p=p: bar.update(n, f"hashing {p.name}"))
+        for name in TOKENIZER_FILES + ("config.json", "preprocessor_config.json"):
+            if (ckpt.folder / name).is_file():
+                shutil.copy2(ckpt.folder / name, tmp / name)
+        manifest = {
+            "architecture": arch,
+            "family": family,
+            "model_type": ckpt.config.get("model_type"),
+            "dtype": dtype,
+            "kv_mode": kv_mode,
+            "config": ckpt.config,
+            "source": {"path": str(Path(hf_path).resolve()), "files": source_hashes},
+            **parts,
+        }
+        finalize(tmp, out_dir, manifest, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return out_dir
+

@@ -1,0 +1,200 @@
+"""A loaded package: tokenizer, embedding, decoder graph, lm_head and (for VLMs) the vision graph.
+
+``Model.generate_tokens`` is the low-level loop every front end (API, CLI, chat, server) uses.
+The model keeps one KV cache session: a new request that starts with the tokens already in the
+cache (a chat's next turn) prefills only the new tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .errors import EdgevlError
+from .models.base import rope_tables
+from .package import read_manifest, verify_files
+from .runtime import Decoder, Embedding, KVCache, LMHead, Net, default_threads
+from .sample import Sampler
+from .tokenizer import Tokenizer
+
+# Prompts longer than this are prefilled in chunks: bounds the attention score memory
+# (heads x chunk x context floats) while keeping prefill batched.
+PREFILL_CHUNK = 2048
+
+
+def _as_list(v) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+class Model:
+    def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True):
+        self.path = Path(path)
+        self.manifest = m = read_manifest(self.path)
+        if verify:
+            verify_files(self.path, m)
+        self.family = m["family"]
+        self.config = m["config"]
+        self.dtype = m["dtype"]
+        self.threads = int(threads) if threads else default_threads()
+        if self.threads < 1:
+            raise EdgevlError(f"threads must be >= 1, got {threads}")
+        self.tokenizer = Tokenizer(self.path, family=self.family)
+
+        graphs = m["graphs"]
+        dec = graphs["decoder"]
+        self.rope_dim = dec["extra"]["rope_dim"]
+        self.rope_theta = dec["extra"]["rope_theta"]
+        self.max_context = int(dec["extra"]["max_position_embeddings"])
+        self.decoder = Decoder(self._net("decoder", light_mode), dec,
+                               lambda pos: rope_tables(pos, self.rope_dim, self.rope_theta))
+        self.head = LMHead(self._net("lm_head"), graphs["lm_head"])
+        e = m["embedding"]
+        self.embedding = Embedding(str(self.path / e["file"]), e["offset"], e["rows"], e["dim"], e["dtype"])
+        self.vocab_size = int(e["rows"])
+
+        self.eos_ids = set(_as_list(self.config.get("eos_token_id")))
+        gen_cfg = self.path / "generation_config.json"
+        if gen_cfg.is_file():
+            self.eos_ids |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
+        if not self.eos_ids and self.tokenizer.eos_token:
+            tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)
+            if tid is not None:
+                self.eos_ids.add(tid)
+
+        self.image_token_id = self.config.get("image_token_id")
+        self.vision = None
+        if "vision" in graphs:
+            from .models.youtu_vl import VisionEncoder
+
+            self.vision = VisionEncoder(self._net("vision", light_mode), graphs["vision"], self.manifest)
+
+        self.cache: KVCache = self.decoder.new_cache()
+        self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
+        self.last_prefill_tokens = 0
+
+    def _net(self, name: str, light_mode: bool = True) -> Net:
+        return Net(str(self.path / f"{name}.param"), str(self.path / f"{name}.bin"), self.threads,
+                   self.dtype if self.dtype != "q8" else "bf16", light_mode)
+
+    # -- inputs -------------------------------------------------------------------------------
+    def embed(self, input_ids: list[int], image_rows: list[np.ndarray] = ()) -> np.ndarray:
+        """Token embeddings with image-token rows replaced in order by the images' rows."""
+        x = self.embedding(input_ids)
+        ids = np.asarray(input_ids)
+        n_pad = int((ids == self.image_token_id).sum()) if self.image_token_id is not None else 0
+        n_rows = sum(int(r.shape[0]) for r in image_rows)
+        if n_pad != n_rows:
+            raise EdgevlError(f"the prompt has {n_pad} image tokens but the image(s) produce {n_rows} "
+                              "embedding rows; expand each <|image_pad|> to the image's token count")
+        if n_rows:
+            x[ids == self.image_token_id] = np.concatenate(image_rows, 0)
+        return x
+
+    def encode_image(self, image, max_image_patches: int | None = None):
+        """(rows [N/4, hidden], processor info) for one image."""
+        if self.vision is None:
+            raise EdgevlError("this model has no vision tower; it cannot take images")
+        return self.vision(image, max_image_patches)
+
+    # -- the decoding loop --------------------------------------------------------------------
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.head(hidden)
+
+    def reset(self) -> None:
+        self.cache = self.decoder.new_cache()
+        self.cache_keys = []
+
+    def _keys(self, input_ids, image_rows) -> list:
+        keys, img, k = [], 0, 0
+        digests = [hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest() for r in image_rows]
+        for t in input_ids:
+            if t == self.image_token_id and image_rows:
+                while img < len(image_rows) and k >= image_rows[img].shape[0]:
+                    img, k = img + 1, 0
+                keys.append(("img", digests[img] if img < len(digests) else "", k))
+                k += 1
+            else:
+                keys.append(int(t))
+        return keys
+
+    def prefill(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True) -> np.ndarray:
+        """Feed the prompt (only what the cache lacks); returns the last position's logits."""
+        if len(input_ids) == 0:
+            raise EdgevlError("the prompt is empty; pass some text")
+        if len(input_ids) >= self.max_context:
+            raise EdgevlError(f"the prompt has {len(input_ids)} tokens but the model's context is "
+                              f"{self.max_context}; shorten the prompt (or use a smaller image)")
+        x = self.embed(list(input_ids), image_rows)
+        keys = self._keys(input_ids, image_rows)
+        start = 0
+        if reuse_cache and self.cache_keys:
+            n = 0
+            for a, b in zip(self.cache_keys, keys):
+                if a != b:
+                    break
+                n += 1
+            start = min(n, len(keys) - 1)  # at least one token must run to give logits
+        if start == 0:
+            self.reset()
+        else:
+            self.cache.truncate(start)
+            self.cache_keys = self.cache_keys[:start]
+        hidden = None
+        for s in range(start, len(keys), PREFILL_CHUNK):
+            hidden, _ = self.decoder.forward(x[s:s + PREFILL_CHUNK], self.cache)
+        self.cache_keys.extend(keys[start:])
+        self.last_prefill_tokens = len(keys) - start
+        return self.logits(hidden[-1:])[0]
+
+    def step(self, token: int) -> np.ndarray:
+        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache)
+        self.cache_keys.append(int(token))
+        return self.logits(hidden)[0]
+
+    def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                        seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
+                        max_image_patches: int | None = None) -> Iterator[int]:
+        """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
+
+        ``input_ids`` must already hold each image's expanded ``<|image_pad|>`` run; ``image`` is a
+        path / PIL image, or a list of them in prompt order (or precomputed embedding rows).
+        """
+        if max_new_tokens is None or int(max_new_tokens) < 0:
+            raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
+        rows = self.image_rows(image, max_image_patches)
+        input_ids = [int(t) for t in input_ids]
+        stops = self.eos_ids | set(_as_list(stop_ids))
+        logits = self.prefill(input_ids, rows, reuse_cache)
+        history = list(input_ids)
+        for _ in range(int(max_new_tokens)):
+            tok = sampler(logits, history)
+            yield tok
+            if tok in stops or len(self.cache_keys) >= self.max_context:
+                return
+            history.append(tok)
+            logits = self.step(tok)
+
+    def image_rows(self, image, max_image_patches=None) -> list[np.ndarray]:
+        if image is None:
+            return []
+        images = image if isinstance(image, (list, tuple)) else [image]
+        out = []
+        for im in images:
+            if isinstance(im, np.ndarray):
+                out.append(im.astype(np.float32))
+            else:
+                out.append(self.encode_image(im, max_image_patches)[0])
+        return out
+
+
+def load(path, threads: int | None = None, verify: bool = True) -> Model:
+    """Load a converted package folder."""
+    return Model(path, threads=threads, verify=verify)

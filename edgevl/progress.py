@@ -1,0 +1,53 @@
+"""A minimal progress bar on stderr (conversion, hashing, benchmarks)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total: float, desc: str = "", unit: str = "B", enabled: bool = True, stream=None):
+        self.total, self.desc, self.unit = max(float(total), 1.0), desc, unit
+        self.n = 0.0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = self._last = time.monotonic()
+        self._last_pct = -1
+
+    def _fmt(self, v: float) -> str:
+        if self.unit != "B":
+            return f"{v:.0f}"
+        for u in ("B", "KB", "MB", "GB", "TB"):
+            if v < 1024 or u == "TB":
+                return f"{v:.1f}{u}" if u != "B" else f"{v:.0f}B"
+            v /= 1024
+        return str(v)
+
+    def update(self, n: float, note: str = "") -> None:
+        self.n += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        pct = int(100 * min(self.n, self.total) / self.total)
+        if self.tty:
+            if now - self._last < 0.1 and self.n < self.total:
+                return
+            width = 28
+            fill = int(width * pct / 100)
+            rate = self.n / max(now - self.t0, 1e-9)
+            eta = (self.total - self.n) / rate if rate > 0 else 0
+            msg = (f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {pct:3d}% "
+                   f"{self._fmt(self.n)}/{self._fmt(self.total)} {self._fmt(rate)}/s eta {eta:4.0f}s {note[:40]:<40}")
+            self.stream.write(msg)
+        elif pct // 10 != self._last_pct // 10 or self.n >= self.total:
+            self.stream.write(f"{self.desc}: {pct}% ({self._fmt(self.n)}/{self._fmt(self.total)})\n")
+            self._last_pct = pct
+        self.stream.flush()
+        self._last = now
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
