@@ -160,7 +160,7 @@ class Model:
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
-                        max_image_patches: int | None = None) -> Iterator[int]:
+                        max_image_patches: int | None = None, ignore_eos: bool = False) -> Iterator[int]:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
         ``input_ids`` must already hold each image's expanded ``<|image_pad|>`` run; ``image`` is a
@@ -171,7 +171,7 @@ class Model:
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
         rows = self.image_rows(image, max_image_patches)
         input_ids = [int(t) for t in input_ids]
-        stops = self.eos_ids | set(_as_list(stop_ids))
+        stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
         logits = self.prefill(input_ids, rows, reuse_cache)
         history = list(input_ids)
         for _ in range(int(max_new_tokens)):

@@ -316,11 +316,16 @@ class Graph:
 
 
 def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant: tuple[int, int] | None = None,
-         name: str | None = None, out: str | None = None) -> str:
-    """y = x @ W^T (+ b): a Linear layer. ``w`` is [N, K]; x is 2-D (h=rows, w=K) or 1-D."""
+         name: str | None = None, out: str | None = None, fp32_output: bool = False) -> str:
+    """y = x @ W^T (+ b): a Linear layer. ``w`` is [N, K]; x is 2-D (h=rows, w=K) or 1-D.
+
+    ``fp32_output`` keeps the result in fp32 inside a bf16-storage net (logits: a bf16 logit
+    row would turn near-ties into wrong argmaxes)."""
     n, k = (int(s) for s in w.shape)
     params = {10: 4 if bias is not None else -1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 1 if bias is not None else 0,
               7: 0, 8: n, 9: k}
+    if fp32_output:
+        params[13] = 1
     if quant is not None:
         bq = BlockQuant(w, bits=quant[0], block=quant[1])
         params[18] = bq.quantize_term

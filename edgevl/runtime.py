@@ -18,6 +18,13 @@ from .ncnn_graph import bf16_bits_to_f32
 
 
 def default_threads() -> int:
+    """EDGEVL_THREADS, else the physical core count (more threads than free cores stalls ncnn)."""
+    env = os.environ.get("EDGEVL_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise EdgevlError(f"EDGEVL_THREADS must be an integer, got {env!r}") from None
     try:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # pragma: no cover - very old wheels
@@ -44,9 +51,10 @@ class Net:
         opt.use_fp16_storage = False
         opt.use_fp16_packed = False
         opt.use_fp16_arithmetic = False
-        # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact.
-        opt.use_bf16_storage = dtype in ("bf16", "fp16")
-        opt.use_bf16_packed = dtype in ("bf16", "fp16")
+        # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact. fp16
+        # packages keep fp16 accuracy: on x86 ncnn widens them to fp32 in memory.
+        opt.use_bf16_storage = dtype == "bf16"
+        opt.use_bf16_packed = dtype == "bf16"
         self.light_mode = light_mode
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")

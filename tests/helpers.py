@@ -45,8 +45,28 @@ def init_random(model, seed: int, scale: float = 0.15):
     return model
 
 
-def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, **overrides) -> Path:
-    """A random YoutuForCausalLM checkpoint (config overrides as YoutuConfig kwargs)."""
+def train_briefly(model, tok, steps: int, seed: int = 0):
+    """A few hundred Adam steps on CORPUS: peaked, trained-like logits (random nets are flat)."""
+    import torch
+
+    ids = [t for text in CORPUS[: len(CORPUS) // 4] for t in tok.encode(text).ids + [1]]
+    data = torch.tensor(ids)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
+        x = torch.stack([data[s:s + 65] for s in starts])
+        loss = model(x[:, :-1], labels=x[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, init_scale: float = 0.15,
+               train_steps: int = 0, **overrides) -> Path:
+    """A random (or briefly trained) YoutuForCausalLM checkpoint; overrides are YoutuConfig kwargs."""
     import torch
     from transformers import YoutuConfig, YoutuForCausalLM
 
@@ -66,7 +86,9 @@ def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, 
     if cfg.get("num_key_value_heads") != cfg["num_attention_heads"]:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     torch.manual_seed(seed)
-    model = init_random(YoutuForCausalLM(YoutuConfig(**cfg)).eval(), seed)
+    model = init_random(YoutuForCausalLM(YoutuConfig(**cfg)).eval(), seed, init_scale)
+    if train_steps:
+        model = train_briefly(model, tok, train_steps, seed)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}

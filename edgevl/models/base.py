@@ -34,11 +34,11 @@ class Ctx:
 
     # -- emitters that read their weights from the checkpoint ---------------------------------
     def linear(self, x: str, name: str, out_features: int, in_features: int, bias: bool = False,
-               out: str | None = None, quantize: bool = True) -> str:
+               out: str | None = None, quantize: bool = True, fp32_output: bool = False) -> str:
         w = self.tensor(f"{name}.weight", (out_features, in_features))
         b = self.array(f"{name}.bias", (out_features,)) if bias else None
         q = self.quant if quantize else None
-        return G.gemm(self.g, x, w, self.dtype, bias=b, quant=q, name=name, out=out)
+        return G.gemm(self.g, x, w, self.dtype, bias=b, quant=q, name=name, out=out, fp32_output=fp32_output)
 
     def rms_norm(self, x: str, name: str, size: int, eps: float, out: str | None = None) -> str:
         return G.rms_norm(self.g, x, self.array(f"{name}.weight", (size,)), eps, name=name, out=out)

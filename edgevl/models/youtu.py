@@ -172,5 +172,5 @@ def lm_head_name(ckpt, a: ModelArgs, prefix: str = "model") -> str:
 def build_lm_head(ctx: Ctx, a: ModelArgs, weight_name: str) -> GraphInfo:
     g = ctx.g
     x = g.input("hidden")
-    ctx.linear(x, weight_name.removesuffix(".weight"), a.vocab_size, a.hidden_size, out="logits")
+    ctx.linear(x, weight_name.removesuffix(".weight"), a.vocab_size, a.hidden_size, out="logits", fp32_output=True)
     return GraphInfo(inputs={"hidden": "hidden"}, outputs={"logits": "logits"})

@@ -1,0 +1,18 @@
+import os
+import sys
+import tempfile
+
+# Tests never touch the user's cache (verified-stamps, demo package).
+os.environ.setdefault("EDGEVL_CACHE", tempfile.mkdtemp(prefix="edgevl-test-cache-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Tiny test models gain nothing from threads, and two OpenMP pools (torch's and ncnn's) spinning
+# on the same 2 cores slow each other down by orders of magnitude.
+os.environ.setdefault("EDGEVL_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

@@ -1,0 +1,210 @@
+"""The graph writer, layer by layer, against the installed ncnn runtime and numpy."""
+
+import numpy as np
+import pytest
+
+from edgevl import ncnn_graph as G
+from edgevl.runtime import Net
+
+rng = np.random.default_rng(0)
+
+
+def run(tmp_path, build, feeds, outputs, dtype="fp32"):
+    g = G.Graph(tmp_path / "t.bin")
+    build(g)
+    g.save(tmp_path / "t.param")
+    net = Net(str(tmp_path / "t.param"), str(tmp_path / "t.bin"), threads=1, dtype=dtype, light_mode=False)
+    return net.run(feeds, outputs)
+
+
+def rand(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_param_formatting():
+    assert G.format_params({0: 3, 1: 1e-6, 2: True}) == "0=3 1=1.000000000e-06 2=1"
+    assert G.format_params({0: [128, 64], 1: 2}) == "-23300=2,128,64 1=2"
+    assert G.format_params({6: "72,1h,1c"}) == '6="72,1h,1c"'
+    assert G.format_params({0: [1.5]}) == "-23300=1,1.500000000e+00"
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("fp16", 3e-3), ("bf16", 3e-2)])
+def test_gemm_dtypes_and_bias(tmp_path, dtype, tol):
+    w, b, x = rand(7, 5), rand(7), rand(3, 5)
+
+    def build(g):
+        i = g.input("x")
+        G.gemm(g, i, w, dtype, bias=b, out="y")
+        G.gemm(g, i, w, dtype, out="y2")
+
+    y, y2 = run(tmp_path, build, {"x": x}, ["y", "y2"], dtype)
+    np.testing.assert_allclose(y, x @ w.T + b, atol=tol * 4, rtol=tol)
+    np.testing.assert_allclose(y2, x @ w.T, atol=tol * 4, rtol=tol)
+
+
+def test_split_is_inserted_for_fanout_and_blobs_keep_names(tmp_path):
+    x = rand(4, 6)
+    gamma = rand(6)
+
+    def build(g):
+        i = g.input("x")
+        n = G.rms_norm(g, i, gamma, 1e-6, out="normed")
+        a = G.binary(g, n, n, "mul", out="sq")
+        G.binary(g, a, i, "add", out="y")
+
+    normed, y = run(tmp_path, build, {"x": x}, ["normed", "y"])
+    text = (tmp_path / "t.param").read_text()
+    assert "Split" in text and "normed_s0" in text and "x_s1" in text
+    ref = x / np.sqrt((x ** 2).mean(1, keepdims=True) + 1e-6) * gamma
+    np.testing.assert_allclose(normed, ref, atol=1e-5)
+    np.testing.assert_allclose(y, ref * ref + x, atol=1e-5)
+
+
+def test_layer_count_header_is_exact(tmp_path):
+    g = G.Graph(tmp_path / "t.bin")
+    i = g.input("x")
+    a = g.layer("Swish", [i])
+    g.layer("Swish", [a])
+    G.binary(g, a, i, "add")
+    g.save(tmp_path / "t.param")
+    lines = (tmp_path / "t.param").read_text().splitlines()
+    n_layers, n_blobs = map(int, lines[1].split())
+    assert n_layers == len(lines) - 2
+    produced = sum(int(line.split()[3]) for line in lines[2:])
+    assert n_blobs == produced
+
+
+def test_layernorm_gelu_swish(tmp_path):
+    x, gam, bet = rand(3, 8), rand(8), rand(8)
+
+    def build(g):
+        i = g.input("x")
+        G.layer_norm(g, i, gam, bet, 1e-6, out="ln")
+        g.layer("GELU", [i], {0: 0}, outputs=["erf"])
+        g.layer("GELU", [i], {0: 1}, outputs=["tanh"])
+        g.layer("Swish", [i], outputs=["silu"])
+
+    ln, erf, tanh, silu = run(tmp_path, build, {"x": x}, ["ln", "erf", "tanh", "silu"])
+    mu, var = x.mean(1, keepdims=True), x.var(1, keepdims=True)
+    np.testing.assert_allclose(ln, (x - mu) / np.sqrt(var + 1e-6) * gam + bet, atol=1e-5)
+    from math import erf as _erf
+    np.testing.assert_allclose(erf, 0.5 * x * (1 + np.vectorize(_erf)(x / np.sqrt(2))), atol=1e-5)
+    np.testing.assert_allclose(tanh, 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3))), atol=1e-5)
+    np.testing.assert_allclose(silu, x / (1 + np.exp(-x)), atol=1e-5)
+
+
+def test_reshape_permute_slice_concat_tile(tmp_path):
+    x = rand(5, 12)  # (h=seq 5, w=heads 3 * d 4)
+
+    def build(g):
+        r = G.reshape(g, g.input("x"), 4, 3, -1)                   # (c=5, h=3, w=4)
+        p = g.layer("Permute", [r], {0: 2}, outputs=["heads"])     # (c=3, h=5, w=4)
+        a, b = G.slice_(g, p, [1, 3], axis=2)
+        g.layer("Concat", [b, a], {0: 2}, outputs=["rot"])
+        g.layer("Tile", [a], {2: [2, 1, 1]}, outputs=["tiled"])
+
+    heads, rot, tiled = run(tmp_path, build, {"x": x}, ["heads", "rot", "tiled"])
+    ref = x.reshape(5, 3, 4).transpose(1, 0, 2)
+    np.testing.assert_array_equal(heads, ref)
+    np.testing.assert_array_equal(rot, np.concatenate([ref[..., 1:], ref[..., :1]], -1))
+    np.testing.assert_array_equal(tiled, np.concatenate([ref[..., :1]] * 2, 0))
+
+
+def _rope_ref(x, cos, sin, interleaved):
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x2 * cos + x1 * sin
+        return out
+    h = x.shape[-1] // 2
+    c, s = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    return x * c + rot * s
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_embed(tmp_path, interleaved):
+    x = rand(2, 5, 8)
+    ang = rand(5, 4)
+
+    def build(g):
+        g.layer("RotaryEmbed", [g.input("x"), g.input("c"), g.input("s")], {0: interleaved}, outputs=["y"])
+
+    (y,) = run(tmp_path, build, {"x": x, "c": np.cos(ang), "s": np.sin(ang)}, ["y"])
+    np.testing.assert_allclose(y, _rope_ref(x, np.cos(ang), np.sin(ang), interleaved), atol=1e-5)
+
+
+def _attn(q, k, v, mask, scale):
+    s = np.einsum("hqd,hkd->hqk", q, k) * scale + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p @ v
+
+
+def test_sdpa_with_mask_and_kv_cache(tmp_path):
+    import ncnn
+    from edgevl.runtime import causal_mask, from_mat, to_mat
+
+    H, dk, dv = 3, 6, 4
+    g = G.Graph(tmp_path / "t.bin")
+    q, k, v, m = (g.input(n) for n in ("q", "k", "v", "m"))
+    ck, cv = g.input("ck"), g.input("cv")
+    g.layer("SDPA", [q, k, v, m, ck, cv], {5: 1, 6: 0.3, 7: 1}, outputs=["o", "ok", "ov"])
+    g.save(tmp_path / "t.param")
+    net = Net(str(tmp_path / "t.param"), str(tmp_path / "t.bin"), 1)
+    Q, K, V = rand(H, 7, dk), rand(H, 7, dk), rand(H, 7, dv)
+    full = _attn(Q, K, V, causal_mask(0, 7), 0.3)
+    caches = None
+    outs = []
+    for s, e in ((0, 4), (4, 5), (5, 7)):  # prefill, one decode step, then a chunk on top
+        ex = net.extractor()
+        for n, a in (("q", Q[:, s:e]), ("k", K[:, s:e]), ("v", V[:, s:e]), ("m", causal_mask(s, e - s))):
+            ex.input(n, to_mat(a))
+        if caches:
+            ex.input("ck", caches[0])
+            ex.input("cv", caches[1])
+        o = ncnn.Mat()
+        ex.extract("o", o)
+        caches = (ncnn.Mat(), ncnn.Mat())
+        ex.extract("ok", caches[0], 1)
+        ex.extract("ov", caches[1], 1)
+        outs.append(from_mat(o))
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
+
+
+def test_memorydata_matmul(tmp_path):
+    a, b = rand(3, 4, 5), rand(3, 5, 6)
+
+    def build(g):
+        w = G.memory_data(g, b, "fp32")
+        g.layer("MatMul", [g.input("a"), w], {}, outputs=["y"])
+
+    (y,) = run(tmp_path, build, {"a": a}, ["y"])
+    np.testing.assert_allclose(y, a @ b, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_block_quantized_gemm_probe(tmp_path, block):
+    """Proves our q8 file layout against the installed runtime (ncnn_notes.md, Gemm)."""
+    w, x = rand(24, 96), rand(5, 96)  # K=96: a ragged last block at block 64
+    q, s = G.block_quantize(w, 8, block)
+    deq = q.astype(np.float32) / np.repeat(s, block, axis=1)[:, :96]
+
+    def build(g):
+        G.gemm(g, g.input("x"), w, quant=(8, block), out="y")
+
+    (y,) = run(tmp_path, build, {"x": x}, ["y"])
+    ref = x @ deq.T
+    # activations are quantized dynamically (~1%): compare relative to the output's scale
+    assert np.abs(y - ref).max() < 0.03 * np.abs(ref).max()
+    wrong = x @ w[::-1].T
+    assert np.abs(y - wrong).max() > 0.3 * np.abs(ref).max()
+
+
+def test_bf16_rounding_is_nearest_even():
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, np.inf, np.nan], np.float32)
+    bits = G.f32_to_bf16_bits(x)
+    back = G.bf16_bits_to_f32(bits)
+    assert back[0] == 1.0 and back[1] == 1.0 and back[2] == 1.015625 and back[3] == -2.5
+    assert np.isinf(back[4]) and np.isnan(back[5])

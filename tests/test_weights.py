@@ -1,0 +1,93 @@
+"""Streaming safetensors reader: dtypes, shards, row blocks, and clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from edgevl.errors import EdgevlError
+from edgevl.weights import Checkpoint
+
+
+def write(folder, tensors, shards=1):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "youtu"}))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return
+    wm = {}
+    for s in range(shards):
+        part = {n: tensors[n] for n in names[s::shards]}
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(folder / fname))
+        wm.update({n: fname for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_reads_exact_values(tmp_path, dtype, shards):
+    g = torch.Generator().manual_seed(0)
+    ts = {f"t{i}": torch.randn(5 + i, 3, generator=g).to(dtype) for i in range(4)}
+    ts["vec"] = torch.randn(7, generator=g).to(dtype)
+    write(tmp_path / "m", ts, shards)
+    ck = Checkpoint(tmp_path / "m")
+    assert set(ck.keys()) == set(ts)
+    for n, t in ts.items():
+        got = ck.numpy(n)
+        np.testing.assert_array_equal(got, t.float().numpy())
+        assert got.dtype == np.float32
+    t = ck.get("t3")
+    np.testing.assert_array_equal(t.read_rows(2, 6), ts["t3"][2:6].float().numpy())
+
+
+def test_missing_shard(tmp_path):
+    write(tmp_path / "m", {"a": torch.zeros(2), "b": torch.zeros(3)}, shards=2)
+    (tmp_path / "m" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(EdgevlError, match="model-00002-of-00002.safetensors .* is missing"):
+        Checkpoint(tmp_path / "m")
+
+
+def test_wrong_shape_and_missing_tensor(tmp_path):
+    write(tmp_path / "m", {"a": torch.zeros(2, 3)})
+    ck = Checkpoint(tmp_path / "m")
+    with pytest.raises(EdgevlError, match=r"tensor a has shape \[2, 3\] but config.json implies \[3, 2\]"):
+        ck.get("a", (3, 2))
+    with pytest.raises(EdgevlError, match="tensor b is missing"):
+        ck.get("b")
+
+
+def test_unsupported_dtype_is_reported_when_used(tmp_path):
+    write(tmp_path / "m", {"a": torch.zeros(2, dtype=torch.int64), "b": torch.zeros(2)})
+    ck = Checkpoint(tmp_path / "m")
+    ck.numpy("b")
+    with pytest.raises(EdgevlError, match="dtype I64"):
+        ck.get("a")
+
+
+@pytest.mark.parametrize("setup,msg", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_text("x"), "is not a folder"),
+    (lambda p: p.mkdir(), "has no config.json"),
+])
+def test_bad_folders(tmp_path, setup, msg):
+    p = tmp_path / "x"
+    setup(p)
+    with pytest.raises(EdgevlError, match=msg):
+        Checkpoint(p)
+
+
+def test_corrupt_header_and_truncated_data(tmp_path):
+    write(tmp_path / "m", {"a": torch.zeros(100, 10)})
+    f = tmp_path / "m" / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-200])
+    ck = Checkpoint(tmp_path / "m")
+    with pytest.raises(EdgevlError, match="truncated"):
+        ck.numpy("a")
+    f.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(EdgevlError, match="not a valid safetensors file"):
+        Checkpoint(tmp_path / "m")

@@ -1,0 +1,86 @@
+"""Youtu-LLM: ncnn vs transformers on several random configs (acceptance of the foundation issue)."""
+
+import numpy as np
+import pytest
+import torch
+
+import edgevl
+from edgevl.verify import compare
+from helpers import hf_greedy, load_hf, make_youtu
+
+CONFIGS = {
+    "q_lora": dict(),
+    "no_q_lora": dict(q_lora_rank=None, hidden_size=72, num_attention_heads=3),
+    "rope32_v_ne_nope": dict(qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=40, num_hidden_layers=3),
+    "untied": dict(tie_word_embeddings=False, kv_lora_rank=24),
+    "theta10000": dict(rope_theta=10000.0, intermediate_size=80),
+}
+PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? 数一数。",
+           "def main():\n    return 42", "Zürich — “quotes”"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("youtu")
+    cks = {name: make_youtu(root / name, seed=i + 1, **cfg) for i, (name, cfg) in enumerate(CONFIGS.items())}
+    # Reduced precision is judged on briefly trained models: a random net's logits are so flat
+    # that bf16 rounding flips near-ties (gap < 2% of the logit std) — transformers itself in
+    # bf16 agrees with its fp32 run no better there. Real checkpoints ship bf16 weights, so the
+    # bf16 case starts from a bf16 checkpoint (its conversion keeps the weights exactly).
+    for name in ("q_lora", "untied"):
+        cks[name + "-bf16"] = make_youtu(root / (name + "-bf16"), seed=11, dtype="bf16", train_steps=150,
+                                         **CONFIGS[name])
+        cks[name + "-fp16"] = make_youtu(root / (name + "-fp16"), seed=12, train_steps=150, **CONFIGS[name])
+    return cks
+
+
+def _convert(ck, root, dtype, kv="absorbed"):
+    out = root / f"{ck.name}-{dtype}-{kv}"
+    if not out.exists():
+        edgevl.convert(ck, out, dtype=dtype, kv_mode=kv, progress=False)
+    return edgevl.load(out)
+
+
+def _ids(model, prompt):
+    return model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("kv", ["absorbed", "expanded"])
+def test_fp32_greedy_token_exact_and_layers(checkpoints, tmp_path_factory, name, kv):
+    ck = checkpoints[name]
+    model = _convert(ck, tmp_path_factory.mktemp("pk"), "fp32", kv)
+    hf = load_hf(ck)
+    ids = _ids(model, PROMPTS[0])
+    ours = list(model.generate_tokens(ids, 48, ignore_eos=True))
+    ref = hf_greedy(hf, ids, 48)
+    assert len(ours) == 48
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    assert first is None, f"{name}/{kv}: first differing token at {first}: ours {ours[first]} vs {ref[first]}"
+    rep = compare(model.path, ck, PROMPTS[1], max_new_tokens=8)
+    for sec, layer, cos, diff in rep.rows:
+        assert cos >= 0.99999, f"{name}/{kv}: {layer} cosine {cos:.7f} (max diff {diff:.3g})"
+    assert rep.identical
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["q_lora", "untied"])
+def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dtype, name):
+    ck = checkpoints[f"{name}-{dtype}"]
+    model = _convert(ck, tmp_path_factory.mktemp("pk"), dtype)
+    hf = load_hf(ck)  # computes in fp32
+    agree, total, cosines = 0, 0, []
+    for prompt in PROMPTS:
+        ids = _ids(model, prompt)
+        seq = ids + hf_greedy(hf, ids, 48)
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0, len(ids) - 1:-1].numpy()
+        model.reset()
+        hidden, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache())
+        ours = model.logits(hidden[len(ids) - 1:-1])
+        agree += int((ours.argmax(1) == ref.argmax(1)).sum())
+        total += ref.shape[0]
+        cosines += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(ours, ref)]
+    assert total == 48 * len(PROMPTS)
+    assert agree / total >= 0.98, f"{dtype} top-1 agreement {agree}/{total}"
+    assert min(cosines) >= 0.99, f"{dtype} min logit cosine {min(cosines):.4f}"
