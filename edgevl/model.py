@@ -177,7 +177,7 @@ class Model:
         for _ in range(int(max_new_tokens)):
             tok = sampler(logits, history)
             yield tok
-            if tok in stops or len(self.cache_keys) >= self.max_context:
+            if tok in stops or len(self.cache_keys) + 1 >= self.max_context:  # total length = context
                 return
             history.append(tok)
             logits = self.step(tok)

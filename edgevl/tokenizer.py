@@ -147,7 +147,8 @@ class StreamDecoder:
         return ""
 
     def flush(self) -> str:
+        """The rest; a character cut off by the end of generation is dropped, not shown as U+FFFD."""
         prev = self.t.decode(self.ids[self.prefix:self.read], self.skip)
         cur = self.t.decode(self.ids[self.prefix:], self.skip)
         self.prefix = self.read = len(self.ids)
-        return cur[len(prev):]
+        return cur[len(prev):].rstrip("\ufffd")

@@ -1,0 +1,124 @@
+"""Sampling, stop strings, streaming, context limits and KV-cache reuse on a Youtu-LLM package."""
+
+import numpy as np
+import pytest
+
+import edgevl
+from edgevl.errors import EdgevlError
+from edgevl.generate import stream_events
+from edgevl.tokenizer import StreamDecoder
+from helpers import hf_greedy, load_hf, make_youtu
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A briefly trained tiny model: it continues corpus text, so its output is real text."""
+    root = tmp_path_factory.mktemp("gen")
+    ck = make_youtu(root / "ck", seed=5, train_steps=200)
+    edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
+    return ck, root / "pk"
+
+
+@pytest.fixture()
+def model(trained):
+    m = edgevl.load(trained[1])
+    yield m
+
+
+def test_seeded_sampling_is_reproducible(model):
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, raw=True)
+    a = edgevl.generate(model, "The quick", seed=7, **kw)
+    b = edgevl.generate(model, "The quick", seed=7, **kw)
+    others = {edgevl.generate(model, "The quick", seed=s, **kw) for s in range(8, 12)}
+    assert a == b
+    assert len(others | {a}) > 1  # different seeds do sample differently
+    greedy = edgevl.generate(model, "The quick", max_new_tokens=24, raw=True)
+    assert greedy == edgevl.generate(model, "The quick", max_new_tokens=24, raw=True, seed=123)
+
+
+def test_repetition_penalty_changes_greedy_choice(model):
+    plain = list(model.generate_tokens(model.tokenizer.encode("The quick"), 24, ignore_eos=True))
+    pen = list(model.generate_tokens(model.tokenizer.encode("The quick"), 24, ignore_eos=True,
+                                     repetition_penalty=3.0))
+    assert plain != pen
+    assert len(set(pen)) >= len(set(plain))
+
+
+def test_stop_strings(model):
+    full = edgevl.generate(model, "How many", max_new_tokens=40, raw=True)
+    assert len(full) > 12
+    stop = full[6:9]
+    cut = edgevl.generate(model, "How many", max_new_tokens=40, raw=True, stop=[stop, "\u2603never"])
+    assert cut == full[:full.index(stop)]
+    events = list(stream_events(model, "How many", max_new_tokens=40, raw=True, stop=stop))
+    assert events[-1].finish_reason == "stop"
+    assert "".join(e.text for e in events) == cut
+
+
+def test_streaming_cjk_decodes_cleanly(model):
+    tok = model.tokenizer
+    text = "你好，世界！今天天气很好。🙂 café Zürich"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens are partial characters
+    dec = StreamDecoder(tok)
+    pieces = [dec.add(i) for i in ids] + [dec.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    # and through the generator: the model continues CJK corpus text
+    out = list(edgevl.stream_generate(model, "你好，", max_new_tokens=16, raw=True))
+    assert out and all("\ufffd" not in p for p in out)
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in "".join(out))
+
+
+def test_greedy_matches_transformers_through_the_api(trained, model):
+    ck, _ = trained
+    ids = model.tokenizer.encode("def main():")
+    assert list(model.generate_tokens(ids, 32, ignore_eos=True)) == hf_greedy(load_hf(ck), ids, 32)
+
+
+def test_context_limits(model):
+    n = model.max_context
+    with pytest.raises(EdgevlError, match=f"prompt has {n} tokens but the model's context is {n}"):
+        list(model.generate_tokens([5] * n, 4))
+    # generation stops at the context end instead of running past it
+    toks = list(model.generate_tokens([5] * (n - 3), 50, ignore_eos=True))
+    assert len(toks) == 3
+    with pytest.raises(EdgevlError, match="prompt is empty"):
+        edgevl.generate(model, "   ")
+    with pytest.raises(EdgevlError, match="temperature"):
+        edgevl.generate(model, "hi", temperature=-1)
+
+
+def test_kv_cache_truncate_rolls_back(model):
+    ids = model.tokenizer.encode("The quick brown fox jumps over")
+    ref = list(model.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False))
+    model.prefill(ids + ref[:5] + [7, 8, 9], reuse_cache=False)
+    model.cache.truncate(len(ids) - 2)   # roll back into the prompt
+    model.cache_keys = model.cache_keys[:len(ids) - 2]
+    again = list(model.generate_tokens(ids, 12, ignore_eos=True))   # reuses the 2-short prefix
+    assert model.last_prefill_tokens == 2
+    assert again == ref
+
+
+def test_chat_second_turn_prefills_only_new_tokens(model):
+    turn1 = [{"role": "user", "content": "How many shapes are there?"}]
+    a1 = edgevl.generate(model, turn1, max_new_tokens=12)
+    turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "What color?"}]
+    ids2 = model.tokenizer.encode(model.tokenizer.apply_chat_template(turn2))
+    a2 = list(model.generate_tokens(ids2, 16))
+    assert model.last_prefill_tokens < len(ids2) // 2
+    fresh = edgevl.load(model.path)
+    assert list(fresh.generate_tokens(ids2, 16, reuse_cache=False)) == a2
+    assert fresh.last_prefill_tokens == len(ids2)
+
+
+def test_sampler_top_k_top_p_restrict_support():
+    from edgevl.sample import Sampler
+
+    logits = np.array([5.0, 4.0, 3.0, 0.0, -1.0], np.float32)
+    seen = {Sampler(1.0, top_k=2, seed=s)(logits) for s in range(200)}
+    assert seen == {0, 1}
+    seen = {Sampler(1.0, top_p=0.5, seed=s)(logits) for s in range(200)}
+    assert seen == {0}
+    seen = {Sampler(5.0, seed=s)(logits) for s in range(300)}
+    assert seen == {0, 1, 2, 3, 4}

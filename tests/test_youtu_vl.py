@@ -1,0 +1,196 @@
+"""Youtu-VL on ncnn vs the PyTorch reference at several image sizes (acceptance of the VL issue)."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import edgevl
+from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.errors import EdgevlError
+from edgevl.generate import CoordinateRescaler, prepare
+from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
+from edgevl.verify import compare, torch_pixel_values
+from helpers import tiny_tokenizer
+
+CONFIGS = {
+    # real window size (256 px): several windows only for large images
+    "default": dict(),
+    # full attention where the default pattern has window layers, small windows, odd text sizes
+    "custom_full": dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=5, qk_nope_head_dim=6, v_head_dim=10,
+                        q_lora_rank=None,
+                        vision_config={"fullatt_block_indexes": [0], "num_hidden_layers": 3,
+                                       "window_size": 64, "hidden_size": 48, "num_attention_heads": 3}),
+}
+
+
+def make_vl(folder, seed, **overrides):
+    tok = tiny_tokenizer(400, True, 64)
+    ids = save_tokenizer(tok, folder)
+    ids.pop("pad_token_id")
+    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids, **overrides)
+    make_random(cfg, seed=seed).save_pretrained(folder)
+    return folder, cfg
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl")
+    out = {}
+    for i, (name, over) in enumerate(CONFIGS.items()):
+        ck, cfg = make_vl(root / name, seed=20 + i, **over)
+        edgevl.convert(ck, root / f"{name}-pk", dtype="fp32", progress=False)
+        ref = YoutuVLForConditionalGeneration.from_pretrained(ck).eval()
+        out[name] = (ck, root / f"{name}-pk", ref, cfg)
+    return out
+
+
+def image(w, h, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((w, h), Image.BICUBIC)  # smooth, so resizing matters
+
+
+SIZES = [((37, 1001), None), ((100, 50), None), ((640, 480), None), ((640, 480), 256)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("size,budget", SIZES, ids=["37x1001", "100x50", "640x480", "640x480-budget256"])
+def test_image_parity(vl, name, size, budget):
+    ck, pk, ref, cfg = vl[name]
+    model = edgevl.load(pk)
+    img = image(*size, seed=size[0])
+    prep = prepare(model, "Describe the image.", image=img, max_image_patches=budget)
+    rows, info = model.vision(img, budget, extract_layers=True)
+    gh, gw = info["spatial_shapes"]
+    if budget:
+        assert gh * gw <= budget and info["resized_size"] != (480, 480)
+    # processor: bit-exact with torch's uint8 antialiased interpolate path
+    v = model.vision.v
+    tp = torch_pixel_values(img, budget or 36864, v.patch_size, v.spatial_merge_size)
+    np.testing.assert_array_equal(info["pixel_values"], tp)
+    # vision tower and merger
+    pv = torch.from_numpy(info["pixel_values"])
+    with torch.no_grad():
+        merged, states = ref.vision_features(pv, (gh, gw), output_hidden_states=True)
+    for i, ours in enumerate(info["layers"]):
+        c = np.dot(ours.ravel(), states[i + 1].numpy().ravel()) / (
+            np.linalg.norm(ours) * np.linalg.norm(states[i + 1].numpy()))
+        assert c >= 0.99999, f"vision layer {i}: cosine {c}"
+    np.testing.assert_allclose(rows, merged.numpy(), atol=1e-4, rtol=1e-3)
+    assert rows.shape[0] == info["num_image_tokens"] == sum(t == cfg["image_token_id"] for t in prep.input_ids)
+    # fp32 greedy: token-exact for 32 new tokens
+    ours = list(model.generate_tokens(prep.input_ids, 32, image=prep.image_rows, ignore_eos=True))
+    with torch.no_grad():
+        theirs = list(ref.greedy_generate(torch.tensor([prep.input_ids]), pv, (gh, gw), max_new_tokens=32))
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert first is None, f"first differing token at {first}: {ours[first]} vs {theirs[first]}"
+
+
+def test_verify_report_covers_every_stage(vl, tmp_path):
+    ck, pk, _, _ = vl["custom_full"]
+    img = image(200, 120, seed=1)
+    img.save(tmp_path / "x.png")
+    rep = compare(pk, ck, "What is this?", image=tmp_path / "x.png", max_new_tokens=8)
+    assert rep.processor_max_diff == 0
+    sections = [r[1] for r in rep.rows]
+    assert sections[:3] == ["layer 0", "layer 1", "layer 2"] and "merger" in sections and "logits" in sections
+    assert rep.min_cosine("vision") >= 0.99999 and rep.min_cosine("text") >= 0.99999
+    assert rep.ok
+
+
+def test_text_only_prompt_on_vl_model(vl):
+    ck, pk, ref, _ = vl["default"]
+    model = edgevl.load(pk)
+    prep = prepare(model, "Just text, no picture.")
+    assert prep.images == []
+    ours = list(model.generate_tokens(prep.input_ids, 16, ignore_eos=True))
+    with torch.no_grad():
+        theirs = list(ref.greedy_generate(torch.tensor([prep.input_ids]), max_new_tokens=16))
+    assert ours == theirs
+
+
+def test_two_images_in_one_prompt(vl):
+    ck, pk, ref, cfg = vl["custom_full"]
+    model = edgevl.load(pk)
+    a, b = image(64, 96, 1), image(160, 64, 2)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "and"},
+                                          {"type": "image", "image": b}, {"type": "text", "text": "compare"}]}]
+    prep = prepare(model, msgs)
+    assert len(prep.image_rows) == 2
+    logits = model.prefill(prep.input_ids, prep.image_rows, reuse_cache=False)
+    # reference: fuse both images' merger rows in order, then run the LM
+    ids = torch.tensor([prep.input_ids])
+    with torch.no_grad():
+        rows = []
+        for im in (a, b):
+            pre = model.vision.preprocess(im)
+            rows.append(ref.vision_features(torch.from_numpy(pre["pixel_values"]), pre["spatial_shapes"]))
+        emb = ref.model.embed_tokens(ids)
+        emb[ids == cfg["image_token_id"]] = torch.cat(rows)
+        h = ref.model(inputs_embeds=emb).last_hidden_state
+        ref_logits = ref.lm_head(h)[0, -1].numpy()
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-3)
+    with pytest.raises(EdgevlError, match="2 image parts but 1 images"):
+        prepare(model, [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], image=a)
+
+
+def test_image_token_count_must_match(vl):
+    _, pk, _, cfg = vl["default"]
+    model = edgevl.load(pk)
+    img = image(64, 64)
+    prep = prepare(model, "hi", image=img)
+    short = [t for t in prep.input_ids]
+    short.remove(cfg["image_token_id"])
+    with pytest.raises(EdgevlError, match="image tokens but the image"):
+        list(model.generate_tokens(short, 2, image=prep.image_rows))
+    with pytest.raises(EdgevlError, match="image tokens but the image"):
+        list(model.generate_tokens(prep.input_ids, 2))  # image tokens without an image
+
+
+@pytest.mark.parametrize("setup,msg", [
+    (lambda p: p.write_bytes(b""), "(?i)empty"),
+    (lambda p: p.write_bytes(b"not an image at all"), "(?i)not a readable image"),
+    (lambda p: None, "(?i)does not exist|no such file|not found"),
+])
+def test_bad_image_files(vl, tmp_path, setup, msg):
+    _, pk, _, _ = vl["default"]
+    model = edgevl.load(pk)
+    p = tmp_path / "img.jpg"
+    setup(p)
+    with pytest.raises(EdgevlError, match=msg):
+        edgevl.generate(model, "hi", image=p)
+
+
+def test_truncated_jpeg_small_and_huge_images(vl, tmp_path):
+    _, pk, _, _ = vl["default"]
+    model = edgevl.load(pk)
+    image(300, 200).save(tmp_path / "full.jpg", quality=90)
+    data = (tmp_path / "full.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+    with pytest.raises(EdgevlError, match="truncated"):
+        edgevl.generate(model, "hi", image=tmp_path / "cut.jpg")
+    # under 32 px: stretched to 32x32 (one merged token)
+    prep = prepare(model, "hi", image=Image.new("RGB", (10, 5), "red"))
+    assert prep.images[0]["resized_size"] == (32, 32) and prep.image_rows[0].shape[0] == 1
+    # huge: downscaled by the patch budget
+    huge = Image.new("RGB", (12000, 9000), "blue")
+    prep = prepare(model, "hi", image=huge, max_image_patches=1024)
+    gh, gw = prep.images[0]["spatial_shapes"]
+    assert gh * gw <= 1024
+
+
+def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
+    from edgevl.boxes import draw_boxes, parse_boxes
+
+    _, pk, _, _ = vl["default"]
+    tok = edgevl.load(pk).tokenizer
+    resc = CoordinateRescaler(tok, {"image_size": (50, 100), "resized_size": (64, 128)})
+    x10, y10 = tok.token_to_id("<x_10>"), tok.token_to_id("<y_10>")
+    assert tok.id_to_token(resc(x10)) == "<x_8>"    # 10 * 100/128 = 7.8 -> 8
+    assert tok.id_to_token(resc(y10)) == "<y_8>"    # 10 * 50/64 = 7.8 -> 8
+    assert resc(5) == 5
+    boxes = parse_boxes("a <ref>dog</ref><box><x_4><y_5><x_20><y_30></box> and <box><x_9><y_9><x_1><y_2></box>")
+    assert boxes == [{"box": (4, 5, 20, 30), "label": "dog"}, {"box": (1, 2, 9, 9), "label": None}]
+    im = draw_boxes(Image.new("RGB", (64, 64), "white"), boxes)
+    assert im.getpixel((4, 15)) != (255, 255, 255) and im.getpixel((40, 50)) == (255, 255, 255)
