@@ -1,0 +1,41 @@
+"""The shipped offline demo model: a tiny Youtu-VL trained on synthetic scenes.
+
+``demo_package()`` converts the checkpoint in ``edgevl/demo/model`` once into the user cache
+(fp32, so it matches its PyTorch reference token for token) and returns the package folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..errors import EdgevlError
+
+DEMO_CHECKPOINT = Path(__file__).parent / "model"
+
+
+def demo_checkpoint() -> Path:
+    if not (DEMO_CHECKPOINT / "config.json").is_file():
+        raise EdgevlError(f"the demo model is missing from {DEMO_CHECKPOINT}; reinstall edgevl "
+                          "or pass a converted model folder")
+    return DEMO_CHECKPOINT
+
+
+def demo_package(progress: bool = False) -> Path:
+    from ..convert import convert
+    from ..package import MANIFEST, cache_dir
+
+    ck = demo_checkpoint()
+    h = hashlib.sha256()
+    for p in sorted(ck.iterdir()):
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    out = cache_dir() / f"demo-{h.hexdigest()[:12]}"
+    if not (out / MANIFEST).is_file():
+        try:
+            convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists())
+        except EdgevlError:
+            if not (out / MANIFEST).is_file():  # another process may have won the race
+                raise
+    return out
