@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG plot here")
     b.add_argument("--markdown", default=None, help="write a markdown table here")
+    b.add_argument("--extra-model", action="append", default=[], help="another package to run side by side")
+    b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
     b.set_defaults(fn=cmd_bench)
     return p
 

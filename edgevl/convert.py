@@ -44,16 +44,17 @@ def write_language_model(ckpt: Checkpoint, out: Path, a: youtu.ModelArgs, dtype:
 
     embed_name = f"{prefix}.embed_tokens.weight"
     if head_name == embed_name and quant is None:
-        # Tied float head: its Gemm B *is* the embedding table; read rows from lm_head.bin after
-        # the 4-byte type tag instead of storing the table twice.
-        embedding = {"file": "lm_head.bin", "offset": 4, "dtype": sd}
+        # Tied float head: its Gemm shards *are* the embedding table; read rows from lm_head.bin
+        # (each shard's data follows its 4-byte type tag) instead of storing the table twice.
+        embedding = {"file": "lm_head.bin", "dtype": sd,
+                     "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head.extra["shards"]]}
     else:
         t = ckpt.get(embed_name, (a.vocab_size, a.hidden_size))
         on_tensor(t)
         with open(out / "embed.bin", "wb") as f:
             for chunk in G.iter_row_chunks(t):
                 f.write(G.encode(chunk, sd).tobytes())
-        embedding = {"file": "embed.bin", "offset": 0, "dtype": sd}
+        embedding = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, a.vocab_size], "offset": 0}]}
     embedding.update(rows=a.vocab_size, dim=a.hidden_size)
     return {"graphs": {"decoder": vars(dec), "lm_head": vars(head)}, "embedding": embedding}
 

@@ -55,7 +55,7 @@ class Model:
                                lambda pos: rope_tables(pos, self.rope_dim, self.rope_theta))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])
         e = m["embedding"]
-        self.embedding = Embedding(str(self.path / e["file"]), e["offset"], e["rows"], e["dim"], e["dtype"])
+        self.embedding = Embedding(str(self.path / e["file"]), e["segments"], e["rows"], e["dim"], e["dtype"])
         self.vocab_size = int(e["rows"])
 
         self.eos_ids = set(_as_list(self.config.get("eos_token_id")))

@@ -107,20 +107,29 @@ class KVCache:
 
 
 class Embedding:
-    """Row lookup in an on-disk [rows, dim] table via mmap: only touched rows enter memory."""
+    """Row lookup in an on-disk [rows, dim] table via mmap: only touched rows enter memory.
 
-    def __init__(self, path: str, offset: int, rows: int, dim: int, dtype: str):
+    The table may be stored in row segments (the shards of a tied lm_head), each contiguous.
+    """
+
+    def __init__(self, path: str, segments: list, rows: int, dim: int, dtype: str):
         np_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[dtype]
         self.dtype, self.rows, self.dim = dtype, rows, dim
-        self.table = np.memmap(path, dtype=np_dtype, mode="r", offset=offset, shape=(rows, dim))
+        self.starts = np.array([s["rows"][0] for s in segments], np.int64)
+        self.tables = [np.memmap(path, dtype=np_dtype, mode="r", offset=s["offset"],
+                                 shape=(s["rows"][1] - s["rows"][0], dim)) for s in segments]
 
     def __call__(self, ids) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
             bad = int(ids[(ids < 0) | (ids >= self.rows)][0])
             raise EdgevlError(f"token id {bad} is outside the vocabulary (0..{self.rows - 1}); "
                               "the tokenizer does not match the model")
-        raw = np.asarray(self.table[ids])
+        seg = np.searchsorted(self.starts, ids, side="right") - 1
+        raw = np.empty((ids.size, self.dim), self.tables[0].dtype)
+        for k in np.unique(seg):
+            sel = seg == k
+            raw[sel] = self.tables[k][ids[sel] - self.starts[k]]
         if self.dtype == "bf16":
             return bf16_bits_to_f32(raw)
         return raw.astype(np.float32)

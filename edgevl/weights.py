@@ -83,8 +83,23 @@ class LazyTensor:
         n = self.shape[0] if self.shape else 1
         return self.read_rows(0, n).reshape(self.shape)
 
+    def row_slice(self, r0: int, r1: int) -> "RowSlice":
+        return RowSlice(self, r0, r1)
+
     def __repr__(self):
         return f"LazyTensor({self.name}, {self.dtype}, {list(self.shape)})"
+
+
+class RowSlice:
+    """Rows [r0, r1) of a lazy tensor, itself lazy (for sharding huge matrices)."""
+
+    def __init__(self, t: LazyTensor, r0: int, r1: int):
+        self.t, self.r0, self.r1 = t, r0, r1
+        self.shape = (r1 - r0,) + t.shape[1:]
+        self.name = f"{t.name}[{r0}:{r1}]"
+
+    def read_rows(self, a: int, b: int) -> np.ndarray:
+        return self.t.read_rows(self.r0 + a, self.r0 + b)
 
 
 def _read_header(path: str) -> dict:

@@ -16,3 +16,10 @@ os.environ.setdefault("EDGEVL_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# In-process conversions split the lm_head into several shards even for tiny vocabularies, so
+# the sharded head and the segmented embedding are exercised everywhere (subprocess CLI tests
+# keep the default: one shard).
+import edgevl.models.youtu as _youtu  # noqa: E402
+
+_youtu.HEAD_SHARD_ROWS = 128

@@ -169,8 +169,23 @@ def lm_head_name(ckpt, a: ModelArgs, prefix: str = "model") -> str:
     return f"{prefix}.embed_tokens.weight"
 
 
+# Rows per lm_head Gemm: ncnn widens a constant B to fp32 while packing it at load, so one
+# 283k x 2560 Gemm would need ~3 GB of transient memory; shards keep that to ~100 MB.
+HEAD_SHARD_ROWS = 16384
+
+
 def build_lm_head(ctx: Ctx, a: ModelArgs, weight_name: str) -> GraphInfo:
+    """Logits = hidden @ W^T, as row shards concatenated; returns each shard's rows and offset."""
     g = ctx.g
     x = g.input("hidden")
-    ctx.linear(x, weight_name.removesuffix(".weight"), a.vocab_size, a.hidden_size, out="logits", fp32_output=True)
-    return GraphInfo(inputs={"hidden": "hidden"}, outputs={"logits": "logits"})
+    w = ctx.tensor(weight_name, (a.vocab_size, a.hidden_size))
+    outs, shards = [], []
+    for r0 in range(0, a.vocab_size, HEAD_SHARD_ROWS):
+        r1 = min(a.vocab_size, r0 + HEAD_SHARD_ROWS)
+        name = f"lm_head.{len(outs)}"
+        outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant, name=name,
+                           out="logits" if r1 - r0 == a.vocab_size else None, fp32_output=True))
+        shards.append({"rows": [r0, r1], "offset": g.weight_offsets[name][0]})
+    if len(outs) > 1:
+        g.layer("Concat", outs, {0: 1}, outputs=["logits"], name="lm_head.concat")
+    return GraphInfo(inputs={"hidden": "hidden"}, outputs={"logits": "logits"}, extra={"shards": shards})

@@ -1,0 +1,92 @@
+"""Write a random-weight Youtu-LLM-2B-shaped checkpoint (transformers' YoutuConfig defaults).
+
+    python benchmarks/make_random_checkpoint.py OUT_DIR [--dtype bf16] [--layers N]
+
+Tensor names and shapes come from transformers' own YoutuForCausalLM built on the meta device;
+values are drawn per tensor (std 0.02, norms near 1) and written in ~2 GB safetensors shards with
+an index, like a real download — without ever holding the model in memory. A small byte-level
+BPE tokenizer is saved beside it (benchmarks feed random ids; the tokenizer is only for loading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (smaller tests)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-gb", type=float, default=2.0)
+    a = ap.parse_args(argv)
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import YoutuConfig, YoutuForCausalLM
+
+    from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
+
+    cfg = YoutuConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if a.layers:
+        cfg.num_hidden_layers = a.layers
+    with torch.device("meta"):
+        model = YoutuForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{n_params / 1e9:.2f}B parameters, {len(shapes)} tensors -> {out}", file=sys.stderr)
+
+    g = torch.Generator().manual_seed(a.seed)
+    limit = a.shard_gb * (1 << 30)
+    shards, cur, cur_bytes = [], {}, 0
+    t0 = time.time()
+    names = list(shapes)
+    for i, name in enumerate(names):
+        shape = shapes[name]
+        if "norm" in name:
+            t = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        else:
+            t = 0.02 * torch.randn(shape, generator=g)
+        cur[name] = t.to(dt)
+        cur_bytes += cur[name].numel() * cur[name].element_size()
+        if cur_bytes >= limit or i == len(names) - 1:
+            shards.append(cur)
+            fname = f"part-{len(shards):05d}.safetensors"
+            save_file(cur, str(out / fname), metadata={"format": "pt"})
+            print(f"  wrote {fname} ({cur_bytes / 1e9:.2f} GB, {time.time() - t0:.0f}s)", file=sys.stderr)
+            cur, cur_bytes = {}, 0
+    # rename to the HF shard pattern now that the count is known, and write the index
+    n = len(shards)
+    weight_map = {}
+    for k, sd in enumerate(shards, 1):
+        final = f"model-{k:05d}-of-{n:05d}.safetensors"
+        (out / f"part-{k:05d}.safetensors").rename(out / final)
+        weight_map.update({name: final for name in sd})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": n_params * torch.tensor([], dtype=dt).element_size()},
+                    "weight_map": weight_map}, indent=1))
+    d = cfg.to_dict()
+    d["architectures"] = ["YoutuForCausalLM"]
+    d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.dtype]
+    (out / "config.json").write_text(json.dumps(d, indent=1))
+    tok = train_tokenizer(["The quick brown fox jumps over the lazy dog. " * 4, "你好，世界"], vocab_size=300,
+                          vision=False)
+    save_tokenizer(tok, out)
+    print(f"done in {time.time() - t0:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""``edgevl bench``: prefill/decode speed, time to first token, peak memory — side by side.
+
+Each measurement runs in its own subprocess (clean peak RSS, no shared thread pools), and
+repeats are interleaved A/B/C so that machine drift hits every system alike; the report takes
+medians. ``--compare torch`` runs the same Hugging Face checkpoint through transformers (eager,
+bf16); ``--compare llamacpp`` through llama-cpp-python after converting it with the
+``convert_hf_to_gguf.py`` shipped in llama-cpp-python's source distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgevlError
+
+KEYS = ("load_s", "prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_bytes", "kv_bytes_per_token")
+
+
+def _peak_rss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 30000), n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# workers (run in a subprocess: ``python -m edgevl.bench WORKER JSON_ARGS``)
+
+
+def worker_edgevl(a: dict) -> dict:
+    from .model import Model
+
+    t0 = time.perf_counter()
+    m = Model(a["model"], threads=a["threads"], verify=False)
+    load = time.perf_counter() - t0
+    ids = _prompt_ids(a["prompt_tokens"], m.vocab_size)
+    m.prefill(ids[:4], reuse_cache=False)  # warm-up: first-run allocations
+    t0 = time.perf_counter()
+    logits = m.prefill(ids, reuse_cache=False)
+    tok = int(np.argmax(logits))
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(a["gen_tokens"]):
+        tok = int(np.argmax(m.step(tok)))
+    dec = time.perf_counter() - t1
+    return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
+            "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
+            "dtype": m.dtype, "kv_mode": m.manifest.get("kv_mode")}
+
+
+def worker_torch(a: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(a["threads"])
+    t0 = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(a["reference"], dtype=torch.bfloat16).eval()
+    load = time.perf_counter() - t0
+    ids = torch.tensor([_prompt_ids(a["prompt_tokens"], m.config.vocab_size)])
+    with torch.no_grad():
+        m(ids[:, :4])
+        t0 = time.perf_counter()
+        r = m(ids, use_cache=True)
+        tok = r.logits[0, -1].argmax().view(1, 1)
+        ttft = time.perf_counter() - t0
+        cache = r.cache if hasattr(r, "cache") else r.past_key_values
+        t1 = time.perf_counter()
+        for _ in range(a["gen_tokens"]):
+            r = m(tok, cache=cache, use_cache=True)
+            cache = r.cache if hasattr(r, "cache") else r.past_key_values
+            tok = r.logits[0, -1].argmax().view(1, 1)
+        dec = time.perf_counter() - t1
+    cfg = m.config
+    per_tok = 2 * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # bf16 latent cache
+    return {"load_s": load, "prefill_tok_s": ids.shape[1] / ttft, "ttft_s": ttft,
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(), "kv_bytes_per_token": per_tok}
+
+
+def worker_llamacpp(a: dict) -> dict:
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(a["gguf"], n_ctx=a["prompt_tokens"] + a["gen_tokens"] + 16, n_threads=a["threads"],
+                          n_threads_batch=a["threads"], n_batch=512, verbose=False, logits_all=False)
+    load = time.perf_counter() - t0
+    ids = _prompt_ids(a["prompt_tokens"], llm.n_vocab())
+    llm.eval(ids[:4])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(a["gen_tokens"]):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    dec = time.perf_counter() - t1
+    return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(), "kv_bytes_per_token": None}
+
+
+WORKERS = {"edgevl": worker_edgevl, "torch": worker_torch, "llamacpp": worker_llamacpp}
+
+
+def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
+    r = subprocess.run([sys.executable, "-m", "edgevl.bench", kind, json.dumps(args)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise EdgevlError(f"the {kind} benchmark failed: {tail}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
+
+
+def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16") -> Path:
+    import tarfile
+
+    out = work / f"{hf_dir.name}-{outtype}.gguf"
+    if out.exists():
+        return out
+    sdist = sorted(Path(os.environ.get("EDGEVL_LLAMACPP_SDIST", work / "sdist")).glob("llama_cpp_python-*.tar.gz"))
+    if not sdist:
+        raise EdgevlError("--compare llamacpp needs llama-cpp-python's source archive for convert_hf_to_gguf.py: "
+                          f"pip download --no-deps --no-binary :all: llama-cpp-python -d {work / 'sdist'}")
+    src = work / "llamacpp-src"
+    if not src.exists():
+        with tarfile.open(sdist[-1]) as t:
+            members = [m for m in t.getmembers() if "/vendor/llama.cpp/" in m.name and
+                       ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
+            t.extractall(src, members=members, filter="data")
+    script = next(src.rglob("convert_hf_to_gguf.py"))
+    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
+    r = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise EdgevlError(f"convert_hf_to_gguf.py failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def bench(systems: dict, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int, progress=True) -> dict:
+    """``systems``: name -> (worker kind, args). Runs are interleaved; returns medians per system."""
+    from .progress import Progress
+
+    runs = {name: [] for name in systems}
+    names = list(systems)
+    bar = Progress(repeats * len(names), desc="bench", unit="runs", enabled=progress)
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate: drift cancels
+        for name in order:
+            kind, args = systems[name]
+            args = dict(args, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, threads=threads)
+            runs[name].append(_run_worker(kind, args))
+            bar.update(1, name)
+    bar.close()
+    results = {}
+    for name, rs in runs.items():
+        results[name] = {k: (statistics.median(x[k] for x in rs) if rs[0].get(k) is not None else None)
+                         for k in KEYS}
+        results[name].update({k: v for k, v in rs[0].items() if k not in KEYS})
+    return {"results": results, "runs": runs}
+
+
+def markdown_table(results: dict) -> str:
+    lines = ["| system | prefill tok/s | decode tok/s | TTFT s | load s | peak RSS GB | KV bytes/token |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        kv = "—" if r.get("kv_bytes_per_token") is None else f"{r['kv_bytes_per_token']:.0f}"
+        lines.append(f"| {name} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | {r['ttft_s']:.2f} | "
+                     f"{r['load_s']:.1f} | {r['peak_rss_bytes'] / 2**30:.2f} | {kv} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path, title: str = "") -> None:
+    """Two bar panels (prefill, decode tok/s), drawn with Pillow: no plotting dependency."""
+    from PIL import Image, ImageDraw
+
+    names = list(results)
+    W, H, pad = 900, 420, 50
+    im = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(im)
+    d.text((pad, 10), title, fill="black")
+    colors = ["#4363d8", "#e6194b", "#3cb44b", "#f58231", "#911eb4", "#42d4f4", "#808000", "#000075"]
+    for p, (key, label) in enumerate((("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"))):
+        x0 = pad + p * (W // 2)
+        w = W // 2 - 2 * pad
+        top = max(results[n][key] for n in names) or 1.0
+        d.text((x0, 30), label, fill="black")
+        d.line((x0, H - pad, x0 + w, H - pad), fill="black")
+        bw = w / max(1, len(names))
+        for i, n in enumerate(names):
+            v = results[n][key]
+            h = (H - 2 * pad - 40) * v / top
+            bx = x0 + i * bw + 6
+            d.rectangle((bx, H - pad - h, bx + bw - 12, H - pad), fill=colors[i % len(colors)])
+            d.text((bx, H - pad - h - 14), f"{v:.1f}", fill="black")
+            d.text((bx, H - pad + 6), n[:18], fill="black")
+    im.save(path)
+
+
+def bench_cli(a) -> int:
+    from .package import read_manifest
+    from .runtime import default_threads
+
+    threads = a.threads or default_threads()
+    target = Path(a.model)
+    systems = {}
+    if (target / "manifest.json").is_file():
+        m = read_manifest(target)
+        ref = Path(a.reference or m["source"]["path"])
+        systems[f"edgevl {m['dtype']}"] = ("edgevl", {"model": str(target)})
+    elif (target / "config.json").is_file():
+        ref = target
+        work = Path(a.json).parent if a.json else Path(".")
+        pkg = work / f"{target.name}-edgevl-bf16"
+        if not (pkg / "manifest.json").is_file():
+            from .convert import convert
+
+            convert(target, pkg, dtype="bf16", overwrite=pkg.exists())
+        systems["edgevl bf16"] = ("edgevl", {"model": str(pkg)})
+    else:
+        read_manifest(target)  # raises the clear error
+    for extra in getattr(a, "extra_model", None) or []:
+        m = read_manifest(extra)
+        systems[f"edgevl {m['dtype']}"] = ("edgevl", {"model": str(extra)})
+    compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
+    for c in compare:
+        if c == "torch":
+            systems["torch bf16"] = ("torch", {"reference": str(ref)})
+        elif c.startswith("llamacpp"):
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                raise EdgevlError("--compare llamacpp needs llama-cpp-python (pip install 'edgevl[llamacpp]')") from None
+            work = Path(a.json).parent if a.json else Path(".")
+            for outtype in (a.gguf_types or "bf16").split(","):
+                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype))})
+        else:
+            raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")
+    res = bench(systems, a.prompt_tokens, a.gen_tokens, threads, a.repeats)
+    # ``results`` holds one object per system (the first variant of each); ``variants`` all runs
+    res["variants"] = res.pop("results")
+    res["results"] = {}
+    for name, r in res["variants"].items():
+        res["results"].setdefault(systems[name][0], r)
+    res["config"] = {"prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "threads": threads,
+                     "repeats": a.repeats, "cpu_count": os.cpu_count()}
+    table = markdown_table(res["variants"])
+    print(table)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(table + "\n")
+    if a.plot:
+        plot(res["variants"], a.plot, f"{target.name}: {a.prompt_tokens}-token prompt, {threads} threads")
+    return 0
+
+
+if __name__ == "__main__":
+    kind, args = sys.argv[1], json.loads(sys.argv[2])
+    print(json.dumps(WORKERS[kind](args)))
