@@ -34,6 +34,13 @@ def _as_list(v) -> list[int]:
 
 class Model:
     def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True):
+        try:
+            self._init(path, threads, verify, light_mode)
+        except KeyError as e:
+            raise EdgevlError(f"{path}: manifest.json lacks {e}; the package comes from another edgevl "
+                              "version — convert the model again") from None
+
+    def _init(self, path, threads, verify, light_mode):
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
         if verify:

@@ -1,0 +1,238 @@
+"""Interactive terminal chat (``edgevl chat MODEL``) on top of the model's KV-cache prefix reuse.
+
+Every turn renders the whole conversation with the chat template, but the model's cache already
+holds the conversation up to the previous answer, so only the new tokens are prefilled
+(``model.last_prefill_tokens``). Re-tokenizing an answer can split it differently from how it was
+generated; the cache is then reused up to that point.
+
+Context policy: a turn needs ``prompt tokens + max_new_tokens <= model.max_context`` (room for a
+full answer). When the history makes the prompt too long, the oldest whole turns (a user message
+and its answer) are dropped, the system message is kept, and a one-line notice is printed; the
+next prefill then recomputes the cache once. A message that does not fit even alone is refused
+with a message, and the chat goes on.
+
+    /image PATH   attach an image to the next message      /reset       forget everything
+    /save FILE    write the transcript as JSON              /help, /quit (or Ctrl-D)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import closing
+from pathlib import Path
+from typing import Iterator
+
+from .errors import EdgevlError
+from .generate import Event, prepare, stream_events
+from .model import Model, load
+from .sample import Sampler
+
+HELP = """commands:
+  /image PATH   attach an image to your next message
+  /reset        forget the conversation (and the KV cache)
+  /save FILE    write the transcript as JSON
+  /help         this list
+  /quit         leave (Ctrl-D works too); Ctrl-C stops an answer"""
+
+
+class _ImageMemo:
+    """The model, with image encodings remembered by path: each turn re-renders the whole
+    conversation, and re-running the vision tower on every old image would dominate a turn."""
+
+    def __init__(self, model: Model):
+        self._model = model
+        self.rows: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def encode_image(self, image, max_image_patches=None):
+        if not isinstance(image, str):
+            return self._model.encode_image(image, max_image_patches)
+        key = (image, max_image_patches)
+        if key not in self.rows:
+            self.rows[key] = self._model.encode_image(image, max_image_patches)
+        return self.rows[key]
+
+
+class ChatSession:
+    """A conversation: ``send(text)`` fits the context and returns an iterator of answer pieces.
+
+    ``messages`` holds the history (image parts as ``{"type": "image", "image": path}``);
+    ``dropped`` is how many old turns the last ``send`` dropped; ``last_tokens`` and
+    ``last_event`` describe the last answer.
+    """
+
+    def __init__(self, model: Model, system: str | None = None, max_new_tokens: int = 256,
+                 max_image_patches: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None, stop=None):
+        Sampler(temperature, top_k, top_p, repetition_penalty, seed)  # bad settings fail now, not per turn
+        if not 0 < int(max_new_tokens) < model.max_context:
+            raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
+                              f"context is {model.max_context} tokens), got {max_new_tokens}")
+        self.model = _ImageMemo(model)
+        self.system = system
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_image_patches = max_image_patches
+        # one sampler seed for the whole chat would repeat the same draws every turn: advance it
+        self.seed = seed
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                             repetition_penalty=repetition_penalty, stop=stop)
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.pending_images: list[str] = []
+        self.dropped = 0
+        self.turns = 0
+        self.last_tokens: list[int] = []
+        self.last_event: Event | None = None
+        self.model.rows.clear()
+        self.model.reset()
+
+    def attach(self, path) -> None:
+        """Queue an image for the next message; it is encoded now so a bad file fails here."""
+        path = str(Path(path).expanduser())
+        if self.model.vision is None:
+            raise EdgevlError("this model has no vision tower; it cannot take images (use a Youtu-VL model)")
+        self.model.rows.pop((path, self.max_image_patches), None)  # the file may have changed
+        self.model.encode_image(path, self.max_image_patches)
+        self.pending_images.append(path)
+
+    def _count(self, messages) -> int:
+        return len(prepare(self.model, messages, max_image_patches=self.max_image_patches).input_ids)
+
+    def send(self, text: str) -> Iterator[str]:
+        """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
+        the history gets the message and its answer (partial if interrupted) once streaming ends."""
+        content = ([{"type": "image", "image": p} for p in self.pending_images] + [{"type": "text", "text": text}]
+                   if self.pending_images else text)
+        self.pending_images = []
+        msgs = self.messages + [{"role": "user", "content": content}]
+        head = 1 if self.system else 0  # the system message is never dropped
+        room = self.model.max_context - self.max_new_tokens
+        dropped = 0
+        while (n := self._count(msgs)) > room:
+            if len(msgs) - head == 1:
+                raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
+                                  f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
+                                  "answer); shorten it or lower --max-new-tokens")
+            msgs = msgs[:head] + msgs[head + 2:]  # history is user/assistant pairs after the head
+            dropped += 1
+        self.messages, self.dropped = msgs[:-1], dropped
+        return self._stream(msgs)
+
+    def _stream(self, msgs) -> Iterator[str]:
+        text, tokens = [], []
+        seed = None if self.seed is None else self.seed + self.turns
+        self.turns += 1
+
+        def record():
+            self.messages = msgs + [{"role": "assistant", "content": "".join(text)}]
+            self.last_tokens = tokens
+
+        try:
+            for ev in stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
+                                    max_image_patches=self.max_image_patches, **self.sampling):
+                if ev.token is not None:
+                    tokens.append(ev.token)
+                if ev.finish_reason:
+                    self.last_event = ev
+                if ev.text:
+                    text.append(ev.text)
+                    yield ev.text
+        except KeyboardInterrupt:
+            # Ctrl-C can land between a KV-cache update and its bookkeeping: recompute next turn
+            self.model.reset()
+            record()
+            raise
+        except GeneratorExit:  # the caller stopped reading: keep what was shown
+            record()
+            raise
+        record()
+
+    def save(self, path) -> Path:
+        path = Path(path).expanduser()
+        data = {"model": str(self.model.path), "messages": self.messages}
+        path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def chat_loop(model_path, image=None, threads: int | None = None, max_image_patches: int | None = None,
+              max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              repetition_penalty: float = 1.0, seed: int | None = None, stop=None, system: str | None = None,
+              input_fn=input, out=None) -> int:
+    """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
+
+    ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
+    Errors inside the chat print one ``error: ...`` line and the chat goes on; bad startup
+    settings raise EdgevlError (the CLI exits 2).
+    """
+    out = out or sys.stdout
+    model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
+    session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
+                          temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                          seed=seed, stop=stop)
+    if image:
+        session.attach(image)
+    if input_fn is input and sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+
+    def say(line=""):
+        print(line, file=out, flush=True)
+
+    say(f"edgevl chat: {model.path.name} ({model.max_context}-token context). /help lists commands; "
+        "/quit or Ctrl-D leaves.")
+    if image:
+        say(f"[image attached to your first message: {image}]")
+    while True:
+        try:
+            line = input_fn("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            say()
+            return 0
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip().strip("'\"")  # paths dropped into a terminal come quoted
+            try:
+                if cmd in ("/quit", "/exit"):
+                    return 0
+                elif cmd == "/help":
+                    say(HELP)
+                elif cmd == "/reset":
+                    session.reset()
+                    say("[conversation cleared]")
+                elif cmd == "/image":
+                    if not arg:
+                        raise EdgevlError("usage: /image PATH")
+                    session.attach(arg)
+                    say(f"[image attached to your next message: {arg}]")
+                elif cmd == "/save":
+                    if not arg:
+                        raise EdgevlError("usage: /save FILE")
+                    say(f"[transcript saved to {session.save(arg)}]")
+                else:
+                    raise EdgevlError(f"unknown command {cmd}; /help lists the commands")
+            except EdgevlError as e:
+                say(f"error: {e}")
+            except OSError as e:  # /save into a missing folder, a full disk, ...
+                say(f"error: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
+            continue
+        try:
+            with closing(session.send(line)) as pieces:
+                if session.dropped:
+                    say(f"[context full: dropped the {session.dropped} oldest turn(s) to make room]")
+                for piece in pieces:
+                    out.write(piece)
+                    out.flush()
+            say()
+        except EdgevlError as e:
+            say(f"error: {e}")
+        except KeyboardInterrupt:
+            say(" [interrupted]")

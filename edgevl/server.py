@@ -1,0 +1,558 @@
+"""OpenAI-compatible HTTP server on the standard library (``edgevl serve MODEL``).
+
+    POST /v1/chat/completions   JSON, or Server-Sent Events with "stream": true
+    GET  /v1/models[/ID]        the one model this server runs
+    GET  /health                liveness, no API key needed
+
+Design:
+- ``ThreadingHTTPServer``: a thread per connection, so /health, errors and 429s answer while a
+  generation runs. The model has one KV cache (which also gives prefix reuse across requests
+  that resend a conversation), so generation is serialized by a lock; at most ``max_queue``
+  requests wait for it and the next ones get 429 at once instead of piling up.
+- Every client mistake is a JSON error in OpenAI's shape and the connection stays usable (or
+  is closed when its body was not read); bodies over ``max_body`` get 413 before being read.
+- Images: ``data:`` URLs (base64) always; local paths only under ``--allow-image-dir``
+  (symlinks and ``..`` resolved first); ``http(s)://`` URLs are never fetched. Images are
+  decoded before the request queues, within ``MAX_IMAGE_PIXELS`` per request.
+- Sampling defaults are edgevl's (greedy, up to the context end), not OpenAI's temperature 1;
+  ``top_k`` and ``repetition_penalty`` are accepted as extensions. ``usage.completion_tokens``
+  counts every generated token, the end-of-text token included.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import io
+import ipaddress
+import json
+import math
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from contextlib import closing, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import chain
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from . import __version__
+from .errors import EdgevlError
+from .generate import stream_events
+from .model import Model, load
+from .processing.image import load_image
+
+MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
+MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~300 MB as RGB); the patch budget shrinks them later
+IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
+
+
+class HTTPError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+             429: "rate_limit_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class Gate:
+    """One generation at a time; at most ``max_queue`` requests wait for it, more get 429."""
+
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self.lock = threading.Lock()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    @contextmanager
+    def __call__(self):
+        if not self.lock.acquire(blocking=False):
+            with self._count:
+                if self.waiting >= self.max_queue:
+                    raise HTTPError(429, f"the server is busy ({self.waiting} requests already waiting); retry "
+                                    "shortly", code="queue_full", headers={"Retry-After": "1"})
+                self.waiting += 1
+            try:
+                self.lock.acquire()
+            finally:
+                with self._count:
+                    self.waiting -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+
+# -- request parsing (no model access: runs outside the lock) ----------------------------------
+
+def _number(req: dict, name: str, default, kind=float):
+    v = req.get(name)
+    if v is None:
+        return default
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or (kind is int and not float(v).is_integer())):
+        raise HTTPError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
+    return kind(v)
+
+
+def _too_many_pixels(param: str) -> HTTPError:
+    return HTTPError(400, f"the request's images have more than {MAX_IMAGE_PIXELS} pixels in all; send smaller "
+                     "images", param, "image_too_large")
+
+
+def _decode_image(data: bytes, param: str, budget: int):
+    from PIL import Image, ImageOps
+
+    try:
+        im = Image.open(io.BytesIO(data))
+        if im.width * im.height > budget:  # read from the header: a small file can decode to gigabytes
+            raise _too_many_pixels(param)
+        im.load()
+        im = ImageOps.exif_transpose(im)  # as for image files (and transformers' load_image)
+    except HTTPError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad data
+        raise HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {e}); send PNG, JPEG, "
+                        "WebP, BMP, GIF or TIFF", param, "invalid_image") from None
+    return im
+
+
+def _image(url: str, server: "EdgevlServer", param: str, budget: int):
+    """A PIL image from an image_url: a base64 data: URL, or an allowed local path.
+
+    ``budget`` is the pixels the request may still decode; data: URL bytes are bounded by the body limit."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        head, sep, data = url[5:].partition(",")
+        if not sep or not head.lower().endswith(";base64"):
+            raise HTTPError(400, "image data: URLs must be base64 (data:image/png;base64,...)", param, "invalid_image")
+        data = "".join(data.split())  # tolerate line-wrapped base64
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise HTTPError(400, "the image data: URL is not valid base64", param, "invalid_image") from None
+        return _decode_image(raw, param, budget)
+    if scheme in ("http", "https", "ftp"):
+        raise HTTPError(400, "remote image URLs are not fetched; send the image inline as a data: URL "
+                        "(data:image/png;base64,...)", param, "remote_image_url")
+    if scheme == "file":
+        u = urlsplit(url)
+        if u.netloc not in ("", "localhost"):
+            raise HTTPError(400, f"file URL with host {u.netloc!r}: only local files are supported", param)
+        path = unquote(u.path)
+    elif len(scheme) > 1:
+        raise HTTPError(400, f"unsupported image URL scheme {scheme!r}; use a data: URL", param, "invalid_image")
+    else:
+        path = url  # a plain path (a one-letter "scheme" is a Windows drive)
+    root = server.image_dir
+    if root is None:
+        raise HTTPError(403, "local image paths are disabled on this server; send a data: URL (or start the "
+                        "server with --allow-image-dir DIR)", param, "image_path_forbidden")
+    try:
+        full = (root / path).resolve()  # an absolute path replaces root; symlinks and .. are resolved
+    except (OSError, ValueError) as e:  # a NUL byte, a symlink loop, ...
+        raise HTTPError(400, f"bad image path {path!r} ({e})", param, "invalid_image") from None
+    if not full.is_relative_to(root):
+        raise HTTPError(403, f"image path {path!r} is outside the allowed image folder", param,
+                        "image_path_forbidden")
+    try:
+        return load_image(full)  # an operator-allowed file: Pillow's own pixel limit applies while decoding
+    except EdgevlError as e:
+        raise HTTPError(400, str(e).replace(str(full), path), param, "invalid_image") from None
+
+
+def _messages(raw, server) -> list[dict]:
+    """OpenAI messages -> edgevl messages (image_url parts become decoded PIL images)."""
+    if not isinstance(raw, list) or not raw:
+        raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out, budget = [], MAX_IMAGE_PIXELS
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise HTTPError(400, f"{where} must be an object with role and content", where)
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise HTTPError(400, f"{where}.role must be system, user or assistant, got {m.get('role')!r}",
+                            f"{where}.role")
+        content = m.get("content")
+        if content is None and role == "assistant":  # e.g. an earlier tool-call turn
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise HTTPError(400, f"{where}.content must be a string or a list of parts", f"{where}.content")
+        parts = []
+        for j, p in enumerate(content):
+            param = f"{where}.content[{j}]"
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            elif kind == "image_url":
+                url = p.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise HTTPError(400, f"{param}.image_url.url must be a string", param)
+                im = _image(url, server, param, budget)
+                budget -= im.width * im.height
+                if budget < 0:
+                    raise _too_many_pixels(param)
+                parts.append({"type": "image", "image": im})
+            else:
+                raise HTTPError(400, f"{param} must be a text or image_url part", param)
+        out.append({"role": role, "content": parts})
+    return out
+
+
+def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, bool]:
+    """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
+    model = req.get("model")
+    if model is not None and model not in server.model_ids:
+        raise HTTPError(404, f"the model {model!r} does not exist; this server runs {server.model_id!r}",
+                        "model", "model_not_found")
+    if req.get("n", 1) not in (1, None):
+        raise HTTPError(400, "only n=1 is supported", "n")
+    if req.get("tools") or req.get("functions"):  # ignoring them would look like a model that never calls
+        raise HTTPError(400, "tools (function calling) are not supported by this server", "tools")
+    stream = req.get("stream") or False
+    opts = req.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(opts, dict):
+        raise HTTPError(400, "stream must be true or false and stream_options an object", "stream")
+    max_tokens = _number(req, "max_completion_tokens", None, int)
+    if max_tokens is None:
+        max_tokens = _number(req, "max_tokens", None, int)
+    if max_tokens is not None and max_tokens < 1:
+        raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    stop = req.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    seed = _number(req, "seed", None, int)
+    if seed is not None and seed < 0:
+        raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
+    kwargs = dict(
+        max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
+        temperature=_number(req, "temperature", 0.0), top_p=_number(req, "top_p", 1.0),
+        top_k=_number(req, "top_k", 0, int), repetition_penalty=_number(req, "repetition_penalty", 1.0),
+        seed=seed, stop=stop)
+    return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
+
+
+def _usage(ev) -> dict:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.generation_tokens,
+            "total_tokens": ev.prompt_tokens + ev.generation_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.prompt_tokens - ev.prefill_tokens}}
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked encoding
+    server_version = f"edgevl/{__version__}"
+    timeout = IDLE_TIMEOUT
+    server: "EdgevlServer"
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_PATCH(self):
+        self._dispatch("PATCH")
+
+    def log_message(self, format, *args):
+        if self.server.access_log:
+            super().log_message(format, *args)
+
+    def _route(self, method: str):
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
+                  "/v1/chat/completions": ("POST", self._chat)}
+        if path.startswith("/v1/models/"):
+            routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
+        if path not in routes:
+            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, GET /v1/models "
+                            "and GET /health", code="unknown_route")
+        allowed, fn = routes[path]
+        if method != allowed:
+            raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
+                            headers={"Allow": allowed})
+        return fn
+
+    def _dispatch(self, method: str):
+        self._sent = False  # headers out: errors can no longer get a status
+        length = self.headers.get("Content-Length", "0").strip()
+        chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        # body bytes not read yet; -1 = unknown (chunked, or a bad header): the connection must close
+        self._unread = int(length) if length.isdigit() and not chunked else -1
+        try:
+            if self._unread < 0 and not chunked:
+                raise HTTPError(400, f"invalid Content-Length header {length!r}")
+            self._route(method)()
+        except HTTPError as e:
+            self._fail(e)
+        except (ConnectionError, TimeoutError):  # the client went away: nothing to answer
+            self.close_connection = True
+        except Exception:  # a bug: log it, answer 500, keep serving
+            traceback.print_exc()
+            self._fail(HTTPError(500, "internal server error; see the server log", code="internal_error"))
+
+    def _fail(self, e: HTTPError):
+        if self._sent:
+            self.close_connection = True
+            return
+        if 0 < self._unread <= self.server.max_body:
+            try:  # read the unused body so the connection can carry the next request
+                self.rfile.read(self._unread)
+                self._unread = 0
+            except OSError:
+                self.close_connection = True
+                return
+        self._send(e.status, e.body(), e.headers)
+
+    def _send(self, status: int, obj, headers=None):
+        payload = json.dumps(obj, ensure_ascii=False).encode()
+        close = self._unread != 0  # a body left unread (too big, or unknown length) ends the connection
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(payload)
+        self._sent = True
+        if close:
+            self._drain()
+
+    def _drain(self, limit: int = 1 << 20, seconds: float = 0.5):
+        """Read a little of an unread body before closing: closing a socket with unread input sends a
+        reset, which can destroy the response before the client has read it."""
+        self.connection.settimeout(seconds)
+        try:
+            while limit > 0 and (chunk := self.rfile.read1(min(limit, 1 << 16))):
+                limit -= len(chunk)
+        except OSError:
+            pass
+
+    def _check_key(self):
+        key = self.server.api_key
+        if key is None:
+            return
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise HTTPError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
+                            code="invalid_api_key")
+
+    def _read_json(self) -> dict:
+        ctype = self.headers.get("Content-Type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise HTTPError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                            code="unsupported_media_type")
+        if self._unread < 0:
+            raise HTTPError(411, "send the body with a Content-Length header (chunked uploads are not supported)",
+                            code="length_required")
+        n = self._unread
+        if n > self.server.max_body:
+            raise HTTPError(413, f"the request body is {n} bytes; the limit is {self.server.max_body}",
+                            code="request_too_large")
+        body = self.rfile.read(n)
+        self._unread = 0
+        if len(body) < n:
+            raise ConnectionError("the client sent less than Content-Length")
+        try:
+            req = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise HTTPError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(req, dict):
+            raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        return req
+
+    def _client_gone(self) -> bool:
+        """True if the client hung up while its request waited for the model."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    # -- routes --------------------------------------------------------------------------------
+    def _health(self):
+        s = self.server
+        self._send(200, {"status": "ok", "model": s.model_id, "busy": s.gate.lock.locked(),
+                         "waiting": s.gate.waiting})
+
+    def _models(self, model_id=None):
+        self._check_key()
+        s = self.server
+        card = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "edgevl"}
+        if model_id is None:
+            self._send(200, {"object": "list", "data": [card]})
+        elif unquote(model_id) in s.model_ids:
+            self._send(200, card)
+        else:
+            raise HTTPError(404, f"the model {model_id!r} does not exist; this server runs {s.model_id!r}",
+                            "model", "model_not_found")
+
+    def _chat(self):
+        self._check_key()
+        messages, kwargs, stream, include_usage = parse_request(self._read_json(), self.server)
+        with self.server.gate():
+            if self._client_gone():
+                self.close_connection = True
+                return
+            with closing(stream_events(self.server.model, messages, **kwargs)) as events:
+                try:
+                    first = next(events)  # template, images, prefill: errors here still get a status
+                    if not stream:
+                        evs = [first, *events]
+                except EdgevlError as e:
+                    raise HTTPError(400, str(e), code="invalid_request") from None
+                if stream:
+                    self._stream(chain([first], events), include_usage)
+                    return
+        head = self._head("chat.completion")
+        self._send(200, {**head, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+            "logprobs": None, "finish_reason": evs[-1].finish_reason}], "usage": _usage(evs[-1])})
+
+    def _head(self, kind: str) -> dict:
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+                "model": self.server.model_id, "system_fingerprint": None}
+
+    def _stream(self, events, include_usage: bool):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._sent = True
+        head = self._head("chat.completion.chunk")
+        if include_usage:
+            head["usage"] = None  # as OpenAI: null on every chunk but the last
+
+        def chunk(delta, finish=None):
+            self._event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                              "finish_reason": finish}]})
+
+        chunk({"role": "assistant", "content": ""})
+        try:
+            for ev in events:
+                if ev.text:
+                    chunk({"content": ev.text})
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+            if not isinstance(e, EdgevlError):
+                traceback.print_exc()
+            self._event(HTTPError(500, str(e), code="generation_error").body())
+        else:
+            chunk({}, ev.finish_reason)
+            if include_usage:
+                self._event({**head, "choices": [], "usage": _usage(ev)})
+        self._event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _event(self, obj):
+        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+class EdgevlServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: bursts of clients must not be dropped before the 429 logic
+
+    def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+                 image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
+                 access_log: bool = False):
+        if not 0 <= int(port) <= 65535:
+            raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
+        if max_queue < 0:
+            raise EdgevlError(f"--max-queue must be >= 0, got {max_queue}")
+        if image_dir is not None:
+            image_dir = Path(image_dir).expanduser().resolve()
+            if not image_dir.is_dir():
+                raise EdgevlError(f"--allow-image-dir {image_dir} is not a folder")
+        self.model, self.api_key, self.image_dir = model, api_key or None, image_dir
+        self.max_body, self.access_log = int(max_body), access_log
+        folder = Path(model.path).resolve().name
+        self.model_id = model_name or folder
+        self.model_ids = {self.model_id, folder}
+        self.gate = Gate(int(max_queue))
+        self.created = int(time.time())
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, int(port)), Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return  # a client hanging up mid-request is not a server problem
+        super().handle_error(request, client_address)
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
+
+
+def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
+                **options) -> tuple[EdgevlServer, threading.Thread]:
+    """Start a server in a background thread (port 0 = a free port; see ``server.url``);
+    ``model`` is a package path or a loaded Model. Stop it with ``server.stop()``."""
+    if not isinstance(model, Model):
+        model = load(model, threads=threads)
+    server = EdgevlServer(model, host, port, **options)
+    thread = threading.Thread(target=server.serve_forever, name="edgevl-server", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+          threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None) -> int:
+    """Serve until Ctrl-C (the ``edgevl serve`` command)."""
+    model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
+    server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
+                          model_name=model_name, access_log=True)
+    if not api_key and not _is_loopback(host):
+        print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr)
+    print(f"edgevl: serving {server.model_id} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("\nedgevl: shutting down", file=sys.stderr)
+    finally:
+        server.server_close()
+    return 0

@@ -1,0 +1,169 @@
+"""`edgevl chat`: multi-turn KV-cache reuse, commands, the context-overflow policy, the real CLI."""
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import edgevl
+from edgevl.chat import ChatSession, chat_loop
+from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare, stream_events
+from edgevl.reference.youtu_vl import make_config, make_random
+from helpers import make_youtu, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    # briefly trained: its answers are corpus-like text that re-tokenizes to the generated tokens
+    root = tmp_path_factory.mktemp("chat")
+    ck = make_youtu(root / "ck", seed=1, max_position_embeddings=128, train_steps=100)
+    return edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def vl_pkg(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-vl")
+    tok = tiny_tokenizer(400, True, 64)
+    ids = save_tokenizer(tok, root / "ck")
+    ids.pop("pad_token_id")
+    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids)
+    make_random(cfg, seed=4).save_pretrained(root / "ck")
+    return edgevl.convert(root / "ck", root / "pk", dtype="fp32", progress=False)
+
+
+def run_script(model, lines, **kw):
+    feed = iter(lines)
+
+    def fake_input(prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    code = chat_loop(model, input_fn=fake_input, out=out, **kw)
+    return code, out.getvalue()
+
+
+def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(pkg):
+    model = edgevl.load(pkg)
+    chat = ChatSession(model, max_new_tokens=10)
+    first = "".join(chat.send("How many shapes are there?"))
+    ids1, toks1 = prepare(model, chat.messages[:1]).input_ids, chat.last_tokens
+    assert model.last_prefill_tokens == len(ids1)
+    second = "".join(chat.send("What color is the square?"))
+    ids2 = prepare(model, chat.messages[:-1]).input_ids
+    # the cache held turn 1's prompt and answer: only the new turn's tokens were computed
+    assert model.last_prefill_tokens == len(ids2) - len(ids1) - len(toks1) < len(ids2) / 2
+    assert chat.messages[1] == {"role": "assistant", "content": first}
+    # fp32 greedy: the same tokens as a fresh model over the whole conversation
+    fresh = edgevl.load(pkg)
+    ref = [ev.token for ev in stream_events(fresh, chat.messages[:-1], max_new_tokens=10, reuse_cache=False)
+           if ev.token is not None]
+    assert chat.last_tokens == ref and second == chat.messages[-1]["content"]
+
+
+def test_commands_reset_save_help_bad_image(pkg, tmp_path):
+    model = edgevl.load(pkg)
+    save = tmp_path / "t.json"
+    code, out = run_script(model, ["/help", "Hello there", f"/image {tmp_path / 'nope.png'}", "/bogus",
+                                   f"/save {save}", "/reset", "Hi again", f"/save {tmp_path / 'no' / 'x.json'}",
+                                   "/quit", "never read"], max_new_tokens=6)
+    assert code == 0
+    assert "commands:" in out and "/image PATH" in out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3, out
+    assert "no vision tower" in errors[0] and "unknown command /bogus" in errors[1] and "x.json" in errors[2]
+    data = json.loads(save.read_text())
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert data["messages"][0]["content"] == "Hello there"
+    # /reset cleared the cache too: "Hi again" was prefilled from scratch
+    assert model.last_prefill_tokens == len(prepare(model, [{"role": "user", "content": "Hi again"}]).input_ids)
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(pkg):
+    model = edgevl.load(pkg)
+    real, calls = model.step, []
+
+    def step(token):  # Ctrl-C while the model computes the 3rd token
+        calls.append(token)
+        if len(calls) % 10 == 3:
+            raise KeyboardInterrupt
+        return real(token)
+
+    model.step = step
+    chat = ChatSession(model, max_new_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        "".join(chat.send("How many shapes are there?"))
+    assert len(chat.last_tokens) == 3 and chat.messages[-1]["role"] == "assistant"  # the partial answer is kept
+    assert model.cache_keys == []  # the cache may be half-updated: it is recomputed next turn
+    calls[:] = [0] * 12  # the next call is the 13th: the first answer is interrupted, the next ones are not
+    code, out = run_script(model, ["How many shapes are there?", "Two?", "/save /dev/null"], max_new_tokens=4)
+    assert code == 0 and out.count("[interrupted]") == 1 and out.rstrip().endswith("[transcript saved to /dev/null]")
+
+
+def test_overflow_drops_oldest_turns_and_refuses_oversized_messages(pkg):
+    model = edgevl.load(pkg)
+    lines = ["How many shapes are there?", "What color is the square?", "Describe the image.",
+             "word " * 100, "Two."]
+    code, out = run_script(model, lines, max_new_tokens=12, system="Be brief.")
+    assert code == 0
+    notices = [line for line in out.splitlines() if line.startswith("[context full")]
+    assert notices and "dropped the 1 oldest turn" in notices[0], out
+    refused = [line for line in out.splitlines() if line.startswith("error: message refused")]
+    assert len(refused) == 1 and "128-token context" in refused[0], out
+    # the chat went on after the refusal
+    assert out.rstrip().splitlines()[-1] != refused[0]
+
+    chat = ChatSession(model, max_new_tokens=12, system="Be brief.")
+    for q in lines[:3]:
+        "".join(chat.send(q))
+        n = len(prepare(model, chat.messages[:-1]).input_ids)
+        assert n + 12 <= model.max_context
+    assert chat.dropped >= 1 and chat.messages[0] == {"role": "system", "content": "Be brief."}
+    assert chat.messages[-2] == {"role": "user", "content": lines[2]}
+    before = list(chat.messages)
+    with pytest.raises(EdgevlError, match="message refused"):
+        chat.send("word " * 100)
+    assert chat.messages == before  # a refused message changes nothing
+    with pytest.raises(EdgevlError, match="max_new_tokens"):
+        ChatSession(model, max_new_tokens=128)
+
+
+def test_image_turns_reuse_the_cache(vl_pkg, tmp_path):
+    model = edgevl.load(vl_pkg)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    code, out = run_script(model, [f"/image {tmp_path / 'bad.png'}", f"/image {tmp_path / 'none.png'}", "hi"],
+                           max_new_tokens=4)
+    lines = out.splitlines()
+    assert code == 0 and "Not a readable image" in lines[1] and "not found" in lines[2], out
+    assert lines[3].startswith("[") is False  # no image was attached; "hi" was answered
+    chat = ChatSession(model, max_new_tokens=6)
+    with pytest.raises(EdgevlError, match="Not a readable image"):
+        chat.attach(tmp_path / "bad.png")
+    chat.attach(tmp_path / "a.png")
+    "".join(chat.send("What is it?"))
+    n_image = sum(isinstance(k, tuple) for k in model.cache_keys)  # image rows are keyed by digest
+    assert n_image > 0 and chat.messages[0]["content"][0] == {"type": "image", "image": str(tmp_path / "a.png")}
+    "".join(chat.send("And now?"))
+    ids2 = prepare(model, chat.messages[:-1]).input_ids
+    assert model.last_prefill_tokens < len(ids2) - n_image  # the image rows came from the cache
+    json.loads(chat.save(tmp_path / "t.json").read_text())  # image parts are stored as paths
+
+
+def test_cli_chat_subprocess(pkg, tmp_path):
+    script = f"Hello there\n/image {tmp_path / 'x.png'}\n/save {tmp_path / 't.json'}\nHi\n"  # then EOF
+    r = subprocess.run([sys.executable, "-m", "edgevl", "chat", str(pkg), "--max-new-tokens", "6"],
+                       input=script, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "edgevl chat:" in r.stdout
+    assert "error: this model has no vision tower" in r.stdout
+    assert len(json.loads((tmp_path / "t.json").read_text())["messages"]) == 2

@@ -1,0 +1,275 @@
+"""`edgevl serve`: a live server on a free loopback port, driven by the official openai client and raw HTTP."""
+
+import base64
+import http.client
+import io
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+import edgevl
+from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.generate import prepare
+from edgevl.reference.youtu_vl import make_config, make_random
+from edgevl.server import make_server
+from helpers import make_youtu, tiny_tokenizer
+
+KEY = "test-key"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many shapes are there?"}]
+
+
+@pytest.fixture(scope="module")
+def pkgs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    text = edgevl.convert(make_youtu(root / "ck", seed=5), root / "tiny-youtu", dtype="fp32", progress=False)
+    tok = tiny_tokenizer(400, True, 64)
+    ids = save_tokenizer(tok, root / "vl-ck")
+    ids.pop("pad_token_id")
+    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids)
+    make_random(cfg, seed=6).save_pretrained(root / "vl-ck")
+    vl = edgevl.convert(root / "vl-ck", root / "tiny-vl", dtype="fp32", progress=False)
+    images = root / "images"
+    images.mkdir()
+    picture(64, 48).save(images / "a.png")
+    (root / "secret.png").write_bytes((images / "a.png").read_bytes())
+    (images / "link.png").symlink_to(root / "secret.png")
+    return root, text, vl
+
+
+@pytest.fixture(scope="module")
+def text_server(pkgs):
+    srv, _ = make_server(pkgs[1], api_key=KEY, model_name="tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def vl_server(pkgs):
+    srv, _ = make_server(pkgs[2], image_dir=pkgs[0] / "images", max_body=1 << 20)
+    yield srv
+    srv.stop()
+
+
+def picture(w, h, seed=0):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def data_url(im):
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def client(srv, key=KEY):
+    return OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(pkg, messages, n):
+    """edgevl's own greedy answer, token list and prompt length on a fresh model."""
+    model = edgevl.load(pkg)
+    prep = prepare(model, messages)
+    tokens = list(model.generate_tokens(prep.input_ids, n, image=prep.image_rows, reuse_cache=False))
+    return edgevl.generate(model, messages, max_new_tokens=n), tokens, len(prep.input_ids)
+
+
+def raw(srv, method, path, body=None, headers=None, conn=None):
+    conn = conn or http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body)
+    h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})}
+    conn.request(method, path, body=body, headers={k: v for k, v in h.items() if v is not None})
+    r = conn.getresponse()
+    data = r.read()
+    return r.status, (json.loads(data) if r.getheader("Content-Type") == "application/json" else data), conn
+
+
+def good(srv, conn=None):
+    status, body, _ = raw(srv, "POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}, conn=conn)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_text_matches_generate_stream_and_usage(pkgs, text_server):
+    want, tokens, n_prompt = reference(pkgs[1], MSGS, 12)
+    c = client(text_server)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == ("stop" if tokens[-1] in edgevl.load(pkgs[1]).eos_ids else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        n_prompt, len(tokens), n_prompt + len(tokens))
+    chunks = list(c.chat.completions.create(model="tiny-youtu", messages=MSGS, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    # the same conversation again: the whole prompt but its last token comes from the cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+    assert [m.id for m in c.models.list()] == ["tiny"]
+
+
+def test_stop_max_tokens_and_sampling_extensions(pkgs, text_server):
+    want, tokens, _ = reference(pkgs[1], MSGS, 16)
+    assert len(want) >= 4, want
+    c = client(text_server)
+    stop = want[len(want) // 2:len(want) // 2 + 2]
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=16, stop=[stop, "\x00never"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want[:want.find(stop)], "stop")
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=3)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 3)
+    # top_k=1 with a temperature is greedy again; extensions travel in the body
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=16, temperature=0.8, seed=3,
+                                  extra_body={"top_k": 1, "repetition_penalty": 1.0})
+    assert r.choices[0].message.content == want
+
+
+def test_image_data_url_matches_generate(pkgs, vl_server):
+    im = picture(64, 48, seed=1)
+    ours = [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "What is it?"}]}]
+    want, tokens, n_prompt = reference(pkgs[2], ours, 8)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(im)}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    c = client(vl_server, key="anything")  # no key configured: any is accepted
+    r = c.chat.completions.create(model="tiny-vl", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(tokens))
+    chunks = list(c.chat.completions.create(model="tiny-vl", messages=msgs, max_tokens=8, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_local_image_paths(pkgs, vl_server):
+    root = pkgs[0]
+
+    def ask(url):
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "hi"}]}]
+        return raw(vl_server, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})[:2]
+
+    assert ask("a.png")[0] == 200
+    assert ask(f"file://{root / 'images' / 'a.png'}")[0] == 200
+    for url in ["../secret.png", str(root / "secret.png"), "link.png", f"file://{root}/images/../secret.png"]:
+        status, body = ask(url)
+        assert status == 403 and "outside the allowed" in body["error"]["message"], (url, body)
+    status, body = ask("missing.png")
+    assert status == 400 and "not found" in body["error"]["message"] and str(root) not in body["error"]["message"]
+
+
+def test_bad_requests_get_clear_errors_and_the_server_goes_on(pkgs, text_server, vl_server):
+    img = lambda url: {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    cases = [  # (server, method, path, body, headers, status, words in the message)
+        (text_server, "POST", "/v1/chat/completions", b'{"messages": [', {}, 400, "not valid JSON"),
+        (text_server, "POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": MSGS}, {}, 404, "gpt-4o"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": MSGS}, {"Content-Type": "text/plain"}, 415,
+         "application/json"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": MSGS}, {"Authorization": "Bearer wrong"}, 401,
+         "API key"),
+        (text_server, "GET", "/v1/models", None, {"Authorization": None}, 401, "API key"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, {}, 400,
+         "role"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": MSGS, "temperature": "hot"}, {}, 400,
+         "temperature"),
+        (text_server, "POST", "/v1/chat/completions", {"messages": MSGS, "top_p": 0}, {}, 400, "top_p"),
+        (text_server, "POST", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "word " * 600}]}, {}, 400, "context is 512"),
+        (text_server, "POST", "/v1/chat/completions", img(data_url(picture(32, 32))), {}, 400, "no vision tower"),
+        (text_server, "GET", "/v1/nope", None, {}, 404, "no route"),
+        (text_server, "GET", "/v1/chat/completions", None, {}, 405, "takes POST"),
+        (vl_server, "POST", "/v1/chat/completions", img("data:image/png;base64,@@not base64@@"), {}, 400, "base64"),
+        (vl_server, "POST", "/v1/chat/completions", img("data:image/png;base64,aGVsbG8="), {}, 400, "decoded"),
+        (vl_server, "POST", "/v1/chat/completions", img("https://example.com/cat.png"), {}, 400, "not fetched"),
+        (vl_server, "POST", "/v1/chat/completions", img("/etc/passwd"), {}, 403, "outside the allowed"),
+    ]
+    conns = {}
+    for srv, method, path, body, headers, status, words in cases:
+        got, reply, conns[srv] = raw(srv, method, path, body, headers, conn=conns.get(srv))
+        assert got == status, (path, body, got, reply)
+        err = reply["error"]
+        assert set(err) == {"message", "type", "param", "code"} and words in err["message"], (words, err)
+        good(srv, conn=conns[srv])  # the same keep-alive connection carries the next good request
+    with pytest.raises(Exception, match="Error code: 403"):  # the openai client sees a clear error too
+        client(vl_server).chat.completions.create(model="tiny-vl", **img("/etc/passwd"))
+
+
+def test_image_pixel_budget(vl_server, monkeypatch):
+    import edgevl.server
+
+    monkeypatch.setattr(edgevl.server, "MAX_IMAGE_PIXELS", 5000)  # two 64x48 images: 6144 pixels
+    part = {"type": "image_url", "image_url": {"url": data_url(picture(64, 48))}}
+    status, body, _ = raw(vl_server, "POST", "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": [part, part]}]})
+    assert status == 400 and body["error"]["param"] == "messages[0].content[1]", body
+    good(vl_server)
+
+
+def test_oversized_body_is_refused_unread(vl_server):
+    conn = http.client.HTTPConnection("127.0.0.1", vl_server.server_address[1], timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(10 ** 9))
+    conn.endheaders()
+    conn.send(b'{"messages": "' + b"x" * 65536)
+    r = conn.getresponse()
+    assert r.status == 413 and "limit" in json.loads(r.read())["error"]["message"]
+    assert r.getheader("Connection") == "close"
+    good(vl_server)
+
+
+def test_client_disconnect_mid_stream(text_server):
+    s = socket.create_connection(("127.0.0.1", text_server.server_address[1]), timeout=30)
+    body = json.dumps({"messages": MSGS, "max_tokens": 400, "stream": True}).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert s.recv(100).startswith(b"HTTP/1.1 200")
+    s.close()
+    for _ in range(200):  # the handler notices on its next write and gives the model back
+        if not text_server.gate.lock.locked():
+            break
+        time.sleep(0.05)
+    assert len(text_server.model.cache_keys) < 200  # prompt + a few tokens, not 400 more
+    good(text_server)
+    status, health, _ = raw(text_server, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["waiting"] == 0
+
+
+@pytest.mark.parametrize("max_queue", [2, 8])
+def test_load_50_requests_8_clients(pkgs, max_queue):
+    srv, _ = make_server(pkgs[1], max_queue=max_queue)
+    try:
+        def one(i):
+            t = time.perf_counter()
+            conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+            msgs = [{"role": "user", "content": f"Question {i}: how many shapes?"}]
+            conn.request("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 8}),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            conn.close()
+            return r.status, body, time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(50)))
+        wall = time.perf_counter() - t0
+        statuses = [s for s, _, _ in results]
+        assert set(statuses) <= {200, 429} and statuses.count(200) >= 3, statuses
+        if max_queue >= 7:  # 1 running + 7 waiting: no client ever finds the queue full
+            assert statuses.count(200) == 50
+        for s, body, _ in results:
+            assert ("choices" in body) if s == 200 else (body["error"]["type"] == "rate_limit_error")
+        ok = np.array([t for s, _, t in results if s == 200]) * 1000
+        p50, p95 = np.percentile(ok, [50, 95])
+        print(f"\nload: 50 requests, 8 clients, max_queue={max_queue}, max_tokens=8: {statuses.count(200)} "
+              f"answered, {statuses.count(429)} rejected (429) in {wall:.2f} s; answered latency p50 {p50:.0f} ms, "
+              f"p95 {p95:.0f} ms")
+        assert raw(srv, "GET", "/health")[1]["waiting"] == 0
+        good(srv)
+    finally:
+        srv.stop()
