@@ -106,22 +106,35 @@ def emit_mla_attention(ctx: Ctx, x: str, p: str, a: ModelArgs, i: int, cos: str,
     else:
         # Absorbed MLA: attend as ONE shared KV head over [latent | k_rot] keys and latent values,
         # folding kv_b_proj's k part into q and its v part after attention. The cache then holds
-        # lat + rope (key) and lat (value) floats per token instead of heads * (qk + v).
+        # lat + rope (key) and lat (value) values per token instead of heads * (qk + v).
         w_kv = ctx.array(f"{p}.kv_b_proj.weight", (nh * (nope + vd), lat)).reshape(nh, nope + vd, lat)
-        w_uk = np.ascontiguousarray(w_kv[:, :nope, :])                     # [heads, nope, lat]
-        w_uv_t = np.ascontiguousarray(w_kv[:, nope:, :].transpose(0, 2, 1))  # [heads, lat, v]
-        uk = G.memory_data(g, w_uk, ctx.dtype, name=f"{p}.w_uk")
-        uv = G.memory_data(g, w_uv_t, ctx.dtype, name=f"{p}.w_uv")
-        q_lat = g.layer("MatMul", [q_nope, uk], {}, name=f"{p}.q_absorb")   # (c=heads, h=seq, w=lat)
+        q_lat = per_head_gemm(ctx, q_nope, [w_kv[h, :nope].T for h in range(nh)], f"{p}.q_absorb")
+        q_lat = G.reshape(g, q_lat, lat, -1, nh, name=f"{p}.q_absorb.heads")   # (c=heads, h=seq, w=lat)
         qf = G.concat(g, [q_lat, q_rot], axis=2, name=f"{p}.q_cat")
         kf = G.concat(g, [kv_lat, k_rot], axis=1, name=f"{p}.k_cat")        # (h=seq, w=lat+rope)
         kf = G.reshape(g, kf, lat + rope, -1, 1, name=f"{p}.k_1head")
         vf = G.reshape(g, kv_lat, lat, -1, 1, name=f"{p}.v_1head")
         o, _, _ = g.layer("SDPA", [qf, kf, vf, mask] + cache_in, {5: 1, 6: a.scale, 7: 1},
                           outputs=cache_out, name=f"{p}.sdpa")                # (c=heads, h=seq, w=lat)
-        o = g.layer("MatMul", [o, uv], {}, name=f"{p}.v_absorb")            # (c=heads, h=seq, w=v)
-        o = heads_last(g, o, vd, nh, f"{p}.o")
+        o = per_head_gemm(ctx, o, [w_kv[h, nope:] for h in range(nh)], f"{p}.v_absorb", concat_axis=1)
     return ctx.linear(o, f"{p}.o_proj", H, nh * vd, bias=a.attention_bias)
+
+
+def per_head_gemm(ctx: Ctx, x: str, weights: list, name: str, concat_axis: int = 0) -> str:
+    """x (c=heads, h=seq, w=K) times a different W_h [N, K] per head, as one Gemm per head.
+
+    Gemm keeps its constant weights packed in the storage dtype (bf16/q8); a MatMul with a
+    MemoryData constant would hold them in fp32 and copy them on every forward. Returns the
+    per-head (h=seq, w=N) results concatenated along rows (axis 0: h=heads*seq) or columns
+    (axis 1: w=heads*N, the layout o_proj wants).
+    """
+    g, heads, k = ctx.g, len(weights), int(weights[0].shape[1])
+    rows = G.reshape(g, x, k, -1, name=f"{name}.rows")                      # (h=heads*seq, w=K)
+    parts = G.slice_(g, rows, [-233] * heads, axis=0, name=f"{name}.split")  # equal parts: heads x (h=seq)
+    parts = parts if heads > 1 else [parts]
+    outs = [G.gemm(g, part, np.ascontiguousarray(w), ctx.dtype, quant=ctx.quant, name=f"{name}.{h}")
+            for h, (part, w) in enumerate(zip(parts, weights))]
+    return G.concat(g, outs, axis=concat_axis, name=f"{name}.cat")
 
 
 def emit_decoder_layer(ctx: Ctx, x: str, prefix: str, a: ModelArgs, i: int, cos: str, sin: str,
