@@ -63,10 +63,14 @@ def test_fp32_greedy_token_exact_and_layers(checkpoints, tmp_path_factory, name,
     assert rep.identical
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+# top-1 agreement / min logit cosine required per dtype (q8 also quantizes activations per row)
+TOLERANCE = {"fp16": (0.98, 0.99), "bf16": (0.98, 0.99), "q8": (0.95, 0.98)}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("name", ["q_lora", "untied"])
 def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dtype, name):
-    ck = checkpoints[f"{name}-{dtype}"]
+    ck = checkpoints[f"{name}-{'fp16' if dtype == 'fp16' else 'bf16'}"]
     model = _convert(ck, tmp_path_factory.mktemp("pk"), dtype)
     hf = load_hf(ck)  # computes in fp32
     agree, total, cosines = 0, 0, []
@@ -82,5 +86,7 @@ def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dt
         total += ref.shape[0]
         cosines += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(ours, ref)]
     assert total == 48 * len(PROMPTS)
-    assert agree / total >= 0.98, f"{dtype} top-1 agreement {agree}/{total}"
-    assert min(cosines) >= 0.99, f"{dtype} min logit cosine {min(cosines):.4f}"
+    top1, cos = TOLERANCE[dtype]
+    print(f"{name} {dtype}: top-1 {agree}/{total}, min logit cosine {min(cosines):.5f}")
+    assert agree / total >= top1, f"{dtype} top-1 agreement {agree}/{total}"
+    assert min(cosines) >= cos, f"{dtype} min logit cosine {min(cosines):.4f}"
