@@ -42,7 +42,7 @@ def worker_edgevl(a: dict) -> dict:
     from .model import Model
 
     t0 = time.perf_counter()
-    m = Model(a["model"], threads=a["threads"], verify=False)
+    m = Model(a["model"], threads=a["threads"], verify=False, low_memory=a.get("low_memory", False))
     load = time.perf_counter() - t0
     ids = _prompt_ids(a["prompt_tokens"], m.vocab_size)
     m.prefill(ids[:4], reuse_cache=False)  # warm-up: first-run allocations
@@ -242,6 +242,9 @@ def bench_cli(a) -> int:
     for extra in getattr(a, "extra_model", None) or []:
         m = read_manifest(extra)
         systems[f"edgevl {m['dtype']}"] = ("edgevl", {"model": str(extra)})
+    if getattr(a, "low_memory", False):
+        name, (kind, args) = next(iter(systems.items()))
+        systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))
     compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
     for c in compare:
         if c == "torch":

@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--max-image-patches", type=int, default=None,
                    help="patch budget per image (default 36864, the HF processor's)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="keep no weights resident: load each layer while it runs (slow; for models "
+                        "that do not fit in RAM)")
 
 
 def sampling_kwargs(a) -> dict:
@@ -88,7 +91,7 @@ def cmd_run(a) -> int:
         scene.image.save(out)
         print(f"[demo scene saved to {out}]", file=sys.stderr)
         image = scene.image
-    model = load(model_path, threads=a.threads)
+    model = load(model_path, threads=a.threads, low_memory=a.low_memory)
     text = []
     for ev in stream_events(model, a.prompt, image=image, raw=a.raw, max_image_patches=a.max_image_patches,
                             **sampling_kwargs(a)):
@@ -121,17 +124,20 @@ def cmd_verify(a) -> int:
 
 
 def cmd_chat(a) -> int:
+    from . import load
     from .chat import chat_loop
 
-    return chat_loop(resolve_model(a.model), image=a.image, threads=a.threads, max_image_patches=a.max_image_patches,
-                     **sampling_kwargs(a))
+    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
+    return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches, **sampling_kwargs(a))
 
 
 def cmd_serve(a) -> int:
+    from . import load
     from .server import serve
 
-    return serve(resolve_model(a.model), host=a.host, port=a.port, api_key=a.api_key, threads=a.threads,
-                 image_dir=a.allow_image_dir, max_queue=a.max_queue, model_name=a.model_name)
+    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
+    return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
+                 max_queue=a.max_queue, model_name=a.model_name)
 
 
 def cmd_bench(a) -> int:
@@ -206,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markdown", default=None, help="write a markdown table here")
     b.add_argument("--extra-model", action="append", default=[], help="another package to run side by side")
     b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
+    b.add_argument("--low-memory", action="store_true", help="also run edgevl in low-memory mode")
     b.set_defaults(fn=cmd_bench)
     return p
 

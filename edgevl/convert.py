@@ -35,19 +35,18 @@ def write_language_model(ckpt: Checkpoint, out: Path, a: youtu.ModelArgs, dtype:
     quant = (8, 32) if dtype == "q8" else None
     g = G.Graph(out / "decoder.bin")
     dec = youtu.build_decoder(Ctx(ckpt, g, sd, quant, on_tensor), a, prefix, absorbed=(kv_mode == "absorbed"))
-    g.save(out / "decoder.param")
+    dec = save_graph(g, out / "decoder.param", dec)
 
     head_name = youtu.lm_head_name(ckpt, a, prefix)
     g = G.Graph(out / "lm_head.bin")
-    head = youtu.build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name)
-    g.save(out / "lm_head.param")
+    head = save_graph(g, out / "lm_head.param", youtu.build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name))
 
     embed_name = f"{prefix}.embed_tokens.weight"
     if head_name == embed_name and quant is None:
         # Tied float head: its Gemm shards *are* the embedding table; read rows from lm_head.bin
         # (each shard's data follows its 4-byte type tag) instead of storing the table twice.
         embedding = {"file": "lm_head.bin", "dtype": sd,
-                     "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head.extra["shards"]]}
+                     "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head["extra"]["shards"]]}
     else:
         t = ckpt.get(embed_name, (a.vocab_size, a.hidden_size))
         on_tensor(t)
@@ -56,7 +55,15 @@ def write_language_model(ckpt: Checkpoint, out: Path, a: youtu.ModelArgs, dtype:
                 f.write(G.encode(chunk, sd).tobytes())
         embedding = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, a.vocab_size], "offset": 0}]}
     embedding.update(rows=a.vocab_size, dim=a.hidden_size)
-    return {"graphs": {"decoder": vars(dec), "lm_head": vars(head)}, "embedding": embedding}
+    return {"graphs": {"decoder": dec, "lm_head": head}, "embedding": embedding}
+
+
+def save_graph(g: G.Graph, param_path: Path, info) -> dict:
+    """Write the graph (and its per-section params for low-memory mode); returns the manifest entry."""
+    outs = [v for v in info.outputs.values() for v in (v if isinstance(v, list) else [v])]
+    keep = outs + [n for c in info.cache for n in c[2:]]
+    info.extra["sections"] = g.save(param_path, keep=keep)
+    return vars(info)
 
 
 def _convert_youtu(ckpt: Checkpoint, out: Path, dtype: str, kv_mode: str, on_tensor) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from .errors import EdgevlError
 from .models.base import rope_tables
 from .package import read_manifest, verify_files
-from .runtime import Decoder, Embedding, KVCache, LMHead, Net, default_threads
+from .runtime import Decoder, Embedding, KVCache, LMHead, Net, SectionedNet, default_threads
 from .sample import Sampler
 from .tokenizer import Tokenizer
 
@@ -33,7 +33,9 @@ def _as_list(v) -> list[int]:
 
 
 class Model:
-    def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True):
+    def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True,
+                 low_memory: bool = False):
+        self.low_memory = low_memory
         try:
             self._init(path, threads, verify, light_mode)
         except KeyError as e:
@@ -86,8 +88,11 @@ class Model:
         self.last_prefill_tokens = 0
 
     def _net(self, name: str, light_mode: bool = True) -> Net:
-        return Net(str(self.path / f"{name}.param"), str(self.path / f"{name}.bin"), self.threads,
-                   self.dtype if self.dtype != "q8" else "bf16", light_mode)
+        dtype = self.dtype if self.dtype != "q8" else "bf16"
+        sections = self.manifest["graphs"][name]["extra"].get("sections")
+        if self.low_memory and light_mode and sections:
+            return SectionedNet(str(self.path), str(self.path / f"{name}.bin"), sections, self.threads, dtype)
+        return Net(str(self.path / f"{name}.param"), str(self.path / f"{name}.bin"), self.threads, dtype, light_mode)
 
     # -- inputs -------------------------------------------------------------------------------
     def embed(self, input_ids: list[int], image_rows: list[np.ndarray] = ()) -> np.ndarray:
@@ -202,6 +207,10 @@ class Model:
         return out
 
 
-def load(path, threads: int | None = None, verify: bool = True) -> Model:
-    """Load a converted package folder."""
-    return Model(path, threads=threads, verify=verify)
+def load(path, threads: int | None = None, verify: bool = True, low_memory: bool = False) -> Model:
+    """Load a converted package folder.
+
+    ``low_memory=True`` keeps no weights resident: each decoder layer / lm_head shard is loaded
+    only while it runs (much slower; for models that do not fit in RAM).
+    """
+    return Model(path, threads=threads, verify=verify, low_memory=low_memory)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -236,6 +237,7 @@ class Graph:
         self._blob_id = 0
         self.weight_offsets: dict[str, tuple[int, int]] = {}  # layer name -> (offset, bytes)
         self._closed = False
+        self._sections: list[tuple[str, int, int]] = []  # (name, first layer, bin offset)
 
     # -- naming -------------------------------------------------------------------------------
     def _layer_name(self, typ: str, name: str | None) -> str:
@@ -272,34 +274,41 @@ class Graph:
     def input(self, name: str) -> str:
         return self.layer("Input", [], outputs=[name], name=name)
 
-    # -- output -------------------------------------------------------------------------------
-    def save(self, param_path: str | os.PathLike) -> None:
-        """Write the .param text (with Splits inserted) and close the .bin."""
-        consumers = Counter(b for _, _, ins, _, _ in self._layers for b in ins)
-        lines = []
-        taken: dict[str, list[str]] = {}
-        nblobs = 0
-        for typ, lname, ins, outs, params in self._layers:
-            ins = [taken[b].pop(0) if b in taken else b for b in ins]
-            lines.append(self._line(typ, lname, ins, outs, params))
-            nblobs += len(outs)
-            for b in outs:
-                k = consumers.get(b, 0)
-                if k > 1:
-                    parts = [f"{b}_s{i}" for i in range(k)]
-                    taken[b] = parts
-                    lines.append(self._line("Split", f"split_{b}", [b], parts, {}))
-                    nblobs += k
-        with open(param_path, "w") as f:
-            f.write(f"{MAGIC}\n{len(lines)} {nblobs}\n")
-            f.write("\n".join(lines) + "\n")
-        self.close()
+    def section(self, name: str) -> None:
+        """Start a section: later layers (until the next section) can be run as their own net."""
+        self._sections.append((name, len(self._layers), self._bin.tell()))
 
-    @staticmethod
-    def _line(typ, lname, ins, outs, params) -> str:
-        s = f"{typ:<24} {lname:<32} {len(ins)} {len(outs)} {' '.join(ins + outs)}"
-        p = format_params(params)
-        return s + (" " + p if p else "")
+    # -- output -------------------------------------------------------------------------------
+    def save(self, param_path: str | os.PathLike, keep: Sequence[str] = ()) -> list[dict]:
+        """Write the .param text (with Splits inserted) and close the .bin.
+
+        With sections, also writes ``<param stem>.<section>.param`` per section: the section's
+        layers plus an Input for every blob it reads from elsewhere. Returns, per section, its
+        param file, its byte range in the .bin, and the blobs it reads and must hand on (read by
+        a later section, or named in ``keep``).
+        """
+        self.close()
+        end = os.path.getsize(self.bin_path)
+        _write_param(param_path, self._layers)
+        sections = []
+        bounds = self._sections + [("", len(self._layers), end)]
+        if self._sections and self._sections[0][1] > 0:
+            bounds.insert(0, ("prologue", 0, 0))  # layers before the first section
+        for (name, l0, off), (_, l1, off1) in zip(bounds, bounds[1:]):
+            layers = [x for x in self._layers[l0:l1] if x[0] != "Input"]
+            if not layers:
+                continue
+            produced = {b for x in layers for b in x[3]}
+            needed = [b for x in layers for b in x[2] if b not in produced]
+            inputs = list(dict.fromkeys(needed))
+            later = {b for x in self._layers[l1:] for b in x[2]}
+            outputs = [b for x in layers for b in x[3] if b in later or b in keep]
+            path = Path(param_path).with_suffix(f".{name}.param")
+            _write_param(path, [("Input", b, [], [b], {}) for b in inputs] + layers)
+            sections.append({"name": name, "param": path.name, "bin": [off, off1],
+                             "inputs": inputs, "outputs": outputs})
+        return sections
+
 
     def close(self) -> None:
         if not self._closed:
@@ -309,6 +318,34 @@ class Graph:
     @property
     def layer_count(self) -> int:
         return len(self._layers)
+
+
+def _line(typ, lname, ins, outs, params) -> str:
+    s = f"{typ:<24} {lname:<32} {len(ins)} {len(outs)} {' '.join(ins + outs)}"
+    p = format_params(params)
+    return s + (" " + p if p else "")
+
+
+def _write_param(path, layers) -> None:
+    """Layers -> .param text, inserting a Split after every blob read by more than one layer."""
+    consumers = Counter(b for _, _, ins, _, _ in layers for b in ins)
+    lines = []
+    taken: dict[str, list[str]] = {}
+    nblobs = 0
+    for typ, lname, ins, outs, params in layers:
+        ins = [taken[b].pop(0) if b in taken else b for b in ins]
+        lines.append(_line(typ, lname, ins, outs, params))
+        nblobs += len(outs)
+        for b in outs:
+            k = consumers.get(b, 0)
+            if k > 1:
+                parts = [f"{b}_s{i}" for i in range(k)]
+                taken[b] = parts
+                lines.append(_line("Split", f"split_{b}", [b], parts, {}))
+                nblobs += k
+    with open(path, "w") as f:
+        f.write(f"{MAGIC}\n{len(lines)} {nblobs}\n")
+        f.write("\n".join(lines) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,20 +41,23 @@ def from_mat(m: "ncnn.Mat") -> np.ndarray:
     return np.array(m, dtype=np.float32, copy=True)
 
 
+def _options(opt, threads: int, dtype: str) -> None:
+    opt.num_threads = int(threads)  # before load: Gemm keeps the load-time value
+    opt.use_fp16_storage = False
+    opt.use_fp16_packed = False
+    opt.use_fp16_arithmetic = False
+    # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact. fp16
+    # packages keep fp16 accuracy: on x86 ncnn widens them to fp32 in memory.
+    opt.use_bf16_storage = dtype == "bf16"
+    opt.use_bf16_packed = dtype == "bf16"
+
+
 class Net:
     """One ncnn network with the package's precision options."""
 
     def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True):
         self.net = ncnn.Net()
-        opt = self.net.opt
-        opt.num_threads = int(threads)  # before load: Gemm keeps the load-time value
-        opt.use_fp16_storage = False
-        opt.use_fp16_packed = False
-        opt.use_fp16_arithmetic = False
-        # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact. fp16
-        # packages keep fp16 accuracy: on x86 ncnn widens them to fp32 in memory.
-        opt.use_bf16_storage = dtype == "bf16"
-        opt.use_bf16_packed = dtype == "bf16"
+        _options(self.net.opt, threads, dtype)
         self.light_mode = light_mode
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")
@@ -67,17 +70,62 @@ class Net:
         ex.set_light_mode(self.light_mode)
         return ex
 
-    def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]]) -> dict:
+        """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches)."""
         ex = self.extractor()
-        for k, v in inputs.items():
+        for k, v in feeds.items():
             ex.input(k, v if isinstance(v, ncnn.Mat) else to_mat(v))
-        res = []
-        for name in outputs:
-            m = ncnn.Mat()
-            if ex.extract(name, m) != 0:
-                raise RuntimeError(f"ncnn failed to compute blob {name}")
-            res.append(from_mat(m))
-        return res
+        return _extract(ex, wanted)
+
+    def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
+        res = self.execute(inputs, [(n, 0) for n in outputs])
+        return [from_mat(res[n]) for n in outputs]
+
+
+def _extract(ex, wanted) -> dict:
+    out = {}
+    for name, typ in wanted:
+        m = ncnn.Mat()
+        if ex.extract(name, m, typ) != 0:
+            raise RuntimeError(f"ncnn failed to compute blob {name}")
+        out[name] = m
+    return out
+
+
+class SectionedNet(Net):
+    """Low-memory mode: runs a graph section by section (a decoder layer, an lm_head shard),
+    loading each section's weights only while it runs. Peak memory is about one section's
+    weights instead of the model's, at the cost of re-reading the weights on every call."""
+
+    def __init__(self, folder: str, binfile: str, sections: list, threads: int, dtype: str = "fp32"):
+        self.folder, self.binfile, self.sections = folder, binfile, sections
+        self.threads, self.dtype, self.light_mode = threads, dtype, True
+
+    def _load(self, sec) -> Net:
+        net = Net.__new__(Net)
+        net.net, net.light_mode = ncnn.Net(), True
+        _options(net.net.opt, self.threads, self.dtype)
+        with open(self.binfile, "rb") as f:
+            f.seek(sec["bin"][0])
+            data = f.read(sec["bin"][1] - sec["bin"][0])
+        if net.net.load_param(os.path.join(self.folder, sec["param"])) != 0 or (
+                data and net.net.load_model_mem(data) not in (0, None)):  # this binding returns None
+            raise EdgevlError(f"ncnn could not load section {sec['name']} of {self.binfile}; convert the model again")
+        return net
+
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]]) -> dict:
+        blobs = dict(feeds)
+        types = dict(wanted)
+        for sec in self.sections:
+            net = self._load(sec)
+            ex = net.extractor()
+            for name in sec["inputs"]:
+                if name in blobs:  # absent cache inputs stay empty (first prefill)
+                    v = blobs[name]
+                    ex.input(name, v if isinstance(v, ncnn.Mat) else to_mat(v))
+            blobs.update(_extract(ex, [(n, types.get(n, 0)) for n in sec["outputs"]]))
+            del ex, net
+        return {n: blobs[n] for n, _ in wanted}
 
 
 class KVCache:
@@ -159,33 +207,22 @@ class Decoder:
         seq, past = embeds.shape[0], cache.length
         cos, sin = self.cos_sin(np.arange(past, past + seq))
         names = self.info["inputs"]
-        ex = self.net.extractor()
-        ex.input(names["embeds"], to_mat(embeds))
-        ex.input(names["mask"], to_mat(causal_mask(past, seq)))
-        ex.input(names["cos"], to_mat(cos))
-        ex.input(names["sin"], to_mat(sin))
+        feeds = {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
+                 names["sin"]: sin}
         if cache.mats is not None:
             for (k_in, v_in, _, _), (k, v) in zip(self.info["cache"], cache.mats):
-                ex.input(k_in, k)
-                ex.input(v_in, v)
-        extra = {}
-        for name in extract:  # intermediate blobs first: they must be extracted before consumers free them
-            m = ncnn.Mat()
-            if ex.extract(name, m) != 0:
-                raise RuntimeError(f"ncnn failed to compute blob {name}")
-            extra[name] = from_mat(m)
-        out = ncnn.Mat()
-        if ex.extract(self.info["outputs"]["hidden"], out) != 0:
-            raise RuntimeError("ncnn failed to run the decoder")
-        mats = []
-        for _, _, k_out, v_out in self.info["cache"]:
-            k, v = ncnn.Mat(), ncnn.Mat()
-            ex.extract(k_out, k, 1)  # type 1: the packed cache layout, fed back unchanged
-            ex.extract(v_out, v, 1)
-            mats.append((k, v))
+                feeds[k_in], feeds[v_in] = k, v
+        # intermediate blobs first (they must be extracted before consumers free them); caches
+        # with type 1: the packed cache layout, fed back unchanged
+        hidden = self.info["outputs"]["hidden"]
+        wanted = [(n, 0) for n in extract] + [(hidden, 0)]
+        wanted += [(n, 1) for _, _, k_out, v_out in self.info["cache"] for n in (k_out, v_out)]
+        res = self.net.execute(feeds, wanted)
+        extra = {n: from_mat(res[n]) for n in extract}
+        mats = [(res[k_out], res[v_out]) for _, _, k_out, v_out in self.info["cache"]]
         cache.mats = mats
         cache.length = past + seq
-        return from_mat(out), extra
+        return from_mat(res[hidden]), extra
 
 
 class LMHead:

@@ -122,3 +122,12 @@ def test_sampler_top_k_top_p_restrict_support():
     assert seen == {0}
     seen = {Sampler(5.0, seed=s)(logits) for s in range(300)}
     assert seen == {0, 1, 2, 3, 4}
+
+
+def test_low_memory_mode_gives_the_same_tokens(trained):
+    _, pk = trained
+    ids = [5, 17, 33, 8, 90, 12]
+    resident = list(edgevl.load(pk).generate_tokens(ids, 12, ignore_eos=True))
+    low = edgevl.load(pk, low_memory=True)
+    assert type(low.decoder.net).__name__ == "SectionedNet"
+    assert list(low.generate_tokens(ids, 12, ignore_eos=True)) == resident

@@ -194,3 +194,12 @@ def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
     assert boxes == [{"box": (4, 5, 20, 30), "label": "dog"}, {"box": (1, 2, 9, 9), "label": None}]
     im = draw_boxes(Image.new("RGB", (64, 64), "white"), boxes)
     assert im.getpixel((4, 15)) != (255, 255, 255) and im.getpixel((40, 50)) == (255, 255, 255)
+
+
+def test_low_memory_mode_matches_resident(vl):
+    _, pk, _, _ = vl["custom_full"]
+    img = image(120, 90, seed=4)
+    res = edgevl.generate(edgevl.load(pk), "Describe.", image=img, max_new_tokens=10)
+    low = edgevl.load(pk, low_memory=True)
+    assert type(low.vision.net).__name__ == "SectionedNet"
+    assert edgevl.generate(low, "Describe.", image=img, max_new_tokens=10) == res

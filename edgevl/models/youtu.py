@@ -157,7 +157,9 @@ def build_decoder(ctx: Ctx, a: ModelArgs, prefix: str = "model", absorbed: bool 
         g.input(f"cache_k{i}")
         g.input(f"cache_v{i}")
     for i in range(a.num_hidden_layers):
+        g.section(f"layer{i}")  # low-memory mode loads one decoder layer at a time
         x = emit_decoder_layer(ctx, x, prefix, a, i, cos, sin, mask, absorbed)
+    g.section("norm")
     ctx.rms_norm(x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
     lat, rope = a.kv_lora_rank, a.qk_rope_head_dim
     per_token = (lat + rope + lat) if absorbed else a.num_attention_heads * (a.qk_head_dim + a.v_head_dim)
@@ -196,9 +198,11 @@ def build_lm_head(ctx: Ctx, a: ModelArgs, weight_name: str) -> GraphInfo:
     for r0 in range(0, a.vocab_size, HEAD_SHARD_ROWS):
         r1 = min(a.vocab_size, r0 + HEAD_SHARD_ROWS)
         name = f"lm_head.{len(outs)}"
+        g.section(f"shard{len(outs)}")
         outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant, name=name,
                            out="logits" if r1 - r0 == a.vocab_size else None, fp32_output=True))
         shards.append({"rows": [r0, r1], "offset": g.weight_offsets[name][0]})
     if len(outs) > 1:
+        g.section("concat")
         g.layer("Concat", outs, {0: 1}, outputs=["logits"], name="lm_head.concat")
     return GraphInfo(inputs={"hidden": "hidden"}, outputs={"logits": "logits"}, extra={"shards": shards})

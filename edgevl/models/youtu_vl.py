@@ -144,9 +144,12 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     bias = {"kbias": kbias, "ones": ones,
             "kbias_full": G.reshape(g, kbias, 1, -1, nh, name="kbias_full"),
             "ones_full": G.reshape(g, ones, 1, -1, nh, name="q_one_full")}
+    g.section("embed")
     x = ctx.linear(pv, f"{prefix}.embeddings.patch_embedding", v.hidden_size, v.patch_dim, bias=True)
     for i in range(v.num_hidden_layers):
+        g.section(f"layer{i}")
         x = emit_encoder_layer(ctx, x, f"{prefix}.encoder.layers.{i}", v, i, cos, sin, bias)
+    g.section("merger")
     x = ctx.layer_norm(x, f"{prefix}.post_layernorm", v.hidden_size, v.layer_norm_eps, out="vision.post_ln")
     emit_merger(ctx, x, v)
     return GraphInfo(
@@ -159,7 +162,7 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
 
 def convert(ckpt, out, dtype: str, kv_mode: str, on_tensor, write_language_model) -> dict:
     """Language model (root config) + vision graph into one package."""
-    from ..convert import storage_dtype
+    from ..convert import save_graph, storage_dtype
 
     cfg = ckpt.config
     if "vision_config" not in cfg:
@@ -175,8 +178,7 @@ def convert(ckpt, out, dtype: str, kv_mode: str, on_tensor, write_language_model
     # runs once per image with large M, where activation quantization costs accuracy.
     g = G.Graph(out / "vision.bin")
     info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v, vision_prefix(ckpt))
-    g.save(out / "vision.param")
-    parts["graphs"]["vision"] = vars(info)
+    parts["graphs"]["vision"] = save_graph(g, out / "vision.param", info)
     return parts
 
 
