@@ -139,7 +139,7 @@ def _ref_text_states(ref, family, ids, pv=None, ss=None):
         return states + [final], r.logits[0].numpy()
 
 
-def _ref_greedy(ref, family, ids, n, eos, pv=None, ss=None) -> list[int]:
+def reference_greedy(ref, family, ids, n, eos, pv=None, ss=None) -> list[int]:
     import torch
 
     if family == "youtu_vl":
@@ -197,7 +197,7 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     rep.add("text", "final norm", hidden, states[-1])
     rep.add("text", "logits", model.logits(hidden), ref_logits)
     rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.image_rows, reuse_cache=False))
-    rep.reference = _ref_greedy(ref, model.family, ids, max_new_tokens, model.eos_ids, pv, ss)
+    rep.reference = reference_greedy(ref, model.family, ids, max_new_tokens, model.eos_ids, pv, ss)
     return rep
 
 

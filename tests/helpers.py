@@ -105,18 +105,9 @@ def load_hf(folder):
 
 def hf_greedy(model, input_ids, n: int) -> list[int]:
     """Greedy tokens from transformers with its KV cache, no early stop, no logits processors."""
-    import torch
+    from edgevl.verify import reference_greedy
 
-    ids = torch.tensor([input_ids])
-    out, cache = [], None
-    with torch.no_grad():
-        for _ in range(n):
-            r = model(ids, cache=cache, use_cache=True)
-            cache = r.cache
-            nxt = int(r.logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.tensor([[nxt]])
-    return out
+    return reference_greedy(model, "youtu", input_ids, n, eos=())
 
 
 def config_of(folder) -> dict:
