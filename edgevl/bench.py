@@ -145,9 +145,14 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16") -> Path:
                        ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
             t.extractall(src, members=members, filter="data")
     script = next(src.rglob("convert_hf_to_gguf.py"))
-    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
-    r = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
-                       capture_output=True, text=True, env=env)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]))
+    # Benchmark checkpoints carry a stand-in tokenizer whose pre-tokenizer hash llama.cpp does not
+    # know; the benchmark feeds token ids, so any pre-tokenizer name will do.
+    run = ("import runpy, sys, conversion.base as b; "
+           "b.TextModel.get_vocab_base_pre = lambda self, tok: 'llama-bpe'; "
+           f"sys.argv = {[str(script), str(hf_dir), '--outfile', str(out), '--outtype', outtype]!r}; "
+           f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise EdgevlError(f"convert_hf_to_gguf.py failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     return out
@@ -224,10 +229,13 @@ def bench_cli(a) -> int:
     threads = a.threads or default_threads()
     target = Path(a.model)
     systems = {}
+    def label(m):
+        return f"edgevl {m['dtype']}" + (" expanded-kv" if m.get("kv_mode") == "expanded" else "")
+
     if (target / "manifest.json").is_file():
         m = read_manifest(target)
         ref = Path(a.reference or m["source"]["path"])
-        systems[f"edgevl {m['dtype']}"] = ("edgevl", {"model": str(target)})
+        systems[label(m)] = ("edgevl", {"model": str(target)})
     elif (target / "config.json").is_file():
         ref = target
         work = Path(a.json).parent if a.json else Path(".")
@@ -240,8 +248,7 @@ def bench_cli(a) -> int:
     else:
         read_manifest(target)  # raises the clear error
     for extra in getattr(a, "extra_model", None) or []:
-        m = read_manifest(extra)
-        systems[f"edgevl {m['dtype']}"] = ("edgevl", {"model": str(extra)})
+        systems[label(read_manifest(extra))] = ("edgevl", {"model": str(extra)})
     if getattr(a, "low_memory", False):
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))
