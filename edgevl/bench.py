@@ -238,8 +238,7 @@ def bench_cli(a) -> int:
         systems[label(m)] = ("edgevl", {"model": str(target)})
     elif (target / "config.json").is_file():
         ref = target
-        work = Path(a.json).parent if a.json else Path(".")
-        pkg = work / f"{target.name}-edgevl-bf16"
+        pkg = target.resolve().parent / f"{target.name}-edgevl-bf16"
         if not (pkg / "manifest.json").is_file():
             from .convert import convert
 
@@ -261,7 +260,7 @@ def bench_cli(a) -> int:
                 import llama_cpp  # noqa: F401
             except ImportError:
                 raise EdgevlError("--compare llamacpp needs llama-cpp-python (pip install 'edgevl[llamacpp]')") from None
-            work = Path(a.json).parent if a.json else Path(".")
+            work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
             for outtype in (a.gguf_types or "bf16").split(","):
                 systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype))})
         else:

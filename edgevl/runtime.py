@@ -139,7 +139,8 @@ class KVCache:
     def bytes(self) -> int:
         if not self.mats:
             return 0
-        return int(sum(m.w * m.h * m.c * m.elemsize // max(1, m.elempack) for kv in self.mats for m in kv))
+        # w*h*d*c counts packs and elemsize is bytes per pack: their product is the data size
+        return int(sum(m.w * m.h * m.d * m.c * m.elemsize for kv in self.mats for m in kv))
 
     def truncate(self, n: int) -> None:
         """Drop tokens after the first ``n`` (lowering .h; checked by tests/test_kv_cache.py)."""

@@ -1,0 +1,36 @@
+"""The benchmark harness on a tiny model: JSON keys, table, plot (speed itself lives in benchmarks/)."""
+
+import json
+import subprocess
+import sys
+
+import edgevl
+from helpers import make_youtu
+
+
+def test_bench_json_table_and_plot(tmp_path):
+    ck = make_youtu(tmp_path / "ck", seed=2)
+    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    edgevl.convert(ck, tmp_path / "pk-q8", dtype="q8", progress=False)
+    r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--extra-model", tmp_path / "pk-q8",
+                        "--compare", "torch", "--prompt-tokens", "16", "--gen-tokens", "4", "--threads", "1",
+                        "--repeats", "2", "--json", tmp_path / "r.json", "--plot", tmp_path / "r.png",
+                        "--markdown", tmp_path / "r.md"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert set(res["results"]) == {"edgevl", "torch"}
+    assert set(res["variants"]) == {"edgevl fp32", "edgevl q8", "torch bf16"}
+    for name, v in res["results"].items():
+        for k in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes", "kv_bytes_per_token"):
+            assert k in v
+        assert v["decode_tok_s"] > 0 and v["peak_rss_bytes"] > 10 << 20
+    assert len(res["runs"]["edgevl fp32"]) == 2
+    # absorbed MLA cache: (latent + rope) keys + latent values, fp32, per layer
+    assert res["results"]["edgevl"]["kv_bytes_per_token"] == 2 * (32 + 16 + 32) * 4
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "| edgevl q8 |" in (tmp_path / "r.md").read_text()
+
+
+def test_bench_bad_model_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "none"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
