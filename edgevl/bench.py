@@ -196,29 +196,29 @@ def markdown_table(results: dict) -> str:
 
 
 def plot(results: dict, path, title: str = "") -> None:
-    """Two bar panels (prefill, decode tok/s), drawn with Pillow: no plotting dependency."""
+    """Horizontal bars for prefill and decode tok/s, drawn with Pillow (no plotting dependency)."""
     from PIL import Image, ImageDraw
 
     names = list(results)
-    W, H, pad = 900, 420, 50
+    row, label_w, pad = 22, 190, 16
+    panel_h = 24 + row * len(names)
+    W, H = 900, 40 + 2 * (panel_h + pad)
     im = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(im)
     d.text((pad, 10), title, fill="black")
-    colors = ["#4363d8", "#e6194b", "#3cb44b", "#f58231", "#911eb4", "#42d4f4", "#808000", "#000075"]
+    colors = {"edgevl": "#4363d8", "torch": "#f58231", "llama": "#3cb44b"}
     for p, (key, label) in enumerate((("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"))):
-        x0 = pad + p * (W // 2)
-        w = W // 2 - 2 * pad
+        y0 = 40 + p * (panel_h + pad)
+        d.text((pad, y0), label, fill="black")
         top = max(results[n][key] for n in names) or 1.0
-        d.text((x0, 30), label, fill="black")
-        d.line((x0, H - pad, x0 + w, H - pad), fill="black")
-        bw = w / max(1, len(names))
+        span = W - label_w - 2 * pad - 50
         for i, n in enumerate(names):
+            y = y0 + 20 + i * row
             v = results[n][key]
-            h = (H - 2 * pad - 40) * v / top
-            bx = x0 + i * bw + 6
-            d.rectangle((bx, H - pad - h, bx + bw - 12, H - pad), fill=colors[i % len(colors)])
-            d.text((bx, H - pad - h - 14), f"{v:.1f}", fill="black")
-            d.text((bx, H - pad + 6), n[:18], fill="black")
+            color = next((c for k, c in colors.items() if n.startswith(k)), "#911eb4")
+            d.text((pad, y + 4), n, fill="black")
+            d.rectangle((label_w, y + 2, label_w + span * v / top, y + row - 4), fill=color)
+            d.text((label_w + span * v / top + 6, y + 4), f"{v:.1f}", fill="black")
     im.save(path)
 
 
@@ -280,7 +280,8 @@ def bench_cli(a) -> int:
     if a.markdown:
         Path(a.markdown).write_text(table + "\n")
     if a.plot:
-        plot(res["variants"], a.plot, f"{target.name}: {a.prompt_tokens}-token prompt, {threads} threads")
+        plot(res["variants"], a.plot, f"{target.name}: {a.prompt_tokens}-token prompt, {a.gen_tokens} new tokens, "
+                                      f"{threads} thread(s), median of {a.repeats}")
     return 0
 
 
