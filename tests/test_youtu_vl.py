@@ -203,3 +203,20 @@ def test_low_memory_mode_matches_resident(vl):
     low = edgevl.load(pk, low_memory=True)
     assert type(low.vision.net).__name__ == "SectionedNet"
     assert edgevl.generate(low, "Describe.", image=img, max_new_tokens=10) == res
+
+
+def test_vision_memory_is_linear_in_patches(vl, tmp_path):
+    """A 2048x2048 image (16384 patches): a dense N x N attention mask alone would be 1 GiB."""
+    import subprocess
+    import sys
+
+    _, pk, _, _ = vl["default"]
+    image(2048, 2048, seed=9).save(tmp_path / "big.png")
+    code = ("import resource, edgevl; m = edgevl.load(%r); "
+            "rows, info = m.vision(%r); assert info['spatial_shapes'] == (128, 128), info; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (str(pk), str(tmp_path / "big.png"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    peak_mb = int(r.stdout.split()[-1]) / 1024
+    print(f"vision peak RSS for 16384 patches: {peak_mb:.0f} MB")
+    assert peak_mb < 600, f"peak RSS {peak_mb:.0f} MB for 16384 patches"
