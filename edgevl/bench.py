@@ -259,7 +259,8 @@ def bench_cli(a) -> int:
             try:
                 import llama_cpp  # noqa: F401
             except ImportError:
-                raise EdgevlError("--compare llamacpp needs llama-cpp-python (pip install 'edgevl[llamacpp]')") from None
+                raise EdgevlError("--compare llamacpp needs llama-cpp-python "
+                                  "(pip install 'edgevl[llamacpp]')") from None
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
             for outtype in (a.gguf_types or "bf16").split(","):
                 systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype))})

@@ -109,8 +109,8 @@ def test_cell_labels_follow_the_shapes():
         shape_lab, colour_lab, centre = T.cell_labels(scene)
         assert sum(centre) == scene.count
         assert len(shape_lab) == len(colour_lab) == (S.IMAGE_SIZE // T.CELL) ** 2
-        cover = {s.shape + s.colour: (np.asarray(S.shape_mask(s)) > 0).reshape(4, 32, 4, 32).sum(axis=(1, 3)).reshape(-1)
-                 for s in scene.shapes}
+        cover = {s.shape + s.colour: (np.asarray(S.shape_mask(s)) > 0).reshape(4, 32, 4, 32).sum(axis=(1, 3))
+                 .reshape(-1) for s in scene.shapes}
         for s in scene.shapes:
             cells = cover[s.shape + s.colour]
             for i in np.nonzero(cells >= T.AUX_MIN_PIXELS)[0]:

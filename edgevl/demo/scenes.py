@@ -224,9 +224,9 @@ def _font():
 def _text_mask(text: str) -> Image.Image:
     """The text drawn white on black, scaled TEXT_SCALE x with nearest neighbour, cropped tight."""
     font = _font()
-    l, t, r, b = font.getbbox(text)
-    im = Image.new("L", (r - l + 2, b - t + 2), 0)
-    ImageDraw.Draw(im).text((1 - l, 1 - t), text, fill=255, font=font)
+    left, top, right, bottom = font.getbbox(text)
+    im = Image.new("L", (right - left + 2, bottom - top + 2), 0)
+    ImageDraw.Draw(im).text((1 - left, 1 - top), text, fill=255, font=font)
     im = im.crop(im.getbbox())
     return im.resize((im.width * TEXT_SCALE, im.height * TEXT_SCALE), Image.NEAREST)
 
@@ -271,8 +271,8 @@ def _shape_bbox(shape: str, x0: int, y0: int, side: int) -> tuple:
     """Inclusive bbox of the pixels _draw_shape paints (measured on a mask, so it is exact)."""
     mask = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
     _draw_shape(ImageDraw.Draw(mask), shape, x0, y0, side, 255)
-    l, t, r, b = mask.getbbox()
-    return (l, t, r - 1, b - 1)
+    left, top, right, bottom = mask.getbbox()
+    return (left, top, right - 1, bottom - 1)
 
 
 def _jitter(rgb, rng: random.Random, amount: int) -> tuple:

@@ -122,7 +122,8 @@ class PromptBuilder:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tok.encode(text)
             if ids.count(self.image_token_id) != 1:
-                raise RuntimeError(f"expected one <|image_pad|> in the rendered prompt, got {ids.count(self.image_token_id)}")
+                n = ids.count(self.image_token_id)
+                raise RuntimeError(f"expected one <|image_pad|> in the rendered prompt, got {n}")
             out = []
             for t in ids:
                 out += [t] * n_image_tokens if t == self.image_token_id else [t]
@@ -170,7 +171,8 @@ def image_inputs(image) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_turns(scene: S.Scene, rng: random.Random, n_turns: int, weights: dict = KIND_WEIGHTS) -> list[tuple[str, str]]:
+def sample_turns(scene: S.Scene, rng: random.Random, n_turns: int,
+                 weights: dict = KIND_WEIGHTS) -> list[tuple[str, str]]:
     by_kind: dict[str, list] = {}
     for kind, q, a in scene.qa_items():
         by_kind.setdefault(kind, []).append((q, a))
