@@ -223,14 +223,16 @@ def plot(results: dict, path, title: str = "") -> None:
 
 
 def bench_cli(a) -> int:
+    from .convert import DEFAULT_KV_MODE
     from .package import read_manifest
     from .runtime import default_threads
 
     threads = a.threads or default_threads()
     target = Path(a.model)
     systems = {}
-    def label(m):
-        return f"edgevl {m['dtype']}" + (" expanded-kv" if m.get("kv_mode") == "expanded" else "")
+    def label(m):  # the KV layout is named when it is not the default
+        mode = m.get("kv_mode", "absorbed")
+        return f"edgevl {m['dtype']}" + (f" {mode}-kv" if mode != DEFAULT_KV_MODE else "")
 
     if (target / "manifest.json").is_file():
         m = read_manifest(target)

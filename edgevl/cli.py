@@ -147,6 +147,8 @@ def cmd_bench(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .convert import DEFAULT_KV_MODE, KV_MODES
+
     p = argparse.ArgumentParser(prog="edgevl", description="Run multimodal LLMs on CPUs through ncnn.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -154,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"])
-    c.add_argument("--kv-cache", default="absorbed", choices=["absorbed", "expanded"],
-                   help="MLA KV cache layout (absorbed: latent cache, ~10x smaller)")
+    c.add_argument("--kv-cache", default=DEFAULT_KV_MODE, choices=list(KV_MODES),
+                   help="MLA KV cache layout (default %(default)s, faster here; absorbed: latent cache, "
+                        "4.7x smaller, for very long contexts or little RAM)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_convert)

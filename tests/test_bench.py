@@ -10,7 +10,7 @@ from helpers import make_youtu
 
 def test_bench_json_table_and_plot(tmp_path):
     ck = make_youtu(tmp_path / "ck", seed=2)
-    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", kv_mode="absorbed", progress=False)
     edgevl.convert(ck, tmp_path / "pk-q8", dtype="q8", progress=False)
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--extra-model", tmp_path / "pk-q8",
                         "--compare", "torch", "--prompt-tokens", "16", "--gen-tokens", "4", "--threads", "1",
@@ -19,12 +19,12 @@ def test_bench_json_table_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())
     assert set(res["results"]) == {"edgevl", "torch"}
-    assert set(res["variants"]) == {"edgevl fp32", "edgevl q8", "torch bf16"}
+    assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8", "torch bf16"}
     for name, v in res["results"].items():
         for k in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes", "kv_bytes_per_token"):
             assert k in v
         assert v["decode_tok_s"] > 0 and v["peak_rss_bytes"] > 10 << 20
-    assert len(res["runs"]["edgevl fp32"]) == 2
+    assert len(res["runs"]["edgevl fp32 absorbed-kv"]) == 2
     # absorbed MLA cache: (latent + rope) keys + latent values, fp32, per layer
     assert res["results"]["edgevl"]["kv_bytes_per_token"] == 2 * (32 + 16 + 32) * 4
     assert (tmp_path / "r.png").stat().st_size > 1000
