@@ -130,7 +130,8 @@ def test_cell_labels_follow_the_shapes():
 def test_training_script_runs_and_saves_a_convertible_checkpoint(tmp_path, steps):
     out = tmp_path / "m"
     assert T.main(["--out", str(out), "--steps", str(steps), "--batch", "2", "--threads", "1",
-                   "--eval", "0", "--warmup", "1"]) == 0
+                   "--eval", "0", "--warmup", "1", "--plot", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 1000
     for f in T.RUNTIME_FILES:
         assert (out / f).is_file(), f
     log = json.loads((out / "train_log.json").read_text())

@@ -385,6 +385,37 @@ def write_side_files(out: Path, cfg: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def plot_log(log: dict, path) -> None:
+    """Training curve (smoothed LM loss) and the periodic describe/count accuracies, with Pillow."""
+    from PIL import Image, ImageDraw
+
+    hist, evals = log["history"], log.get("evals", [])
+    W, H, L, R, T, B = 760, 320, 60, 60, 30, 40
+    im = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(im)
+    steps = max(h["step"] for h in hist)
+    top = max(h["smoothed"] for h in hist[1:]) if len(hist) > 1 else 1.0
+    x = lambda s: L + (W - L - R) * s / steps  # noqa: E731
+    y_loss = lambda v: T + (H - T - B) * (1 - min(v, top) / top)  # noqa: E731
+    y_acc = lambda a: T + (H - T - B) * (1 - a)  # noqa: E731
+    d.rectangle((L, T, W - R, H - B), outline="black")
+    d.line([(x(h["step"]), y_loss(h["smoothed"])) for h in hist], fill="#4363d8", width=2)
+    for key, colour in (("describe_acc", "#e6194b"), ("count_acc", "#3cb44b")):
+        pts = [(x(e["step"]), y_acc(e[key])) for e in evals]
+        if len(pts) > 1:
+            d.line(pts, fill=colour, width=2)
+        for px, py in pts:
+            d.ellipse((px - 3, py - 3, px + 3, py + 3), fill=colour)
+    for frac in (0, 0.5, 1):
+        d.text((W - R + 6, y_acc(frac) - 6), f"{frac:.1f}", fill="black")
+        d.text((6, y_loss(top * frac) - 6), f"{top * frac:.2f}", fill="#4363d8")
+        d.text((x(steps * frac) - 12, H - B + 6), f"{int(steps * frac)}", fill="black")
+    d.text((L, 8), f"demo training: smoothed LM loss (blue, left), describe (red) / count (green) accuracy "
+                   f"(right, 50 scenes); {log['seconds'] / 60:.0f} min, {log['threads']} threads", fill="black")
+    d.text((W // 2 - 20, H - 18), "step", fill="black")
+    im.save(path)
+
+
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -411,6 +442,7 @@ def main(argv=None) -> int:
                     help="after training, greedy-evaluate the PyTorch model on N fresh scenes (0 = skip)")
     ap.add_argument("--eval-seed", type=int, default=1234, help="seed of the evaluation scenes")
     ap.add_argument("--eval-every", type=int, default=0, metavar="K", help="also evaluate (50 scenes) every K steps")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="draw the training curve here")
     args = ap.parse_args(argv)
 
     import torch
@@ -490,6 +522,8 @@ def main(argv=None) -> int:
         "python": sys.version.split()[0], "history": history, "evals": evals,
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    if args.plot:
+        plot_log(log, args.plot)
     print(f"saved {out} after {train_seconds:.0f}s of training", flush=True)
 
     if args.eval:
