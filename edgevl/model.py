@@ -81,8 +81,8 @@ class Model:
         if "vision" in graphs:
             from .models.youtu_vl import VisionEncoder
 
-            self.vision = VisionEncoder(self._net("vision", light_mode), graphs["vision"], self.manifest)
-            self.vision.default_max_patches = _default_max_patches(self.path)
+            self.vision = VisionEncoder(self._net("vision", light_mode), graphs["vision"], self.manifest,
+                                        configured_max_patches(self.path))
 
         self.cache: KVCache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
@@ -217,8 +217,9 @@ def load(path, threads: int | None = None, verify: bool = True, low_memory: bool
     return Model(path, threads=threads, verify=verify, low_memory=low_memory)
 
 
-def _default_max_patches(folder: Path) -> int:
-    """The per-image patch budget: ``max_image_patches`` from preprocessor_config.json if set.
+def configured_max_patches(folder) -> int:
+    """The per-image patch budget of a checkpoint or package: ``max_image_patches`` from its
+    preprocessor_config.json if set, else 36864.
 
     Youtu-VL's own JSON has no such key (its ``max_num_patches`` 256 is overridden by the
     processor call's default 36864, spec §2.3), so real checkpoints get 36864; the demo model,
@@ -226,7 +227,7 @@ def _default_max_patches(folder: Path) -> int:
     """
     from .processing.image import DEFAULT_MAX_IMAGE_PATCHES
 
-    p = folder / "preprocessor_config.json"
+    p = Path(folder) / "preprocessor_config.json"
     if p.is_file():
         try:
             v = json.loads(p.read_text()).get("max_image_patches")

@@ -2,12 +2,13 @@
 
     python -m edgevl.demo.evaluate --seed S --n 200 [--model PATH]
 
-For each of ``n`` fresh scenes (seeded stream ``S``) the ncnn model is asked, through the public
-API (``edgevl.load`` + ``edgevl.generate``, greedy), "Describe the image." and "How many shapes
-are there?". A description is right when it names exactly the scene's set of (colour, shape)
-pairs; a count when it gives the right number. Parity: the ncnn greedy tokens for the describe
-question (``edgevl.generate.prepare`` + ``Model.generate_tokens``) must equal the PyTorch
-reference's (``YoutuVLForConditionalGeneration.greedy_generate`` in fp32) on the same input ids.
+For each of ``n`` fresh scenes (seeded stream ``S``) the ncnn model (``edgevl.load``) is asked,
+greedily, "Describe the image." (``edgevl.generate.prepare`` + ``Model.generate_tokens``, the
+path ``edgevl.generate`` takes) and "How many shapes are there?" (``edgevl.generate``). A
+description is right when it names exactly the scene's set of (colour, shape) pairs; a count
+when it gives the right number. Parity: the same ncnn greedy tokens for the describe question
+must equal the PyTorch reference's (``YoutuVLForConditionalGeneration.greedy_generate`` in
+fp32) on the same input ids.
 
 ``--model`` is a converted package (its reference checkpoint is the one it was converted from,
 or ``--reference``) or a checkpoint folder (converted to a temporary fp32 package). Without it
@@ -63,14 +64,6 @@ def resolve(model: str | None, reference: str | None, tmp: Path) -> tuple[Path, 
     raise SystemExit(f"{path} is neither an edgevl package nor a checkpoint folder")
 
 
-def max_image_patches(ckpt: Path) -> int | None:
-    p = ckpt / "preprocessor_config.json"
-    if p.is_file():
-        v = json.loads(p.read_text()).get("max_image_patches")
-        return int(v) if v else None
-    return None
-
-
 def score(describe: str, count: str, scene: S.Scene) -> tuple[bool, bool]:
     return S.parse_description(describe) == scene.truth_pairs(), S.parse_count(count) == scene.count
 
@@ -88,6 +81,7 @@ def main(argv=None) -> int:
 
     import edgevl
     from edgevl.generate import prepare
+    from edgevl.model import configured_max_patches
     from edgevl.processing.image import preprocess
 
     with tempfile.TemporaryDirectory(prefix="edgevl-demo-eval-") as tmp:
@@ -102,14 +96,18 @@ def main(argv=None) -> int:
             if args.threads:
                 torch.set_num_threads(args.threads)
             ref = YoutuVLForConditionalGeneration.from_pretrained(ref_dir, dtype=torch.float32)
-        mip = max_image_patches(ref_dir)
+        mip = configured_max_patches(ref_dir)
         eos = sorted(m.eos_ids)
 
         desc_ok = count_ok = same = 0
         failures, mismatches = [], []
         t0 = time.time()
         for i, scene in enumerate(S.make_scenes(args.seed, args.n)):
-            describe = edgevl.generate(m, S.DESCRIBE_Q, image=scene.image, max_new_tokens=MAX_NEW_TOKENS)
+            # One greedy run gives both the scored description and the tokens checked for parity
+            # (the path ``edgevl.generate`` takes; 128x128 scenes need no coordinate rescaling).
+            prep = prepare(m, S.DESCRIBE_Q, image=scene.image)
+            ncnn_tokens = list(m.generate_tokens(prep.input_ids, MAX_NEW_TOKENS, image=prep.image_rows))
+            describe = m.tokenizer.decode([t for t in ncnn_tokens if t not in m.eos_ids])
             count = edgevl.generate(m, S.COUNT_Q, image=scene.image, max_new_tokens=16)
             d, c = score(describe, count, scene)
             desc_ok += d
@@ -117,9 +115,7 @@ def main(argv=None) -> int:
             if not (d and c):
                 failures.append((i, scene, describe, count))
             if ref is not None:
-                prep = prepare(m, S.DESCRIBE_Q, image=scene.image)
-                ncnn_tokens = list(m.generate_tokens(prep.input_ids, MAX_NEW_TOKENS, image=prep.image_rows))
-                inp = preprocess(scene.image, mip) if mip else preprocess(scene.image)
+                inp = preprocess(scene.image, mip)
                 if inp["num_image_tokens"] != prep.input_ids.count(m.image_token_id):
                     raise SystemExit("the runtime and the reference preprocess the image to different sizes "
                                      f"({prep.input_ids.count(m.image_token_id)} vs {inp['num_image_tokens']} tokens)")

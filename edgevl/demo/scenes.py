@@ -259,19 +259,21 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, x0: int, y0: int, side: i
         raise ValueError(f"unknown shape {shape!r}")
 
 
+def _mask(shape: str, x0: int, y0: int, side: int) -> Image.Image:
+    """An "L" mask (255 inside) of the pixels ``_draw_shape`` paints."""
+    mask = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
+    _draw_shape(ImageDraw.Draw(mask), shape, x0, y0, side, 255)
+    return mask
+
+
 def shape_mask(s: "Shape") -> Image.Image:
     """An "L" mask (255 inside) of the pixels a scene's shape covers."""
-    mask = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
-    x0, y0, side = s.frame
-    _draw_shape(ImageDraw.Draw(mask), s.shape, x0, y0, side, 255)
-    return mask
+    return _mask(s.shape, *s.frame)
 
 
 def _shape_bbox(shape: str, x0: int, y0: int, side: int) -> tuple:
     """Inclusive bbox of the pixels _draw_shape paints (measured on a mask, so it is exact)."""
-    mask = Image.new("L", (IMAGE_SIZE, IMAGE_SIZE), 0)
-    _draw_shape(ImageDraw.Draw(mask), shape, x0, y0, side, 255)
-    left, top, right, bottom = mask.getbbox()
+    left, top, right, bottom = _mask(shape, x0, y0, side).getbbox()
     return (left, top, right - 1, bottom - 1)
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from edgevl.demo import scenes as S
+from edgevl.demo.evaluate import score
 from edgevl.demo.tokenizer import EOS, save_tokenizer, train_tokenizer
 from edgevl.processing.image import preprocess
 from edgevl.tokenizer import YOUTU_VL_TEMPLATE, Tokenizer
@@ -343,8 +344,7 @@ def reference_eval(model, builder: PromptBuilder, seed, n: int, verbose: int = 0
         inp = image_inputs(scene.image)
         _, desc = reference_answer(model, builder, scene, S.DESCRIBE_Q, inputs=inp)
         _, cnt = reference_answer(model, builder, scene, S.COUNT_Q, max_new_tokens=8, inputs=inp)
-        d = S.parse_description(desc) == scene.truth_pairs()
-        c = S.parse_count(cnt) == scene.count
+        d, c = score(desc, cnt, scene)
         desc_ok += d
         count_ok += c
         if not (d and c):

@@ -215,10 +215,11 @@ def window_layout(gh: int, gw: int, v: VisionArgs) -> WindowLayout:
 class VisionEncoder:
     """Runs the vision graph for one image: preprocessing, layout, RoPE tables, un-padding."""
 
-    def __init__(self, net: Net, info: dict, manifest: dict):
+    def __init__(self, net: Net, info: dict, manifest: dict,
+                 default_max_patches: int = improc.DEFAULT_MAX_IMAGE_PATCHES):
         self.net, self.info = net, info
         self.v = VisionArgs(**info["extra"]["vision_args"])
-        self.default_max_patches = improc.DEFAULT_MAX_IMAGE_PATCHES
+        self.default_max_patches = default_max_patches
 
     def preprocess(self, image, max_image_patches=None) -> dict:
         n = self.default_max_patches if max_image_patches is None else int(max_image_patches)
