@@ -140,3 +140,18 @@ def test_training_script_runs_and_saves_a_convertible_checkpoint(tmp_path, steps
     scene = S.make_scene(1)
     text = edgevl.generate(edgevl.load(pk), S.DESCRIBE_Q, image=scene.image, max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_demo_scripts_refuse_bad_arguments(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    bad = [(E.main, ["--n", "0", "--no-parity"], "--n must be at least 1"),
+           (T.main, ["--out", str(tmp_path / "afile")], "is not a folder"),
+           (T.main, ["--out", str(tmp_path / "m"), "--plot", str(tmp_path / "no" / "x.png")], "folder does not exist"),
+           (T.main, ["--steps", "0"], "must be at least 1")]
+    for fn, argv, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            fn(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert msg in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "m").exists()  # nothing written before the arguments were checked

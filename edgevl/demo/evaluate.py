@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-parity", action="store_true", help="skip the PyTorch parity check (parity=nan)")
     ap.add_argument("--show", type=int, default=5, metavar="K", help="print the first K failures")
     args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error("--n must be at least 1")
 
     import edgevl
     from edgevl.generate import prepare

@@ -444,6 +444,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=0, metavar="K", help="also evaluate (50 scenes) every K steps")
     ap.add_argument("--plot", default=None, metavar="PNG", help="draw the training curve here")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.batch < 1:
+        ap.error("--steps and --batch must be at least 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} exists and is not a folder; pick a folder path")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        ap.error(f"--plot {args.plot}: its folder does not exist; create it or pick another path")
 
     import torch
 
