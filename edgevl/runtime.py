@@ -33,8 +33,15 @@ def default_threads() -> int:
 
 
 def to_mat(a: np.ndarray) -> "ncnn.Mat":
-    # ncnn.Mat(numpy) borrows the buffer without a reference: clone so ncnn owns its copy.
-    return ncnn.Mat(np.ascontiguousarray(a, dtype=np.float32)).clone()
+    """A Mat that owns a float32 copy of ``a`` (any dtype, layout or view).
+
+    ncnn.Mat(numpy) borrows the buffer without keeping a reference, so the contiguous array must
+    stay alive until ``clone()`` has copied it: when ``ascontiguousarray`` has to copy (a view,
+    a transpose, fp64), a temporary freed before the clone would be read after free."""
+    buf = np.ascontiguousarray(a, dtype=np.float32)
+    mat = ncnn.Mat(buf).clone()
+    del buf  # only now may the buffer go
+    return mat
 
 
 def from_mat(m: "ncnn.Mat") -> np.ndarray:
