@@ -57,35 +57,37 @@ def worker_edgevl(a: dict) -> dict:
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
             "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
-            "dtype": m.dtype, "kv_mode": m.manifest.get("kv_mode")}
+            "dtype": m.dtype, "options": m.manifest.get("options", {})}
 
 
 def worker_torch(a: dict) -> dict:
+    """The checkpoint's PyTorch reference (the architecture's: transformers' class where one
+    exists), eager attention in bf16."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from . import models
+    from .weights import Checkpoint
 
     torch.set_num_threads(a["threads"])
+    arch = models.resolve(Checkpoint(a["reference"]).config)
     t0 = time.perf_counter()
-    m = AutoModelForCausalLM.from_pretrained(a["reference"], dtype=torch.bfloat16).eval()
+    ref = arch.reference(a["reference"], dtype="bf16")
     load = time.perf_counter() - t0
-    ids = torch.tensor([_prompt_ids(a["prompt_tokens"], m.config.vocab_size)])
-    with torch.no_grad():
-        m(ids[:, :4])
-        t0 = time.perf_counter()
-        r = m(ids, use_cache=True)
-        tok = r.logits[0, -1].argmax().view(1, 1)
-        ttft = time.perf_counter() - t0
-        cache = r.cache if hasattr(r, "cache") else r.past_key_values
-        t1 = time.perf_counter()
-        for _ in range(a["gen_tokens"]):
-            r = m(tok, cache=cache, use_cache=True)
-            cache = r.cache if hasattr(r, "cache") else r.past_key_values
-            tok = r.logits[0, -1].argmax().view(1, 1)
-        dec = time.perf_counter() - t1
-    cfg = m.config
-    per_tok = 2 * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # bf16 latent cache
-    return {"load_s": load, "prefill_tok_s": ids.shape[1] / ttft, "ttft_s": ttft,
-            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(), "kv_bytes_per_token": per_tok}
+    ids = _prompt_ids(a["prompt_tokens"], a["vocab"])
+    ref.start(ids[:4])
+    t0 = time.perf_counter()
+    logits, state = ref.start(ids)
+    tok = int(np.argmax(logits))
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(a["gen_tokens"]):
+        logits, state = ref.step(tok, state)
+        tok = int(np.argmax(logits))
+    dec = time.perf_counter() - t1
+    n = len(ids) + a["gen_tokens"]
+    return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
+            "kv_bytes_per_token": ref.state_bytes(state) / n}
 
 
 def worker_llamacpp(a: dict) -> dict:
@@ -223,16 +225,19 @@ def plot(results: dict, path, title: str = "") -> None:
 
 
 def bench_cli(a) -> int:
-    from .convert import DEFAULT_KV_MODE
+    from . import models
     from .package import read_manifest
     from .runtime import default_threads
 
     threads = a.threads or default_threads()
     target = Path(a.model)
     systems = {}
-    def label(m):  # the KV layout is named when it is not the default
-        mode = m.get("kv_mode", "absorbed")
-        return f"edgevl {m['dtype']}" + (f" {mode}-kv" if mode != DEFAULT_KV_MODE else "")
+
+    def label(m):  # conversion options are named when they are not the architecture's default
+        opts = models.get(m["architecture"]).options
+        extra = [opts[k].label.format(value=v, name=k.replace("_", "-")) for k, v in (m.get("options") or {}).items()
+                 if k in opts and v != opts[k].default]
+        return " ".join([f"edgevl {m['dtype']}"] + extra)
 
     if (target / "manifest.json").is_file():
         m = read_manifest(target)
@@ -256,7 +261,11 @@ def bench_cli(a) -> int:
     compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
     for c in compare:
         if c == "torch":
-            systems["torch bf16"] = ("torch", {"reference": str(ref)})
+            from .weights import Checkpoint
+
+            cfg = Checkpoint(ref).config
+            vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 30000
+            systems["torch bf16"] = ("torch", {"reference": str(ref), "vocab": int(vocab)})
         elif c.startswith("llamacpp"):
             try:
                 import llama_cpp  # noqa: F401

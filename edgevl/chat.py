@@ -95,7 +95,7 @@ class ChatSession:
         """Queue an image for the next message; it is encoded now so a bad file fails here."""
         path = str(Path(path).expanduser())
         if self.model.vision is None:
-            raise EdgevlError("this model has no vision tower; it cannot take images (use a Youtu-VL model)")
+            raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
         self.model.rows.pop((path, self.max_image_patches), None)  # the file may have changed
         self.model.encode_image(path, self.max_image_patches)
         self.pending_images.append(path)

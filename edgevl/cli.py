@@ -70,8 +70,8 @@ def resolve_model(path: str | None) -> str:
 def cmd_convert(a) -> int:
     from .convert import convert
 
-    out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, kv_mode=a.kv_cache, overwrite=a.force,
-                  progress=not a.quiet)
+    options = {name: getattr(a, name) for name in _convert_options()}
+    out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
     print(f"wrote {out}")
     return 0
 
@@ -146,9 +146,18 @@ def cmd_bench(a) -> int:
     return bench_cli(a)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .convert import DEFAULT_KV_MODE, KV_MODES
+def _convert_options() -> dict:
+    """name -> (Option, architectures offering it), over every registered architecture."""
+    from . import models
 
+    out: dict = {}
+    for arch in models.all_architectures():
+        for name, opt in arch.options.items():
+            out.setdefault(name, (opt, []))[1].append(arch.name)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgevl", description="Run multimodal LLMs on CPUs through ncnn.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -156,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"])
-    c.add_argument("--kv-cache", default=DEFAULT_KV_MODE, choices=list(KV_MODES),
-                   help="MLA KV cache layout (default %(default)s, faster here; absorbed: latent cache, "
-                        "4.7x smaller, for very long contexts or little RAM)")
+    for name, (opt, archs) in _convert_options().items():  # the architectures' own options
+        c.add_argument("--" + name.replace("_", "-"), dest=name, default=None, choices=list(opt.choices),
+                       help=f"{opt.help} (default {opt.default}; {', '.join(archs)} models)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_convert)

@@ -1,7 +1,8 @@
-"""Checkpoint -> package conversion: the architecture registry and the shared LM writer.
+"""Checkpoint -> package conversion, for any registered architecture.
 
-A registry keyed by ``model_type`` (and the HF ``architectures`` string) maps each checkpoint
-to a converter; each converter streams tensors from the checkpoint as it emits layers.
+The architecture (``edgevl.models.resolve`` on config.json) writes the graphs, streaming tensors
+from the checkpoint as it emits layers; this module adds what every package has: the folder
+handling, progress, source hashes, tokenizer files and the manifest.
 """
 
 from __future__ import annotations
@@ -9,115 +10,27 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import ncnn_graph as G
+from . import models
 from .errors import EdgevlError
-from .models import youtu
-from .models.base import Ctx
 from .package import finalize, temp_dir_for
 from .progress import Progress
 from .tokenizer import TOKENIZER_FILES
 from .weights import Checkpoint, sha256_file
 
 DTYPES = ("fp32", "fp16", "bf16", "q8")
-KV_MODES = ("absorbed", "expanded")
-# Expanded is the default because it measured faster on the 2-core machine in every case we ran
-# (2 threads: decode 8.3 vs 7.5 tok/s at a 128-token prompt, 6.2 vs 5.4 at 2048; prefill 100 vs
-# 86 and 75 vs 50): the absorbed step's per-head Gemms do not scale with threads. Absorbed keeps
-# a 4.7x smaller KV cache, the choice for very long contexts or little RAM.
-DEFAULT_KV_MODE = "expanded"
-# q8 block size. Larger blocks run faster in this ncnn wheel (a one-row 6144x2048 Gemm: 2.2 / 2.0
-# / 1.6 ms at block 32 / 64 / 128, bf16 1.1 ms) but lost 4 points of top-1 agreement on the test
-# models; 32 is llama.cpp q8_0's block too. q8 saves memory; bf16 decodes faster.
-Q8_BLOCK = 32
 
 
-def storage_dtype(dtype: str) -> str:
-    """The float format of weights that are not block-quantized."""
-    return "bf16" if dtype == "q8" else dtype
+def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, progress: bool = True,
+            **options) -> Path:
+    """Convert a Hugging Face checkpoint folder into an edgevl package folder.
 
-
-def write_language_model(ckpt: Checkpoint, out: Path, a: youtu.ModelArgs, dtype: str, kv_mode: str,
-                         prefix: str, on_tensor) -> dict:
-    """decoder.param/.bin, lm_head.param/.bin and the host-side embedding table."""
-    sd = storage_dtype(dtype)
-    quant = (8, Q8_BLOCK) if dtype == "q8" else None
-    g = G.Graph(out / "decoder.bin")
-    dec = youtu.build_decoder(Ctx(ckpt, g, sd, quant, on_tensor), a, prefix, absorbed=(kv_mode == "absorbed"))
-    dec = save_graph(g, out / "decoder.param", dec)
-
-    head_name = youtu.lm_head_name(ckpt, a, prefix)
-    g = G.Graph(out / "lm_head.bin")
-    head = save_graph(g, out / "lm_head.param", youtu.build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name))
-
-    embed_name = f"{prefix}.embed_tokens.weight"
-    if head_name == embed_name and quant is None:
-        # Tied float head: its Gemm shards *are* the embedding table; read rows from lm_head.bin
-        # (each shard's data follows its 4-byte type tag) instead of storing the table twice.
-        embedding = {"file": "lm_head.bin", "dtype": sd,
-                     "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head["extra"]["shards"]]}
-    else:
-        t = ckpt.get(embed_name, (a.vocab_size, a.hidden_size))
-        on_tensor(t)
-        with open(out / "embed.bin", "wb") as f:
-            for chunk in G.iter_row_chunks(t):
-                f.write(G.encode(chunk, sd).tobytes())
-        embedding = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, a.vocab_size], "offset": 0}]}
-    embedding.update(rows=a.vocab_size, dim=a.hidden_size)
-    return {"graphs": {"decoder": dec, "lm_head": head}, "embedding": embedding}
-
-
-def save_graph(g: G.Graph, param_path: Path, info) -> dict:
-    """Write the graph (and its per-section params for low-memory mode); returns the manifest entry."""
-    outs = [v for v in info.outputs.values() for v in (v if isinstance(v, list) else [v])]
-    keep = outs + [n for c in info.cache for n in c[2:]]
-    info.extra["sections"] = g.save(param_path, keep=keep)
-    return vars(info)
-
-
-def _convert_youtu(ckpt: Checkpoint, out: Path, dtype: str, kv_mode: str, on_tensor) -> dict:
-    a = youtu.ModelArgs.from_config(ckpt.config)
-    return write_language_model(ckpt, out, a, dtype, kv_mode, "model", on_tensor)
-
-
-def _convert_youtu_vl(ckpt: Checkpoint, out: Path, dtype: str, kv_mode: str, on_tensor) -> dict:
-    from .models import youtu_vl
-
-    return youtu_vl.convert(ckpt, out, dtype, kv_mode, on_tensor, write_language_model)
-
-
-# model_type -> (family, converter); architectures strings map onto the same entries
-REGISTRY = {
-    "youtu": ("youtu", _convert_youtu),
-    "youtu_vl": ("youtu_vl", _convert_youtu_vl),
-}
-ARCHITECTURES = {
-    "YoutuForCausalLM": "youtu",
-    "YoutuVLForConditionalGeneration": "youtu_vl",
-}
-
-
-def resolve_architecture(cfg: dict) -> str:
-    mt = cfg.get("model_type")
-    if mt in REGISTRY:
-        return mt
-    for arch in cfg.get("architectures") or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    supported = ", ".join(sorted(REGISTRY))
-    raise EdgevlError(f"model_type {mt!r} (architectures {cfg.get('architectures')}) is not supported; "
-                      f"edgevl converts: {supported}")
-
-
-def convert(hf_path, out_path, dtype: str = "bf16", kv_mode: str = DEFAULT_KV_MODE,
-            overwrite: bool = False, progress: bool = True) -> Path:
-    """Convert a Hugging Face checkpoint folder into an edgevl package folder."""
+    ``options`` are the architecture's own conversion options (``edgevl convert --help`` lists
+    them), e.g. ``kv_cache="absorbed"`` for MLA models."""
     if dtype not in DTYPES:
         raise EdgevlError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if kv_mode not in KV_MODES:
-        raise EdgevlError(f"unsupported kv cache mode {kv_mode!r}; choose one of {', '.join(KV_MODES)}")
     ckpt = Checkpoint(hf_path)
-    arch = resolve_architecture(ckpt.config)
-    family, fn = REGISTRY[arch]
+    arch = models.resolve(ckpt.config)
+    options = arch.resolve_options(options)
     out_dir = Path(out_path)
     if out_dir.exists() and not overwrite:
         raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
@@ -135,7 +48,7 @@ def convert(hf_path, out_path, dtype: str = "bf16", kv_mode: str = DEFAULT_KV_MO
 
     tmp = temp_dir_for(out_dir)
     try:
-        parts = fn(ckpt, tmp, dtype, kv_mode, on_tensor)
+        parts = arch.convert(ckpt, tmp, dtype, options, on_tensor)
         bar.update(max(0, src_bytes - bar.n), "hashing source")
         source_hashes = {}
         for p in ckpt.files:
@@ -144,11 +57,10 @@ def convert(hf_path, out_path, dtype: str = "bf16", kv_mode: str = DEFAULT_KV_MO
             if (ckpt.folder / name).is_file():
                 shutil.copy2(ckpt.folder / name, tmp / name)
         manifest = {
-            "architecture": arch,
-            "family": family,
+            "architecture": arch.name,
             "model_type": ckpt.config.get("model_type"),
             "dtype": dtype,
-            "kv_mode": kv_mode,
+            "options": options,
             "config": ckpt.config,
             "source": {"path": str(Path(hf_path).resolve()), "files": source_hashes},
             **parts,
@@ -160,4 +72,3 @@ def convert(hf_path, out_path, dtype: str = "bf16", kv_mode: str = DEFAULT_KV_MO
     finally:
         bar.close()
     return out_dir
-

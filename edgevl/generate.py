@@ -7,7 +7,6 @@ and the finish reason (the server and the CLI use it).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -15,14 +14,16 @@ from typing import Iterator
 from .errors import EdgevlError
 from .tokenizer import StreamDecoder
 
-COORD_RE = re.compile(r"^<([xy])_(\d+)>$")
-
-
 @dataclass
 class Prepared:
     input_ids: list
     image_rows: list = field(default_factory=list)
-    images: list = field(default_factory=list)   # processor info per image (sizes), for boxes
+    images: list = field(default_factory=list)   # processor info per image (sizes, grid)
+
+    @property
+    def encoded(self) -> list:
+        """(rows, info) per image, as Model.generate_tokens takes them."""
+        return list(zip(self.image_rows, self.images))
 
 
 @dataclass
@@ -82,7 +83,7 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             raise EdgevlError(f"the messages have {len(parts)} image parts but {len(images)} images were given")
         text = tok.apply_chat_template(prompt, add_generation_prompt=True)
     if images and model.vision is None:
-        raise EdgevlError("this model has no vision tower; it cannot take images (use a Youtu-VL model)")
+        raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
 
     ids = tok.encode(text)
     prep = Prepared(input_ids=[])
@@ -104,29 +105,6 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     return prep
 
 
-class CoordinateRescaler:
-    """Maps ``<x_i>``/``<y_i>`` tokens from resized-image pixels to original-image pixels (spec §10.3)."""
-
-    def __init__(self, tokenizer, image_info):
-        self.map = {}
-        coords = {}
-        for tid in range(tokenizer.vocab_size):
-            t = tokenizer.id_to_token(tid)
-            if t and t[0] == "<" and (mm := COORD_RE.match(t)):
-                coords[(mm.group(1), int(mm.group(2)))] = tid
-        if not coords:
-            return
-        top = {ax: max(i for a, i in coords if a == ax) for ax in ("x", "y") if any(a == ax for a, _ in coords)}
-        (oh, ow), (rh, rw) = image_info["image_size"], image_info["resized_size"]
-        ratio = {"x": ow / rw, "y": oh / rh}
-        for (ax, i), tid in coords.items():
-            j = min(max(round(i * ratio[ax]), 0), top[ax])  # Python round: half to even, as torch
-            self.map[tid] = coords.get((ax, j), tid)
-
-    def __call__(self, token: int) -> int:
-        return self.map.get(token, token)
-
-
 def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                   stop=None, raw: bool = False, max_image_patches: int | None = None,
@@ -134,10 +112,10 @@ def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperat
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     t0 = time.perf_counter()
     prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches)
-    rescale = (CoordinateRescaler(model.tokenizer, prep.images[0])
-               if rescale_coordinates and len(prep.images) == 1 else None)
+    # architecture-specific post-processing of the generated tokens (e.g. grounding coordinates)
+    rescale = model.arch.output_processor(model, prep.images) if rescale_coordinates else None
     detok = StreamDecoder(model.tokenizer)
-    gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.image_rows, temperature=temperature,
+    gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, temperature=temperature,
                                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
                                 reuse_cache=reuse_cache)
     n_prompt, n_gen = len(prep.input_ids), 0

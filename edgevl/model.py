@@ -1,8 +1,14 @@
 """A loaded package: tokenizer, embedding, decoder graph, lm_head and (for VLMs) the vision graph.
 
 ``Model.generate_tokens`` is the low-level loop every front end (API, CLI, chat, server) uses.
-The model keeps one KV cache session: a new request that starts with the tokens already in the
-cache (a chat's next turn) prefills only the new tokens.
+Everything model-specific comes from the package's architecture (``edgevl.models``): the decoder
+driver and its per-layer state, rotary positions, the vision encoder, output post-processing.
+
+The model keeps one decoder state (cache): a new request that starts with the tokens already in
+the cache (a chat's next turn) prefills only the new tokens. Attention KV state can be cut back
+to any length; recurrent state only to a snapshot taken at the end of an earlier prompt, so
+prefix reuse goes back to the longest shared prefix the cache can return to, and never carries
+recurrent state across a prefix that does not match exactly.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from typing import Iterator
 
 import numpy as np
 
+from . import models
 from .errors import EdgevlError
-from .models.base import rope_tables
 from .package import read_manifest, verify_files
-from .runtime import Decoder, Embedding, KVCache, LMHead, Net, SectionedNet, default_threads
+from .runtime import Embedding, LMHead, Net, SectionedNet, default_threads
 from .sample import Sampler
 from .tokenizer import Tokenizer
 
@@ -47,21 +53,17 @@ class Model:
         self.manifest = m = read_manifest(self.path)
         if verify:
             verify_files(self.path, m)
-        self.family = m["family"]
+        self.arch = models.get(m["architecture"])
         self.config = m["config"]
         self.dtype = m["dtype"]
         self.threads = int(threads) if threads else default_threads()
         if self.threads < 1:
             raise EdgevlError(f"threads must be >= 1, got {threads}")
-        self.tokenizer = Tokenizer(self.path, family=self.family)
+        self.tokenizer = Tokenizer(self.path, fallback_template=self.arch.chat_template)
 
         graphs = m["graphs"]
-        dec = graphs["decoder"]
-        self.rope_dim = dec["extra"]["rope_dim"]
-        self.rope_theta = dec["extra"]["rope_theta"]
-        self.max_context = int(dec["extra"]["max_position_embeddings"])
-        self.decoder = Decoder(self._net("decoder", light_mode), dec,
-                               lambda pos: rope_tables(pos, self.rope_dim, self.rope_theta))
+        self.max_context = int(m["context"])
+        self.decoder = self.arch.make_decoder(self, self._net("decoder", light_mode))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])
         e = m["embedding"]
         self.embedding = Embedding(str(self.path / e["file"]), e["segments"], e["rows"], e["dim"], e["dtype"])
@@ -76,17 +78,16 @@ class Model:
             if tid is not None:
                 self.eos_ids.add(tid)
 
-        self.image_token_id = self.config.get("image_token_id")
-        self.vision = None
-        if "vision" in graphs:
-            from .models.youtu_vl import VisionEncoder
+        self.image_token_id = m.get("image_token_id")
+        self.vision = self.arch.make_vision(self, self._net("vision", light_mode)) if "vision" in graphs else None
 
-            self.vision = VisionEncoder(self._net("vision", light_mode), graphs["vision"], self.manifest,
-                                        configured_max_patches(self.path))
-
-        self.cache: KVCache = self.decoder.new_cache()
+        self.cache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
         self.last_prefill_tokens = 0
+
+    @property
+    def family(self) -> str:
+        return self.arch.name
 
     def _net(self, name: str, light_mode: bool = True) -> Net:
         dtype = self.dtype if self.dtype != "q8" else "bf16"
@@ -94,6 +95,10 @@ class Model:
         if self.low_memory and light_mode and sections:
             return SectionedNet(str(self.path), str(self.path / f"{name}.bin"), sections, self.threads, dtype)
         return Net(str(self.path / f"{name}.param"), str(self.path / f"{name}.bin"), self.threads, dtype, light_mode)
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        return 2 if self.dtype in ("bf16", "q8") else 4
 
     # -- inputs -------------------------------------------------------------------------------
     def embed(self, input_ids: list[int], image_rows: list[np.ndarray] = ()) -> np.ndarray:
@@ -104,16 +109,20 @@ class Model:
         n_rows = sum(int(r.shape[0]) for r in image_rows)
         if n_pad != n_rows:
             raise EdgevlError(f"the prompt has {n_pad} image tokens but the image(s) produce {n_rows} "
-                              "embedding rows; expand each <|image_pad|> to the image's token count")
+                              "embedding rows; expand each image placeholder to the image's token count")
         if n_rows:
             x[ids == self.image_token_id] = np.concatenate(image_rows, 0)
         return x
 
     def encode_image(self, image, max_image_patches: int | None = None):
-        """(rows [N/4, hidden], processor info) for one image."""
+        """(rows [tokens, hidden], processor info) for one image."""
         if self.vision is None:
             raise EdgevlError("this model has no vision tower; it cannot take images")
         return self.vision(image, max_image_patches)
+
+    def positions(self, input_ids, images=()) -> np.ndarray:
+        """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos)."""
+        return np.asarray(self.arch.positions(list(input_ids), list(images), self.image_token_id), np.int64)
 
     # -- the decoding loop --------------------------------------------------------------------
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -136,8 +145,12 @@ class Model:
                 keys.append(int(t))
         return keys
 
-    def prefill(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True) -> np.ndarray:
-        """Feed the prompt (only what the cache lacks); returns the last position's logits."""
+    def prefill(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True,
+                images=()) -> np.ndarray:
+        """Feed the prompt (only what the cache lacks); returns the last position's logits.
+
+        ``images`` are the processor infos of the prompt's images (architectures whose positions
+        depend on image grids need them)."""
         if len(input_ids) == 0:
             raise EdgevlError("the prompt is empty; pass some text")
         if len(input_ids) >= self.max_context:
@@ -145,6 +158,7 @@ class Model:
                               f"{self.max_context}; shorten the prompt (or use a smaller image)")
         x = self.embed(list(input_ids), image_rows)
         keys = self._keys(input_ids, image_rows)
+        positions = self.positions(input_ids, images)
         start = 0
         if reuse_cache and self.cache_keys:
             n = 0
@@ -152,21 +166,25 @@ class Model:
                 if a != b:
                     break
                 n += 1
-            start = min(n, len(keys) - 1)  # at least one token must run to give logits
+            # at least one token must run to give logits; recurrent state only goes back to a snapshot
+            start = self.cache.rollback_point(min(n, len(keys) - 1))
         if start == 0:
             self.reset()
         else:
-            self.cache.truncate(start)
+            self.cache.rollback(start)
             self.cache_keys = self.cache_keys[:start]
         hidden = None
         for s in range(start, len(keys), PREFILL_CHUNK):
-            hidden, _ = self.decoder.forward(x[s:s + PREFILL_CHUNK], self.cache)
+            e = min(len(keys), s + PREFILL_CHUNK)
+            hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e])
+        self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
         self.cache_keys.extend(keys[start:])
         self.last_prefill_tokens = len(keys) - start
         return self.logits(hidden[-1:])[0]
 
     def step(self, token: int) -> np.ndarray:
-        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache)
+        pos = np.full((1, 1), self.cache.next_position, np.int64)
+        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos)
         self.cache_keys.append(int(token))
         return self.logits(hidden)[0]
 
@@ -176,16 +194,17 @@ class Model:
                         max_image_patches: int | None = None, ignore_eos: bool = False) -> Iterator[int]:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
-        ``input_ids`` must already hold each image's expanded ``<|image_pad|>`` run; ``image`` is a
-        path / PIL image, or a list of them in prompt order (or precomputed embedding rows).
+        ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
+        path / PIL image, or a list of them in prompt order (or ``(rows, info)`` pairs as
+        ``encode_image`` returns them; bare row arrays work for 1-D-position models).
         """
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
-        rows = self.image_rows(image, max_image_patches)
+        rows, infos = self.encode_images(image, max_image_patches)
         input_ids = [int(t) for t in input_ids]
         stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
-        logits = self.prefill(input_ids, rows, reuse_cache)
+        logits = self.prefill(input_ids, rows, reuse_cache, images=infos)
         history = list(input_ids)
         for _ in range(int(max_new_tokens)):
             tok = sampler(logits, history)
@@ -195,17 +214,22 @@ class Model:
             history.append(tok)
             logits = self.step(tok)
 
-    def image_rows(self, image, max_image_patches=None) -> list[np.ndarray]:
+    def encode_images(self, image, max_image_patches=None) -> tuple[list, list]:
+        """(rows per image, processor info per image) for ``image`` as generate_tokens takes it."""
         if image is None:
-            return []
+            return [], []
         images = image if isinstance(image, (list, tuple)) else [image]
-        out = []
+        rows, infos = [], []
         for im in images:
-            if isinstance(im, np.ndarray):
-                out.append(im.astype(np.float32))
+            if isinstance(im, tuple):
+                r, info = im
+            elif isinstance(im, np.ndarray):
+                r, info = im, None
             else:
-                out.append(self.encode_image(im, max_image_patches)[0])
-        return out
+                r, info = self.encode_image(im, max_image_patches)
+            rows.append(np.asarray(r, np.float32))
+            infos.append(info)
+        return rows, infos
 
 
 def load(path, threads: int | None = None, verify: bool = True, low_memory: bool = False) -> Model:
@@ -215,24 +239,3 @@ def load(path, threads: int | None = None, verify: bool = True, low_memory: bool
     only while it runs (much slower; for models that do not fit in RAM).
     """
     return Model(path, threads=threads, verify=verify, low_memory=low_memory)
-
-
-def configured_max_patches(folder) -> int:
-    """The per-image patch budget of a checkpoint or package: ``max_image_patches`` from its
-    preprocessor_config.json if set, else 36864.
-
-    Youtu-VL's own JSON has no such key (its ``max_num_patches`` 256 is overridden by the
-    processor call's default 36864, spec §2.3), so real checkpoints get 36864; the demo model,
-    trained on 128x128 images, sets 64.
-    """
-    from .processing.image import DEFAULT_MAX_IMAGE_PATCHES
-
-    p = Path(folder) / "preprocessor_config.json"
-    if p.is_file():
-        try:
-            v = json.loads(p.read_text()).get("max_image_patches")
-        except (OSError, ValueError):
-            v = None
-        if isinstance(v, int) and v > 0:
-            return v
-    return DEFAULT_MAX_IMAGE_PATCHES

@@ -20,7 +20,8 @@ from .weights import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "edgevl-package"
-FORMAT_VERSION = 1
+# 2: the model protocol (architecture + options, per-layer decoder state, context)
+FORMAT_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -94,6 +95,10 @@ def read_manifest(path) -> dict:
         raise EdgevlError(f"{mf} is not an edgevl manifest; convert the model again")
     if m.get("format_version", 0) > FORMAT_VERSION:
         raise EdgevlError(f"{path} was written by a newer edgevl (format {m.get('format_version')}); upgrade edgevl")
+    if m.get("format_version", 0) < FORMAT_VERSION:
+        src = (m.get("source") or {}).get("path") or "HF_DIR"
+        raise EdgevlError(f"{path} was converted by an older edgevl (package format {m.get('format_version')}); "
+                          f"convert it again: edgevl convert {src} {path} --force")
     return m
 
 

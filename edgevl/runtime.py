@@ -1,9 +1,12 @@
-"""Driving converted ncnn graphs from Python: nets, the KV cache, embeddings, the lm_head.
+"""Driving converted ncnn graphs from Python: nets, per-layer state, embeddings, the lm_head.
+
+Nothing here knows a model family: the manifest declares each decoder layer's state kind
+(attention KV, or recurrent), and the architecture supplies rope tables and host hooks.
 
 The ncnn facts this relies on are in ../shared/specs/ncnn_notes.md ("KV cache handles from
-Python"): caches are extracted with type=1 into a Mat we own and fed back unchanged; numpy
+Python"): KV caches are extracted with type=1 into a Mat we own and fed back unchanged; numpy
 inputs are cloned into ncnn before ``ex.input``; SDPA appends into the old cache in place, so a
-cache is linear (branching from a prefix means re-prefilling).
+KV cache is linear (branching from a prefix means re-prefilling).
 """
 
 from __future__ import annotations
@@ -77,16 +80,26 @@ class Net:
         ex.set_light_mode(self.light_mode)
         return ex
 
-    def execute(self, feeds: dict, wanted: list[tuple[str, int]]) -> dict:
-        """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches)."""
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
+        """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches).
+
+        ``passes``: (blob names, fn) pairs run first, in order: the blobs are extracted, ``fn``
+        gets them as arrays and returns arrays to feed by blob name (intermediate blobs too)."""
         ex = self.extractor()
-        for k, v in feeds.items():
-            ex.input(k, v if isinstance(v, ncnn.Mat) else to_mat(v))
+        _feed(ex, feeds)
+        for names, fn in passes:
+            got = _extract(ex, [(n, 0) for n in names])
+            _feed(ex, fn({n: from_mat(m) for n, m in got.items()}))
         return _extract(ex, wanted)
 
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
         return [from_mat(res[n]) for n in outputs]
+
+
+def _feed(ex, feeds: dict) -> None:
+    for k, v in feeds.items():
+        ex.input(k, v if isinstance(v, ncnn.Mat) else to_mat(v))
 
 
 def _extract(ex, wanted) -> dict:
@@ -120,7 +133,8 @@ class SectionedNet(Net):
             raise EdgevlError(f"ncnn could not load section {sec['name']} of {self.binfile}; convert the model again")
         return net
 
-    def execute(self, feeds: dict, wanted: list[tuple[str, int]]) -> dict:
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
+        assert not passes, "Decoder refuses host passes in low-memory mode"
         blobs = dict(feeds)
         types = dict(wanted)
         for sec in self.sections:
@@ -135,31 +149,229 @@ class SectionedNet(Net):
         return {n: blobs[n] for n, _ in wanted}
 
 
-class KVCache:
-    """Per-layer (k, v) ncnn Mats plus the token count they hold."""
+# ---------------------------------------------------------------------------------------------
+# per-layer state kinds (declared in the manifest's decoder graph: ``state``)
 
-    def __init__(self, n_layers: int):
-        self.mats: list[tuple] | None = None
-        self.length = 0
-        self.n_layers = n_layers
 
-    def bytes(self) -> int:
-        if not self.mats:
-            return 0
-        # w*h*d*c counts packs and elemsize is bytes per pack: their product is the data size
-        return int(sum(m.w * m.h * m.d * m.c * m.elemsize for kv in self.mats for m in kv))
+class KVState:
+    """Attention KV of one layer: SDPA's cache Mats, extracted with type 1 (ncnn's packed,
+    backend-specific layout) and fed back unchanged. Truncatable (see ``truncate``)."""
+
+    kind = "kv"
+    truncatable = True
+
+    def __init__(self, spec: dict):
+        self.inputs, self.outputs = list(spec["inputs"]), list(spec["outputs"])
+        self.mats: tuple | None = None
+
+    def feeds(self) -> dict:
+        return {} if self.mats is None else dict(zip(self.inputs, self.mats))  # first prefill: none
+
+    def wanted(self) -> list:
+        return [(n, 1) for n in self.outputs]
+
+    def update(self, res: dict) -> None:
+        self.mats = tuple(res[n] for n in self.outputs)
 
     def truncate(self, n: int) -> None:
-        """Drop tokens after the first ``n`` (lowering .h; checked by tests/test_kv_cache.py)."""
+        """Keep the first ``n`` tokens.
+
+        SDPA keeps its cache as Mats whose ``h`` is the number of valid tokens and appends the
+        next tokens after row ``h`` (into spare capacity, or a grown copy), so lowering ``h``
+        drops the tail. ncnn does not document this; ``kv_truncation_works`` checks it on the
+        installed ncnn once per process and the cache falls back to recomputing if it fails."""
+        if self.mats is None:
+            return
+        if n == 0:
+            self.mats = None
+            return
+        for m in self.mats:
+            m.h = n
+
+    def bytes(self) -> int:
+        # w*h*d*c counts packs and elemsize is bytes per pack: their product is the data size
+        return 0 if self.mats is None else int(sum(m.w * m.h * m.d * m.c * m.elemsize for m in self.mats))
+
+
+class RecurrentState:
+    """A recurrent layer's fixed-size state (e.g. a conv window and a matrix per head): fed in
+    (zeros at the start), extracted as plain fp32 Mats. Not truncatable: going back to an
+    earlier length restores a snapshot taken there."""
+
+    kind = "recurrent"
+    truncatable = False
+
+    def __init__(self, spec: dict):
+        self.inputs, self.outputs = list(spec["inputs"]), list(spec["outputs"])
+        self.shapes = [tuple(int(x) for x in s) for s in spec["shapes"]]  # numpy (c, h, w) order
+        self.mats: tuple | None = None
+
+    def feeds(self) -> dict:
+        if self.mats is None:
+            return {n: np.zeros(s, np.float32) for n, s in zip(self.inputs, self.shapes)}
+        return dict(zip(self.inputs, self.mats))
+
+    def wanted(self) -> list:
+        return [(n, 0) for n in self.outputs]
+
+    def update(self, res: dict) -> None:
+        self.mats = tuple(res[n] for n in self.outputs)
+
+    def snapshot(self):
+        return None if self.mats is None else tuple(from_mat(m) for m in self.mats)
+
+    def restore(self, snap) -> None:
+        self.mats = None if snap is None else tuple(to_mat(a) for a in snap)
+
+    def bytes(self) -> int:
+        return int(sum(4 * np.prod(s) for s in self.shapes))
+
+
+STATE_KINDS = {"kv": KVState, "recurrent": RecurrentState}
+
+# Snapshots of recurrent state kept per cache (each is the whole fixed-size state): enough for
+# the turn boundaries a chat or a resent conversation rolls back to.
+MAX_SNAPSHOTS = 4
+
+
+class Cache:
+    """The decoder's state for one sequence: per-layer states, the token count, each cached
+    token's next rotary position, and snapshots of recurrent state at turn boundaries."""
+
+    def __init__(self, specs: list):
+        for s in specs:
+            if s.get("kind") not in STATE_KINDS:
+                raise EdgevlError(f"unknown state kind {s.get('kind')!r} in manifest.json; "
+                                  "upgrade edgevl or convert the model again")
+        self.specs = specs
+        self.layers = [STATE_KINDS[s["kind"]](s) for s in specs]
+        self.length = 0
+        self.next_positions: list[int] = []
+        self._snapshots: dict[int, list] = {}
+
+    @property
+    def truncatable(self) -> bool:
+        return all(s.truncatable for s in self.layers)
+
+    def rollback_point(self, n: int) -> int:
+        """The largest length <= n this cache can go back to (0: start over)."""
         if n >= self.length:
+            return self.length
+        if self.truncatable:
+            return n if kv_truncation_works() else 0
+        points = [k for k in self._snapshots if k <= n]
+        return max(points, default=0)
+
+    def rollback(self, n: int) -> None:
+        if n == self.length:
             return
-        if n == 0 or self.mats is None:
-            self.mats, self.length = None, 0
+        if n == 0:
+            self.__init__(self.specs)
             return
-        for k, v in self.mats:
-            k.h = n
-            v.h = n
+        if self.rollback_point(n) != n:
+            raise ValueError(f"this cache cannot go back to {n} tokens")
+        snap = self._snapshots.get(n)
+        for s in self.layers:
+            if s.truncatable:
+                s.truncate(n)
+        if not self.truncatable:
+            for s, a in zip((s for s in self.layers if not s.truncatable), snap):
+                s.restore(a)
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k <= n}
         self.length = n
+        del self.next_positions[n:]
+
+    def snapshot(self) -> None:
+        """Remember the recurrent state at the current length (a turn boundary)."""
+        if self.truncatable or self.length == 0 or self.length in self._snapshots:
+            return
+        self._snapshots[self.length] = [s.snapshot() for s in self.layers if not s.truncatable]
+        while len(self._snapshots) > MAX_SNAPSHOTS:
+            del self._snapshots[min(self._snapshots)]
+
+    def feeds(self) -> dict:
+        out = {}
+        for s in self.layers:
+            out.update(s.feeds())
+        return out
+
+    def wanted(self) -> list:
+        return [w for s in self.layers for w in s.wanted()]
+
+    def update(self, res: dict, next_positions) -> None:
+        for s in self.layers:
+            s.update(res)
+        self.length += len(next_positions)
+        self.next_positions.extend(int(p) for p in next_positions)
+
+    @property
+    def next_position(self) -> int:
+        return self.next_positions[-1] if self.next_positions else 0
+
+    def bytes(self) -> int:
+        return sum(s.bytes() for s in self.layers)
+
+
+def state_bytes(specs: list, n_tokens: int, kv_elem_bytes: int = 4) -> int:
+    """Bytes of a model's decoder state for a context of ``n_tokens`` (KV grows, recurrent is fixed),
+    from the manifest's per-layer declarations; KV elements are 2 bytes in bf16 nets."""
+    total = 0
+    for s in specs:
+        if s["kind"] == "kv":
+            total += int(s["floats_per_token"]) * kv_elem_bytes * int(n_tokens)
+        else:
+            total += int(sum(4 * np.prod(sh) for sh in s["shapes"]))
+    return total
+
+
+_KV_TRUNCATION_OK: bool | None = None
+
+
+def kv_truncation_works() -> bool:
+    """Check once per process that lowering a KV Mat's ``h`` rolls SDPA's cache back on the
+    installed ncnn (a 3-token cache cut to 1, then 2 tokens appended, must equal 3 fresh
+    tokens). Costs about a millisecond; False makes every rollback recompute instead."""
+    global _KV_TRUNCATION_OK
+    if _KV_TRUNCATION_OK is None:
+        _KV_TRUNCATION_OK = _probe_kv_truncation()
+    return _KV_TRUNCATION_OK
+
+
+def _probe_kv_truncation() -> bool:
+    from . import ncnn_graph as G
+
+    import tempfile
+
+    d = 8
+    with tempfile.TemporaryDirectory() as tmp:
+        g = G.Graph(os.path.join(tmp, "p.bin"))
+        q, k, v, mask = g.input("q"), g.input("k"), g.input("v"), g.input("mask")
+        g.input("ck")
+        g.input("cv")
+        G.sdpa(g, q, k, v, mask, cache=["ck", "cv"], cache_out=["ok", "ov"], out="o")
+        g.save(os.path.join(tmp, "p.param"))
+        net = Net(os.path.join(tmp, "p.param"), os.path.join(tmp, "p.bin"), 1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, d)).astype(np.float32)  # (c=2 heads, h=4 tokens, w=d)
+
+    def run(tokens, past):
+        seq = tokens.shape[1]
+        length = 0 if past is None else past[0].h
+        feeds = {"q": tokens, "k": tokens, "v": tokens, "mask": causal_mask(length, seq)}
+        if past is not None:
+            feeds.update(ck=past[0], cv=past[1])
+        r = net.execute(feeds, [("o", 0), ("ok", 1), ("ov", 1)])
+        return from_mat(r["o"]), (r["ok"], r["ov"])
+
+    fresh, _ = run(x[:, :3], None)
+    _, cache = run(x[:, [0, 3, 3]], None)   # tokens 1, 2 differ from the fresh run's
+    for m in cache:
+        m.h = 1
+    again, _ = run(x[:, 1:3], cache)
+    return bool(np.allclose(again, fresh[:, 1:3], atol=1e-5))
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 class Embedding:
@@ -200,37 +412,55 @@ def causal_mask(past: int, seq: int) -> np.ndarray:
 
 
 class Decoder:
-    """A decoder graph with an SDPA KV cache (prefill and decode share it)."""
+    """Drives a decoder graph: embeddings, mask, rope tables and per-layer state in; the final
+    hidden states and the updated state out. One graph serves prefill and decode.
 
-    def __init__(self, net: Net, info: dict, cos_sin):
+    ``info["passes"]`` (optional) lets an architecture run host work inside a forward: each pass
+    extracts some blobs, hands them to ``hooks[pass["hook"]](blobs, **pass.get("args", {}))``
+    and feeds the arrays it returns back into the graph by blob name (ncnn skips a fed blob's
+    producer), before the next pass or the final extraction — e.g. routing to experts in numpy.
+    A pass with ``"when": "prefill"`` runs only for inputs of more than one token."""
+
+    def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
-        self.cos_sin = cos_sin  # callable(positions) -> (cos, sin)
-        self.n_layers = len(info["cache"])
+        self.rope = rope  # callable(positions [axes, seq]) -> (cos, sin)
+        self.hooks = hooks or {}
+        self.passes = info.get("passes") or []
+        for p in self.passes:
+            if p["hook"] not in self.hooks:
+                raise EdgevlError(f"the decoder graph needs host step {p['hook']!r}, which this edgevl "
+                                  "does not have; upgrade edgevl or convert the model again")
+        if self.passes and isinstance(net, SectionedNet):
+            raise EdgevlError("low-memory mode does not support this architecture's decoder yet; "
+                              "run without --low-memory")
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.n_layers)
+    def new_cache(self) -> Cache:
+        return Cache(self.info["state"])
 
-    def forward(self, embeds: np.ndarray, cache: KVCache, extract: list[str] = ()) -> tuple[np.ndarray, dict]:
-        """Run ``embeds`` [S, H] on top of ``cache`` (updated in place); returns hidden [S, H]."""
+    def forward(self, embeds: np.ndarray, cache: Cache, positions: np.ndarray,
+                extract: list[str] = ()) -> tuple[np.ndarray, dict]:
+        """Run ``embeds`` [S, H] at rotary ``positions`` [axes, S] on top of ``cache`` (updated
+        in place); returns the final hidden states [S, H] and the blobs named in ``extract``."""
         seq, past = embeds.shape[0], cache.length
-        cos, sin = self.cos_sin(np.arange(past, past + seq))
+        positions = np.asarray(positions).reshape(-1, seq)
+        cos, sin = self.rope(positions)
         names = self.info["inputs"]
         feeds = {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
-                 names["sin"]: sin}
-        if cache.mats is not None:
-            for (k_in, v_in, _, _), (k, v) in zip(self.info["cache"], cache.mats):
-                feeds[k_in], feeds[v_in] = k, v
-        # intermediate blobs first (they must be extracted before consumers free them); caches
-        # with type 1: the packed cache layout, fed back unchanged
+                 names["sin"]: sin, **cache.feeds()}
+        passes = [(p["extract"], self._hook(p, seq)) for p in self.passes
+                  if p.get("when", "always") == "always" or seq > 1]
+        # intermediate blobs first (they must be extracted before consumers free them); state
+        # outputs with their kind's extraction type
         hidden = self.info["outputs"]["hidden"]
-        wanted = [(n, 0) for n in extract] + [(hidden, 0)]
-        wanted += [(n, 1) for _, _, k_out, v_out in self.info["cache"] for n in (k_out, v_out)]
-        res = self.net.execute(feeds, wanted)
+        wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
+        res = self.net.execute(feeds, wanted, passes)
         extra = {n: from_mat(res[n]) for n in extract}
-        mats = [(res[k_out], res[v_out]) for _, _, k_out, v_out in self.info["cache"]]
-        cache.mats = mats
-        cache.length = past + seq
+        cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
+
+    def _hook(self, p: dict, seq: int):
+        fn, args = self.hooks[p["hook"]], p.get("args", {})
+        return lambda blobs: fn(blobs, seq=seq, **args)
 
 
 class LMHead:

@@ -2,7 +2,7 @@
 
 Chat templates render the way transformers renders them (sandboxed jinja, trim_blocks,
 lstrip_blocks, ``raise_exception``), from ``chat_template.jinja``, ``chat_template.json`` or
-``tokenizer_config.json``; a checkpoint without one gets the built-in template for its family.
+``tokenizer_config.json``; a checkpoint without one gets its architecture's built-in template.
 """
 
 from __future__ import annotations
@@ -15,28 +15,6 @@ from .errors import EdgevlError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.json", "chat_template.jinja", "generation_config.json")
-
-# Youtu-VL's template (spec youtu_vl.md §10.1): default system prompt, content items joined
-# without separators, one <|image_pad|> per image (expanded to N/4 later), BOS in the template.
-YOUTU_VL_TEMPLATE = (
-    "{%- if not messages or messages[0]['role'] != 'system' -%}"
-    "{{- '<|begin_of_text|>system\\nYou are a helpful assistant.<|end_of_text|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|begin_of_text|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|end_of_text|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|begin_of_text|>assistant\\n' -}}{%- endif -%}"
-)
-
-BUILTIN_TEMPLATES = {"youtu_vl": YOUTU_VL_TEMPLATE}
-
 
 def _raise(msg):
     raise EdgevlError(f"chat template error: {msg}")
@@ -64,7 +42,7 @@ def _token_text(v):
 
 
 class Tokenizer:
-    def __init__(self, folder, family: str | None = None):
+    def __init__(self, folder, fallback_template: str | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.folder = Path(folder)
@@ -78,7 +56,7 @@ class Tokenizer:
             raise EdgevlError(f"{path} could not be read ({e}); re-download it") from None
         cfg_path = self.folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = _load_template(self.folder, self.config) or BUILTIN_TEMPLATES.get(family or "")
+        self.chat_template = _load_template(self.folder, self.config) or fallback_template
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self._env = None

@@ -1,8 +1,7 @@
 """Layer-by-layer comparison of a converted package with its PyTorch reference.
 
-Text models compare against transformers' own ``YoutuForCausalLM``; Youtu-VL against the
-project's reference (``edgevl.reference.youtu_vl``), which reads the real checkpoint layout.
-Needs ``pip install edgevl[verify]``.
+The reference is the architecture's (``Architecture.reference``): transformers' own class where
+one exists, else a small faithful PyTorch model the project keeps. Needs ``pip install edgevl[verify]``.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ class Report:
 
     def print(self, out=sys.stdout):
         if self.processor_max_diff is not None:
-            print(f"processor pixel_values max |diff| vs torch uint8 path: {self.processor_max_diff:.3g}", file=out)
+            print(f"processor pixel_values max |diff| vs the reference processor: {self.processor_max_diff:.3g}", file=out)
         print(f"{'section':<8} {'tensor':<28} {'cosine':>12} {'max|diff|':>12}", file=out)
         for sec, name, c, d in self.rows:
             print(f"{sec:<8} {name:<28} {c:>12.8f} {d:>12.4g}", file=out)
@@ -85,119 +84,43 @@ def _require_torch():
                           "https://download.pytorch.org/whl/cpu)") from None
 
 
-def torch_pixel_values(image, max_image_patches, patch: int, merge: int) -> np.ndarray:
-    """The HF processor path in torch (uint8 antialiased resize, fused normalisation, patchify)."""
-    import torch
-    import torch.nn.functional as F
-
-    from .processing.image import load_image, target_size
-
-    im = load_image(image)
-    th, tw = target_size(im.height, im.width, max_image_patches, patch, merge)
-    x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
-    x = F.interpolate(x, size=(th, tw), mode="bilinear", antialias=True, align_corners=False)[0]
-    x = (x.float() - 127.5) / 127.5
-    gh, gw = th // patch, tw // patch
-    x = x.reshape(3, gh // merge, merge, patch, gw // merge, merge, patch).permute(1, 4, 2, 5, 3, 6, 0)
-    return x.reshape(gh * gw, patch * patch * 3).numpy()
-
-
-def _reference(model, ref_dir):
-    import torch
-
-    if model.family == "youtu_vl":
-        from .reference.youtu_vl import YoutuVLForConditionalGeneration
-
-        return YoutuVLForConditionalGeneration.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    from transformers import YoutuForCausalLM
-
-    return YoutuForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-
-
-def _ref_text_states(ref, family, ids, pv=None, ss=None):
-    """[embeddings, after each decoder layer, after final norm] and last-position logits."""
-    import torch
-
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        if family == "youtu_vl":
-            states = [(s[0] if s.dim() == 3 else s).numpy() for s in ref.text_hidden_states(t, pv, ss)]
-            logits = ref(t, pv, ss).logits
-            logits = (logits[0] if logits.dim() == 3 else logits).numpy()
-            return states, logits
-        outs = []
-        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                 for layer in ref.model.layers]
-        try:
-            r = ref(t, output_hidden_states=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        states = [r.hidden_states[0][0].numpy()] + [o[0].numpy() for o in outs]
-        with torch.no_grad():
-            final = ref.model.norm(outs[-1])[0].numpy()
-        return states + [final], r.logits[0].numpy()
-
-
-def reference_greedy(ref, family, ids, n, eos, pv=None, ss=None) -> list[int]:
-    import torch
-
-    if family == "youtu_vl":
-        with torch.no_grad():
-            return list(ref.greedy_generate(torch.tensor([ids]), pv, ss, max_new_tokens=n, eos_token_id=eos))
-    out, cache, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            r = ref(x, cache=cache, use_cache=True)
-            cache = r.cache
-            t = int(r.logits[0, -1].argmax())
-            out.append(t)
-            if t in eos:
-                break
-            x = torch.tensor([[t]])
-    return out
-
-
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
             max_image_patches=None, threads=None) -> Report:
     _require_torch()
-    import torch
-
     from .generate import prepare
     from .model import Model
 
     model = Model(package, threads=threads, light_mode=False)
     if image is not None and model.vision is None:
         raise EdgevlError("--image given but this is a text-only model")
-    ref = _reference(model, reference_dir)
+    ref = model.arch.reference(reference_dir)
     rep = Report(dtype=model.dtype)
-    prep = prepare(model, prompt, image=image, max_image_patches=max_image_patches)
-    pv = ss = None
-    if prep.images:
-        rows, info = model.vision(image, max_image_patches, extract_layers=True)
-        v = model.vision.v
-        n = max_image_patches or model.vision.default_max_patches
-        rep.processor_max_diff = float(np.abs(
-            torch_pixel_values(image, n, v.patch_size, v.spatial_merge_size) - info["pixel_values"]).max())
-        pv, ss = torch.from_numpy(info["pixel_values"]), info["spatial_shapes"]
-        with torch.no_grad():
-            merged, states = ref.vision_features(pv, ss, output_hidden_states=True)
-        for i, ours in enumerate(info["layers"][:-1]):
-            rep.add("vision", f"layer {i}", ours, states[i + 1].numpy())
-        rep.add("vision", "post_layernorm", info["layers"][-1], states[-2].numpy())
-        rep.add("vision", "merger", rows, merged.numpy())
+    images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    prep = prepare(model, prompt, image=images or None, max_image_patches=max_image_patches)
+    ref_images = None
+    if images:
+        infos = [model.vision(im, max_image_patches, extract_layers=True)[1] for im in images]
+        ref_images = ref.prepare_images(images, infos)
+        rep.processor_max_diff = ref.processor_diff(images, infos)
+        for k, (info, (merged, states)) in enumerate(zip(infos, ref.vision_states(ref_images))):
+            tag = f"image {k} " if len(images) > 1 else ""
+            for i, ours in enumerate(info["layers"][:-1]):
+                rep.add("vision", f"{tag}layer {i}", ours, states[i])
+            rep.add("vision", f"{tag}post norm", info["layers"][-1], states[-1])
+            rep.add("vision", f"{tag}merger", prep.image_rows[k], merged)
     ids = prep.input_ids
-    states, ref_logits = _ref_text_states(ref, model.family, ids, pv, ss)
+    states, ref_logits = ref.text_states(ids, ref_images)
     embeds = model.embed(ids, prep.image_rows)
     rep.add("text", "embeddings", embeds, states[0])
     names = model.decoder.info["outputs"]["layers"]
-    hidden, extra = model.decoder.forward(embeds, model.decoder.new_cache(), extract=names)
+    hidden, extra = model.decoder.forward(embeds, model.decoder.new_cache(), model.positions(ids, prep.images),
+                                          extract=names)
     for i, name in enumerate(names):
         rep.add("text", f"layer {i}", extra[name], states[i + 1])
     rep.add("text", "final norm", hidden, states[-1])
     rep.add("text", "logits", model.logits(hidden), ref_logits)
-    rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.image_rows, reuse_cache=False))
-    rep.reference = reference_greedy(ref, model.family, ids, max_new_tokens, model.eos_ids, pv, ss)
+    rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.encoded, reuse_cache=False))
+    rep.reference = ref.greedy(ids, max_new_tokens, model.eos_ids, ref_images)
     return rep
 
 

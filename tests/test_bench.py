@@ -10,7 +10,7 @@ from helpers import make_youtu
 
 def test_bench_json_table_and_plot(tmp_path):
     ck = make_youtu(tmp_path / "ck", seed=2)
-    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", kv_mode="absorbed", progress=False)
+    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", kv_cache="absorbed", progress=False)
     edgevl.convert(ck, tmp_path / "pk-q8", dtype="q8", progress=False)
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--extra-model", tmp_path / "pk-q8",
                         "--compare", "torch", "--prompt-tokens", "16", "--gen-tokens", "4", "--threads", "1",

@@ -93,7 +93,7 @@ def test_kv_cache_truncate_rolls_back(model):
     ids = model.tokenizer.encode("The quick brown fox jumps over")
     ref = list(model.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False))
     model.prefill(ids + ref[:5] + [7, 8, 9], reuse_cache=False)
-    model.cache.truncate(len(ids) - 2)   # roll back into the prompt
+    model.cache.rollback(len(ids) - 2)   # roll back into the prompt
     model.cache_keys = model.cache_keys[:len(ids) - 2]
     again = list(model.generate_tokens(ids, 12, ignore_eos=True))   # reuses the 2-short prefix
     assert model.last_prefill_tokens == 2

@@ -1,4 +1,4 @@
-"""Tests for edgevl.processing.image against the spec (shared/specs/youtu_vl.md §3, §4.3, §4.4)
+"""Tests for edgevl.processing.image and .siglip2 against the spec (shared/specs/youtu_vl.md §3, §4.3, §4.4)
 and against PyTorch, which is what the HF processor runs."""
 
 import ast
@@ -15,11 +15,11 @@ from PIL import Image
 
 from edgevl.errors import EdgevlError
 from edgevl.processing import image as imp
-from edgevl.processing.image import (
+from edgevl.processing import siglip2
+from edgevl.processing.image import load_image, resize_uint8_antialias
+from edgevl.processing.siglip2 import (
     apply_window_order,
-    load_image,
     preprocess,
-    resize_uint8_antialias,
     restore_order,
     target_size,
     vision_rope_angles,
@@ -423,14 +423,15 @@ def test_huge_image_is_downscaled_within_budget(tmp_path):
     assert np.all(out["pixel_values"] == (np.float32(77) - 127.5) / np.float32(127.5))
 
 
-def test_module_does_not_import_torch():
-    tree = ast.parse(Path(imp.__file__).read_text())
+@pytest.mark.parametrize("module", [imp, siglip2])
+def test_module_does_not_import_torch(module):
+    tree = ast.parse(Path(module.__file__).read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):  # a relative import (from .image ...) stays in edgevl
+            names.add("edgevl" if node.level else node.module.split(".")[0])
     assert "torch" not in names and names <= {"__future__", "math", "os", "re", "warnings",
                                               "pathlib", "typing", "numpy", "PIL", "edgevl"}
 

@@ -74,7 +74,7 @@ def reference(pkg, messages, n):
     """edgevl's own greedy answer, token list and prompt length on a fresh model."""
     model = edgevl.load(pkg)
     prep = prepare(model, messages)
-    tokens = list(model.generate_tokens(prep.input_ids, n, image=prep.image_rows, reuse_cache=False))
+    tokens = list(model.generate_tokens(prep.input_ids, n, image=prep.encoded, reuse_cache=False))
     return edgevl.generate(model, messages, max_new_tokens=n), tokens, len(prep.input_ids)
 
 

@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory):
 def _convert(ck, root, dtype, kv="absorbed"):
     out = root / f"{ck.name}-{dtype}-{kv}"
     if not out.exists():
-        edgevl.convert(ck, out, dtype=dtype, kv_mode=kv, progress=False)
+        edgevl.convert(ck, out, dtype=dtype, kv_cache=kv, progress=False)
     return edgevl.load(out)
 
 
@@ -80,7 +80,7 @@ def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dt
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0, len(ids) - 1:-1].numpy()
         model.reset()
-        hidden, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache())
+        hidden, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache(), model.positions(seq))
         ours = model.logits(hidden[len(ids) - 1:-1])
         agree += int((ours.argmax(1) == ref.argmax(1)).sum())
         total += ref.shape[0]

@@ -8,9 +8,10 @@ from PIL import Image
 import edgevl
 from edgevl.demo.tokenizer import save_tokenizer
 from edgevl.errors import EdgevlError
-from edgevl.generate import CoordinateRescaler, prepare
+from edgevl.generate import prepare
 from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
-from edgevl.verify import compare, torch_pixel_values
+from edgevl.models.youtu_vl import CoordinateRescaler, coordinate_tokens, torch_pixel_values
+from edgevl.verify import compare
 from helpers import tiny_tokenizer
 
 CONFIGS = {
@@ -118,7 +119,7 @@ def test_two_images_in_one_prompt(vl):
                                           {"type": "image", "image": b}, {"type": "text", "text": "compare"}]}]
     prep = prepare(model, msgs)
     assert len(prep.image_rows) == 2
-    logits = model.prefill(prep.input_ids, prep.image_rows, reuse_cache=False)
+    logits = model.prefill(prep.input_ids, prep.image_rows, reuse_cache=False, images=prep.images)
     # reference: fuse both images' merger rows in order, then run the LM
     ids = torch.tensor([prep.input_ids])
     with torch.no_grad():
@@ -185,7 +186,7 @@ def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
 
     _, pk, _, _ = vl["default"]
     tok = edgevl.load(pk).tokenizer
-    resc = CoordinateRescaler(tok, {"image_size": (50, 100), "resized_size": (64, 128)})
+    resc = CoordinateRescaler(coordinate_tokens(tok), {"image_size": (50, 100), "resized_size": (64, 128)})
     x10, y10 = tok.token_to_id("<x_10>"), tok.token_to_id("<y_10>")
     assert tok.id_to_token(resc(x10)) == "<x_8>"    # 10 * 100/128 = 7.8 -> 8
     assert tok.id_to_token(resc(y10)) == "<y_8>"    # 10 * 50/64 = 7.8 -> 8

@@ -23,7 +23,7 @@ def demo_checkpoint() -> Path:
 
 def demo_package(progress: bool = False) -> Path:
     from ..convert import convert
-    from ..package import MANIFEST, cache_dir
+    from ..package import FORMAT_VERSION, MANIFEST, cache_dir
 
     ck = demo_checkpoint()
     h = hashlib.sha256()
@@ -31,7 +31,9 @@ def demo_package(progress: bool = False) -> Path:
         if p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
-    out = cache_dir() / f"demo-{h.hexdigest()[:12]}"
+    # keyed by the package format too: a newer edgevl converts the demo again instead of
+    # refusing the cached package of an older one
+    out = cache_dir() / f"demo-{h.hexdigest()[:12]}-v{FORMAT_VERSION}"
     if not (out / MANIFEST).is_file():
         try:
             convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists())

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
 
     import edgevl
     from edgevl.generate import prepare
-    from edgevl.model import configured_max_patches
-    from edgevl.processing.image import preprocess
+    from edgevl.models.youtu_vl import configured_max_patches
+    from edgevl.processing.siglip2 import preprocess
 
     with tempfile.TemporaryDirectory(prefix="edgevl-demo-eval-") as tmp:
         pkg, ref_dir = resolve(args.model, args.reference, Path(tmp))

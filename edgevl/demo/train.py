@@ -22,7 +22,7 @@ Everything is seeded and runs on the CPU (2 threads by default):
 Prompts are built exactly the way the runtime builds them (``edgevl.generate.prepare``): the
 chat template rendered by ``edgevl.tokenizer.Tokenizer``, tokenized without special tokens, the
 single ``<|image_pad|>`` expanded to ``num_image_tokens`` copies; pixels come from
-``edgevl.processing.image.preprocess``.
+``edgevl.processing.siglip2.preprocess``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 from edgevl.demo import scenes as S
 from edgevl.demo.evaluate import score
 from edgevl.demo.tokenizer import EOS, save_tokenizer, train_tokenizer
-from edgevl.processing.image import preprocess
-from edgevl.tokenizer import YOUTU_VL_TEMPLATE, Tokenizer
+from edgevl.processing.siglip2 import preprocess
+from edgevl.models.youtu_vl import YOUTU_VL_TEMPLATE
+from edgevl.tokenizer import Tokenizer
 
 MAX_IMAGE_PATCHES = 64          # 128x128 -> 8x8 patches -> 16 image tokens
 N_COORDINATES = S.IMAGE_SIZE    # <x_0>..<x_127>, <y_0>..<y_127>

@@ -52,7 +52,7 @@ def swiglu_mlp(ctx: Ctx, x: str, prefix: str, hidden: int, inter: int, out: str 
     """down(silu(gate(x)) * up(x)) — the dense MLP of Youtu, Qwen and Llama-style models."""
     g = ctx.g
     gate = ctx.linear(x, f"{prefix}.gate_proj", inter, hidden)
-    gate = g.layer("Swish", [gate], name=f"{prefix}.silu")
+    gate = G.swish(g, gate, name=f"{prefix}.silu")
     up = ctx.linear(x, f"{prefix}.up_proj", inter, hidden)
     h = G.binary(g, gate, up, "mul", name=f"{prefix}.mul")
     return ctx.linear(h, f"{prefix}.down_proj", hidden, inter, out=out)
@@ -102,8 +102,102 @@ def rope_tables(positions: np.ndarray, dim: int, theta: float) -> tuple[np.ndarr
 
 @dataclass
 class GraphInfo:
-    """What the runtime needs to drive a converted decoder graph (stored in the manifest)."""
+    """What the runtime needs to drive a converted graph (stored in the manifest)."""
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
-    cache: list = field(default_factory=list)       # [[in_k, in_v, out_k, out_v], ...]
+    # decoder graphs: per layer {"kind": "kv" | "recurrent", "inputs": [...], "outputs": [...],
+    # "floats_per_token" (kv) | "shapes" (recurrent, numpy (c, h, w) order)} — see runtime.Cache
+    state: list = field(default_factory=list)
+    passes: list = field(default_factory=list)      # host hooks between graph passes (runtime.Decoder)
     extra: dict = field(default_factory=dict)
+
+
+def kv_state(i: int, floats_per_token: int) -> dict:
+    """The SDPA KV cache of decoder layer ``i`` (blob names as the emitters write them)."""
+    return {"kind": "kv", "inputs": [f"cache_k{i}", f"cache_v{i}"],
+            "outputs": [f"out_cache_k{i}", f"out_cache_v{i}"], "floats_per_token": int(floats_per_token)}
+
+
+# ---------------------------------------------------------------------------------------------
+# writing a package's language-model files (any decoder-only LM)
+
+# q8 block size. Larger blocks run faster in this ncnn wheel (a one-row 6144x2048 Gemm: 2.2 / 2.0
+# / 1.6 ms at block 32 / 64 / 128, bf16 1.1 ms) but lost 4 points of top-1 agreement on the test
+# models; 32 is llama.cpp q8_0's block too.
+Q8_BLOCK = 32
+
+
+def storage_dtype(dtype: str) -> str:
+    """The float format of weights that are not block-quantized."""
+    return "bf16" if dtype == "q8" else dtype
+
+
+def weight_ctx(ckpt: Checkpoint, g: G.Graph, dtype: str, on_tensor, quantize: bool = True) -> Ctx:
+    """A Ctx writing the package dtype (q8: block-quantized Gemm weights, bf16 for the rest)."""
+    quant = (8, Q8_BLOCK) if dtype == "q8" and quantize else None
+    return Ctx(ckpt, g, storage_dtype(dtype), quant, on_tensor)
+
+
+def save_graph(g: G.Graph, param_path, info: GraphInfo) -> dict:
+    """Write the graph (and its per-section params for low-memory mode); returns the manifest entry."""
+    outs = [v for v in info.outputs.values() for v in (v if isinstance(v, list) else [v])]
+    keep = outs + [n for s in info.state for n in s["outputs"]]
+    info.extra["sections"] = g.save(param_path, keep=keep)
+    return vars(info)
+
+
+# Rows per lm_head Gemm: ncnn widens a constant B to fp32 while packing it at load, so one
+# 283k x 2560 Gemm would need ~3 GB of transient memory; shards keep that to ~100 MB.
+HEAD_SHARD_ROWS = 16384
+
+
+def build_lm_head(ctx: Ctx, vocab: int, hidden: int, weight_name: str) -> GraphInfo:
+    """Logits = hidden @ W^T, as row shards concatenated; returns each shard's rows and offset."""
+    g = ctx.g
+    x = g.input("hidden")
+    w = ctx.tensor(weight_name, (vocab, hidden))
+    outs, shards = [], []
+    for r0 in range(0, vocab, HEAD_SHARD_ROWS):
+        r1 = min(vocab, r0 + HEAD_SHARD_ROWS)
+        name = f"lm_head.{len(outs)}"
+        g.section(f"shard{len(outs)}")
+        outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant, name=name,
+                           out="logits" if r1 - r0 == vocab else None, fp32_output=True))
+        shards.append({"rows": [r0, r1], "offset": g.weight_offsets[name][0]})
+    if len(outs) > 1:
+        g.section("concat")
+        G.concat(g, outs, axis=1, name="lm_head.concat", out="logits")
+    return GraphInfo(inputs={"hidden": "hidden"}, outputs={"logits": "logits"}, extra={"shards": shards})
+
+
+def head_weight_name(ckpt: Checkpoint, tied: bool, embed_name: str, head_name: str = "lm_head.weight") -> str:
+    """The tensor the head uses: ``lm_head.weight``, or the embedding when tied (or absent)."""
+    if not tied and head_name in ckpt:
+        return head_name
+    if not tied:
+        raise EdgevlError(f"config.json says tie_word_embeddings=false but {head_name} is missing "
+                          "from the checkpoint; re-download it")
+    return embed_name
+
+
+def write_head_and_embedding(ckpt: Checkpoint, out, dtype: str, on_tensor, vocab: int, hidden: int,
+                             embed_name: str, head_name: str) -> tuple[dict, dict]:
+    """lm_head.param/.bin and the host-side embedding table; returns (head graph entry, embedding)."""
+    g = G.Graph(out / "lm_head.bin")
+    ctx = weight_ctx(ckpt, g, dtype, on_tensor)
+    head = save_graph(g, out / "lm_head.param", build_lm_head(ctx, vocab, hidden, head_name))
+    sd = storage_dtype(dtype)
+    if head_name == embed_name and ctx.quant is None:
+        # Tied float head: its Gemm shards *are* the embedding table; read rows from lm_head.bin
+        # (each shard's data follows its 4-byte type tag) instead of storing the table twice.
+        embedding = {"file": "lm_head.bin", "dtype": sd,
+                     "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head["extra"]["shards"]]}
+    else:
+        t = ckpt.get(embed_name, (vocab, hidden))
+        on_tensor(t)
+        with open(out / "embed.bin", "wb") as f:
+            for chunk in G.iter_row_chunks(t):
+                f.write(G.encode(chunk, sd).tobytes())
+        embedding = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, vocab], "offset": 0}]}
+    embedding.update(rows=vocab, dim=hidden)
+    return head, embedding

@@ -16,18 +16,42 @@ in the processor's (row-major merged-grid) order.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from .. import ncnn_graph as G
 from ..errors import EdgevlError
-from ..processing import image as improc
+from ..processing import siglip2
 from ..runtime import Net
 from . import youtu
-from .base import Ctx, GraphInfo, config_args, heads_first, heads_last
+from .base import Ctx, GraphInfo, config_args, heads_first, heads_last, save_graph, storage_dtype
+from .protocol import Reference, torch_dtype
 
 PAD_KEY_BIAS = -1e9  # added to q.k of padded keys (times the softmax scale): exp() underflows to 0
+
+# Youtu-VL's template (spec youtu_vl.md §10.1): default system prompt, content items joined
+# without separators, one <|image_pad|> per image (expanded to N/4 later), BOS in the template.
+YOUTU_VL_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|begin_of_text|>system\\nYou are a helpful assistant.<|end_of_text|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|begin_of_text|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|end_of_text|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|begin_of_text|>assistant\\n' -}}{%- endif -%}"
+)
+
 
 
 @dataclass
@@ -54,7 +78,7 @@ class VisionArgs:
         if v.hidden_size % v.num_attention_heads or v.head_dim % 4:
             raise EdgevlError("vision_config: head size must divide hidden_size and be a multiple of 4 (2-D RoPE)")
         for act in (v.hidden_act, v.merger_act):
-            if act not in _GELU:
+            if act not in _GELU_TANH:
                 raise EdgevlError(f"vision activation {act!r} is not supported (expected gelu or gelu_pytorch_tanh)")
         return v
 
@@ -67,7 +91,7 @@ class VisionArgs:
         return self.num_channels * self.patch_size * self.patch_size
 
 
-_GELU = {"gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 0}  # GELU param 0: 1 = tanh form, 0 = erf
+_GELU_TANH = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu": False}  # tanh form, or exact erf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,18 +105,18 @@ def emit_vision_attention(ctx: Ctx, x: str, p: str, v: VisionArgs, cos: str, sin
     q = heads_first(g, ctx.linear(x, f"{p}.q_proj", D, D, bias=True), hd, nh, f"{p}.q")
     k = heads_first(g, ctx.linear(x, f"{p}.k_proj", D, D, bias=True), hd, nh, f"{p}.k")
     val = heads_first(g, ctx.linear(x, f"{p}.v_proj", D, D, bias=True), hd, nh, f"{p}.v")
-    q = g.layer("RotaryEmbed", [q, cos, sin], {0: 0}, name=f"{p}.q_rope")
-    k = g.layer("RotaryEmbed", [k, cos, sin], {0: 0}, name=f"{p}.k_rope")
+    q = G.rotary(g, q, cos, sin, interleaved=False, name=f"{p}.q_rope")
+    k = G.rotary(g, k, cos, sin, interleaved=False, name=f"{p}.k_rope")
     if window:
         # (c=heads, h=nw*P) -> (c=heads*nw, h=P): shape read from the key-bias input at run time
-        fold = lambda t, n: g.layer("Reshape", [t, bias["kbias"]], {6: f"{hd},1h,1c"}, name=f"{p}.{n}_windows")
-        q, k, val = fold(q, "q"), fold(k, "k"), fold(val, "v")
+        q, k, val = (G.reshape_like(g, t, bias["kbias"], f"{hd},1h,1c", name=f"{p}.{n}_windows")
+                     for t, n in ((q, "q"), (k, "k"), (val, "v")))
         ones, kb = bias["ones"], bias["kbias"]
     else:
         ones, kb = bias["ones_full"], bias["kbias_full"]
     q = G.concat(g, [q, ones], axis=2, name=f"{p}.q_cat")
     k = G.concat(g, [k, kb], axis=2, name=f"{p}.k_cat")
-    o = g.layer("SDPA", [q, k, val], {5: 0, 6: hd ** -0.5, 7: 0}, name=f"{p}.sdpa")
+    o = G.sdpa(g, q, k, val, scale=hd ** -0.5, name=f"{p}.sdpa")
     if window:
         o = G.reshape(g, o, hd, -1, nh, name=f"{p}.unfold")
     o = heads_last(g, o, hd, nh, f"{p}.o")
@@ -101,7 +125,7 @@ def emit_vision_attention(ctx: Ctx, x: str, p: str, v: VisionArgs, cos: str, sin
 
 def emit_vision_mlp(ctx: Ctx, x: str, p: str, v: VisionArgs) -> str:
     h = ctx.linear(x, f"{p}.fc1", v.intermediate_size, v.hidden_size, bias=True)
-    h = ctx.g.layer("GELU", [h], {0: _GELU[v.hidden_act]}, name=f"{p}.act")
+    h = G.gelu(ctx.g, h, tanh=_GELU_TANH[v.hidden_act], name=f"{p}.act")
     return ctx.linear(h, f"{p}.fc2", v.hidden_size, v.intermediate_size, bias=True)
 
 
@@ -121,7 +145,7 @@ def emit_merger(ctx: Ctx, x: str, v: VisionArgs) -> str:
     x = ctx.rms_norm(x, "merger.ln_q", D, v.merger_rms_norm_eps)
     x = G.reshape(g, x, D * m2, -1, name="merger.group")
     x = ctx.linear(x, "merger.mlp.0", D * m2, D * m2, bias=True)
-    x = g.layer("GELU", [x], {0: _GELU[v.merger_act]}, name="merger.act")
+    x = G.gelu(g, x, tanh=_GELU_TANH[v.merger_act], name="merger.act")
     return ctx.linear(x, "merger.mlp.2", v.out_hidden_size, D * m2, bias=True, out="merged")
 
 
@@ -138,8 +162,8 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     pv = g.input("pixel_values")                          # (h=T, w=patch_dim), padded window order
     cos, sin = g.input("vision_cos"), g.input("vision_sin")
     kbias = g.input("kbias")                              # (c=heads*nw, h=P, w=1)
-    zero = g.layer("BinaryOp", [kbias], {0: 2, 1: 1, 2: 0.0}, name="kbias_zero")
-    ones = g.layer("BinaryOp", [zero], {0: 0, 1: 1, 2: 1.0}, name="q_one")
+    zero = G.binary_scalar(g, kbias, "mul", 0.0, name="kbias_zero")
+    ones = G.binary_scalar(g, zero, "add", 1.0, name="q_one")
     nh = v.num_attention_heads
     bias = {"kbias": kbias, "ones": ones,
             "kbias_full": G.reshape(g, kbias, 1, -1, nh, name="kbias_full"),
@@ -160,10 +184,8 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     )
 
 
-def convert(ckpt, out, dtype: str, kv_mode: str, on_tensor, write_language_model) -> dict:
+def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     """Language model (root config) + vision graph into one package."""
-    from ..convert import save_graph, storage_dtype
-
     cfg = ckpt.config
     if "vision_config" not in cfg:
         raise EdgevlError("config.json of a youtu_vl model needs a nested vision_config")
@@ -173,13 +195,34 @@ def convert(ckpt, out, dtype: str, kv_mode: str, on_tensor, write_language_model
         raise EdgevlError(f"vision_config.out_hidden_size {v.out_hidden_size} != hidden_size {a.hidden_size}")
     if cfg.get("image_token_id") is None:
         raise EdgevlError("config.json of a youtu_vl model needs image_token_id")
-    parts = write_language_model(ckpt, out, a, dtype, kv_mode, "model", on_tensor)
+    parts = youtu.write_language_model(ckpt, out, a, dtype, options["kv_cache"], "model", on_tensor)
     # The vision tower stays in float (bf16 for q8 packages): it is small next to the LM and
     # runs once per image with large M, where activation quantization costs accuracy.
     g = G.Graph(out / "vision.bin")
     info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v, vision_prefix(ckpt))
+    info.extra["max_image_patches"] = configured_max_patches(ckpt.folder)
     parts["graphs"]["vision"] = save_graph(g, out / "vision.param", info)
+    parts["image_token_id"] = int(cfg["image_token_id"])
     return parts
+
+
+def configured_max_patches(folder) -> int:
+    """The per-image patch budget of a checkpoint: ``max_image_patches`` from its
+    preprocessor_config.json if set, else 36864.
+
+    Youtu-VL's own JSON has no such key (its ``max_num_patches`` 256 is overridden by the
+    processor call's default 36864, spec §2.3), so real checkpoints get 36864; the demo model,
+    trained on 128x128 images, sets 64.
+    """
+    p = Path(folder) / "preprocessor_config.json"
+    if p.is_file():
+        try:
+            v = json.loads(p.read_text()).get("max_image_patches")
+        except (OSError, ValueError):
+            v = None
+        if isinstance(v, int) and v > 0:
+            return v
+    return siglip2.DEFAULT_MAX_IMAGE_PATCHES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +243,7 @@ class WindowLayout:
 
 
 def window_layout(gh: int, gw: int, v: VisionArgs) -> WindowLayout:
-    window_index, cu = improc.window_partition(gh, gw, v.window_size, v.patch_size, v.spatial_merge_size)
+    window_index, cu = siglip2.window_partition(gh, gw, v.window_size, v.patch_size, v.spatial_merge_size)
     sizes = np.diff(cu)
     nw, P = len(sizes), int(sizes.max())
     m2 = v.spatial_merge_size ** 2
@@ -215,15 +258,16 @@ def window_layout(gh: int, gw: int, v: VisionArgs) -> WindowLayout:
 class VisionEncoder:
     """Runs the vision graph for one image: preprocessing, layout, RoPE tables, un-padding."""
 
-    def __init__(self, net: Net, info: dict, manifest: dict,
-                 default_max_patches: int = improc.DEFAULT_MAX_IMAGE_PATCHES):
+    def __init__(self, net: Net, info: dict):
         self.net, self.info = net, info
         self.v = VisionArgs(**info["extra"]["vision_args"])
-        self.default_max_patches = default_max_patches
+        self.default_max_patches = int(info["extra"]["max_image_patches"])
 
     def preprocess(self, image, max_image_patches=None) -> dict:
         n = self.default_max_patches if max_image_patches is None else int(max_image_patches)
-        return improc.preprocess(image, n, patch_size=self.v.patch_size, merge_size=self.v.spatial_merge_size)
+        pre = siglip2.preprocess(image, n, patch_size=self.v.patch_size, merge_size=self.v.spatial_merge_size)
+        pre["max_image_patches"] = n
+        return pre
 
     def inputs(self, pre: dict) -> tuple[dict, WindowLayout]:
         v = self.v
@@ -233,7 +277,7 @@ class VisionEncoder:
         pv = np.zeros((T, v.patch_dim), np.float32)
         pv[lay.position] = pre["pixel_values"]
         ang = np.zeros((T, v.head_dim // 2), np.float32)
-        ang[lay.position] = improc.vision_rope_angles(gh, gw, v.head_dim, v.rope_theta, v.spatial_merge_size)
+        ang[lay.position] = siglip2.vision_rope_angles(gh, gw, v.head_dim, v.rope_theta, v.spatial_merge_size)
         real = np.arange(lay.window_len)[None, :] < lay.sizes[:, None]           # [nw, P]
         kb = np.where(real, 0.0, PAD_KEY_BIAS).astype(np.float32)
         kbias = np.broadcast_to(kb[None], (v.num_attention_heads,) + kb.shape)
@@ -252,8 +296,201 @@ class VisionEncoder:
         m2 = self.v.spatial_merge_size ** 2
         group_pos = lay.position[::m2] // m2
         rows = res[-1][group_pos]
-        info = {k: pre[k] for k in ("spatial_shapes", "image_size", "resized_size", "num_image_tokens")}
+        info = {k: pre[k] for k in ("spatial_shapes", "image_size", "resized_size", "num_image_tokens",
+                                    "max_image_patches")}
+        info["grid"] = tuple(int(x) // self.v.spatial_merge_size for x in pre["spatial_shapes"])
         if extract_layers:
             info["layers"] = [r[lay.position] for r in res[:-1]]
             info["pixel_values"] = pre["pixel_values"]
         return rows, info
+
+
+# ---------------------------------------------------------------------------------------------
+# output: grounding coordinates
+
+COORD_RE = re.compile(r"^<([xy])_(\d+)>$")
+
+
+class CoordinateRescaler:
+    """Maps ``<x_i>``/``<y_i>`` tokens from resized-image pixels to original-image pixels (spec §10.3)."""
+
+    def __init__(self, coords: dict, image_info: dict):
+        self.map = {}
+        if not coords:
+            return
+        top = {ax: max(i for a, i in coords if a == ax) for ax in ("x", "y") if any(a == ax for a, _ in coords)}
+        (oh, ow), (rh, rw) = image_info["image_size"], image_info["resized_size"]
+        ratio = {"x": ow / rw, "y": oh / rh}
+        for (ax, i), tid in coords.items():
+            j = min(max(round(i * ratio[ax]), 0), top[ax])  # Python round: half to even, as torch
+            self.map[tid] = coords.get((ax, j), tid)
+
+    def __call__(self, token: int) -> int:
+        return self.map.get(token, token)
+
+
+def coordinate_tokens(tokenizer) -> dict:
+    """{(axis, value): token id} of the vocabulary's coordinate tokens (scanned once per tokenizer)."""
+    cached = getattr(tokenizer, "_coordinate_tokens", None)
+    if cached is None:
+        cached = {}
+        for t, tid in tokenizer.tok.get_vocab(with_added_tokens=True).items():
+            if t[:3] in ("<x_", "<y_") and (mm := COORD_RE.match(t)):
+                cached[(mm.group(1), int(mm.group(2)))] = tid
+        tokenizer._coordinate_tokens = cached
+    return cached
+
+
+# ---------------------------------------------------------------------------------------------
+# the PyTorch reference (edgevl/reference/youtu_vl.py, written from the spec: no transformers class)
+
+
+def torch_pixel_values(image, max_image_patches, patch: int, merge: int) -> np.ndarray:
+    """The HF processor path in torch (uint8 antialiased resize, fused normalisation, patchify)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..processing.image import load_image
+
+    im = load_image(image)
+    th, tw = siglip2.target_size(im.height, im.width, max_image_patches, patch, merge)
+    x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
+    x = F.interpolate(x, size=(th, tw), mode="bilinear", antialias=True, align_corners=False)[0]
+    x = (x.float() - 127.5) / 127.5
+    gh, gw = th // patch, tw // patch
+    x = x.reshape(3, gh // merge, merge, patch, gw // merge, merge, patch).permute(1, 4, 2, 5, 3, 6, 0)
+    return x.reshape(gh * gw, patch * patch * 3).numpy()
+
+
+class YoutuVLReference(Reference):
+    has_vision = True
+
+    def __init__(self, model):
+        self.model = model
+        self.v = model.vision_config
+
+    def prepare_images(self, images, infos):
+        """[(pixel_values, spatial_shapes)] through torch's own resize path (not ours)."""
+        out = []
+        for im, info in zip(images, infos):
+            n = info["max_image_patches"]
+            out.append((torch_pixel_values(im, n, self.v.patch_size, self.v.spatial_merge_size),
+                        tuple(info["spatial_shapes"])))
+        return out
+
+    def processor_diff(self, images, infos):
+        return max(float(np.abs(pv - info["pixel_values"]).max())
+                   for (pv, _), info in zip(self.prepare_images(images, infos), infos)
+                   if "pixel_values" in info)
+
+    def vision_states(self, images):
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for pv, ss in images:
+                merged, states = self.model.vision_features(torch.from_numpy(pv), ss, output_hidden_states=True)
+                out.append((merged.numpy(), [s.numpy() for s in states[1:-1]]))
+        return out
+
+    def _pv(self, images):
+        import torch
+
+        if not images:
+            return None, None
+        if len(images) > 1:  # the merger rows of several images, fused in prompt order
+            raise EdgevlError("the Youtu-VL reference takes one image per prompt")
+        pv, ss = images[0]
+        return torch.from_numpy(pv), ss
+
+    def text_states(self, ids, images=None):
+        import torch
+
+        pv, ss = self._pv(images)
+        t = torch.tensor([list(ids)])
+        with torch.no_grad():
+            states = [(s[0] if s.dim() == 3 else s).numpy() for s in self.model.text_hidden_states(t, pv, ss)]
+            logits = self.model(t, pv, ss).logits
+        return states, (logits[0] if logits.dim() == 3 else logits).float().numpy()
+
+    def start(self, ids, images=None):
+        import torch
+        from transformers import DynamicCache
+
+        pv, ss = self._pv(images)
+        m = self.model
+        emb = m._inputs_embeds(torch.tensor([list(ids)]), pv, ss)
+        cache = DynamicCache(config=m.text_config)
+        with torch.no_grad():
+            out = m.model(inputs_embeds=emb, cache=cache, use_cache=True)
+            return m.lm_head(out.last_hidden_state[0, -1]).float().numpy(), out.cache
+
+    def step(self, token, state):
+        import torch
+
+        m = self.model
+        with torch.no_grad():
+            out = m.model(inputs_embeds=m.model.embed_tokens(torch.tensor([[int(token)]])), cache=state,
+                          use_cache=True)
+            return m.lm_head(out.last_hidden_state[0, -1]).float().numpy(), out.cache
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture
+
+
+class YoutuVL(youtu.Youtu):
+    """Youtu-VL: Youtu-LLM's language model (this class derives from it) plus the vision tower."""
+
+    name = "youtu_vl"
+    chat_template = YOUTU_VL_TEMPLATE
+    tiny_variants = {
+        # real window size (256 px): several windows only for large images
+        "default": dict(),
+        # full attention where the default pattern has window layers, small windows, odd text sizes
+        "custom_full": dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=5, qk_nope_head_dim=6,
+                            v_head_dim=10, q_lora_rank=None,
+                            vision_config={"fullatt_block_indexes": [0], "num_hidden_layers": 3,
+                                           "window_size": 64, "hidden_size": 48, "num_attention_heads": 3}),
+    }
+
+    def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
+        return convert(ckpt, out, dtype, options, on_tensor)
+
+    def make_vision(self, model, net):
+        return VisionEncoder(net, model.manifest["graphs"]["vision"])
+
+    def output_processor(self, model, images):
+        # coordinates refer to the (single) image's resized size; with several images the
+        # reference does not say which image a box is in, so tokens are left as generated
+        if len(images) != 1 or images[0] is None:
+            return None
+        coords = coordinate_tokens(model.tokenizer)
+        return CoordinateRescaler(coords, images[0]) if coords else None
+
+    def reference(self, ref_dir, dtype="fp32"):
+        from ..reference.youtu_vl import YoutuVLForConditionalGeneration
+
+        return YoutuVLReference(YoutuVLForConditionalGeneration.from_pretrained(ref_dir, dtype=torch_dtype(dtype)).eval())
+
+    def make_tiny(self, folder, variant="default", seed=0, dtype="fp32", train_steps=0, n_coordinates: int = 64,
+                  **overrides):
+        """A random Youtu-VL checkpoint in the real layout (the project's reference writes it)."""
+        import torch
+
+        from ..demo.tokenizer import save_tokenizer
+        from ..reference.youtu_vl import make_config, make_random
+        from ..testing import tiny_tokenizer
+
+        if train_steps:
+            raise EdgevlError("briefly trained Youtu-VL checkpoints are not offered; use the demo model")
+        tok = tiny_tokenizer(400, True, n_coordinates)
+        ids = save_tokenizer(tok, folder)
+        ids.pop("pad_token_id")
+        overrides = {**self.tiny_variants.get(variant, {}), **overrides}
+        cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids, **overrides)
+        make_random(cfg, seed=seed).save_pretrained(folder, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        return Path(folder)
+
+
+ARCH = YoutuVL()
