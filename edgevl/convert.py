@@ -25,7 +25,7 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     """Convert a Hugging Face checkpoint folder into an edgevl package folder.
 
     ``options`` are the architecture's own conversion options (``edgevl convert --help`` lists
-    them), e.g. ``kv_cache="absorbed"`` for MLA models."""
+    them), e.g. a KV cache layout."""
     if dtype not in DTYPES:
         raise EdgevlError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     ckpt = Checkpoint(hf_path)

@@ -71,6 +71,7 @@ class Net:
         self.light_mode = light_mode
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")
+        self.order = blob_order(param)
         if self.net.load_model(binfile) != 0:
             raise EdgevlError(f"ncnn could not load {binfile}; the package is corrupt — convert the model again")
 
@@ -90,11 +91,28 @@ class Net:
         for names, fn in passes:
             got = _extract(ex, [(n, 0) for n in names])
             _feed(ex, fn({n: from_mat(m) for n, m in got.items()}))
-        return _extract(ex, wanted)
+        # in graph order: in light mode a blob is freed once its consumers ran, and extracting
+        # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
+        return _extract(ex, sorted(wanted, key=lambda w: self.order.get(w[0], 0)))
 
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
         return [from_mat(res[n]) for n in outputs]
+
+
+def blob_order(param_path) -> dict:
+    """blob name -> index of the layer producing it, from a .param file."""
+    order = {}
+    with open(param_path) as f:
+        lines = f.read().split("\n")[2:]
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        n_in, n_out = int(parts[2]), int(parts[3])
+        for b in parts[4 + n_in: 4 + n_in + n_out]:
+            order[b] = i
+    return order
 
 
 def _feed(ex, feeds: dict) -> None:

@@ -47,6 +47,7 @@ class Architecture:
     name: str = ""                 # the manifest's "architecture"; also the registry key
     options: dict = {}             # conversion options: name -> Option
     chat_template: str | None = None
+    has_vision: bool = False       # takes images (make_vision returns an encoder)
     tiny_variants: dict = {}       # name -> overrides for make_tiny (conformance suite)
 
     # -- conversion ------------------------------------------------------------------------------

@@ -187,6 +187,26 @@ def write_language_model(ckpt, out, a: ModelArgs, dtype: str, kv_cache: str, pre
 # ---------------------------------------------------------------------------------------------
 # the architecture
 
+# Youtu-VL's chat template (spec youtu_vl.md §10.1; Youtu-LLM checkpoints ship their own): default
+# system prompt, content items joined without separators, one <|image_pad|> per image (expanded
+# to N/4 later), BOS in the template.
+YOUTU_VL_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|begin_of_text|>system\\nYou are a helpful assistant.<|end_of_text|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|begin_of_text|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|end_of_text|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|begin_of_text|>assistant\\n' -}}{%- endif -%}"
+)
+
 
 class Youtu(Architecture):
     name = "youtu"
@@ -227,7 +247,6 @@ class Youtu(Architecture):
 
         from ..demo.tokenizer import save_tokenizer
         from ..testing import init_random, tiny_tokenizer, train_briefly
-        from .youtu_vl import YOUTU_VL_TEMPLATE
 
         overrides = {**self.tiny_variants.get(variant, {}), **overrides}
         tok = tiny_tokenizer()

@@ -28,29 +28,12 @@ from ..errors import EdgevlError
 from ..processing import siglip2
 from ..runtime import Net
 from . import youtu
+from .youtu import YOUTU_VL_TEMPLATE
 from .base import Ctx, GraphInfo, config_args, heads_first, heads_last, save_graph, storage_dtype
 from .protocol import Reference, torch_dtype
 
 PAD_KEY_BIAS = -1e9  # added to q.k of padded keys (times the softmax scale): exp() underflows to 0
 
-# Youtu-VL's template (spec youtu_vl.md §10.1): default system prompt, content items joined
-# without separators, one <|image_pad|> per image (expanded to N/4 later), BOS in the template.
-YOUTU_VL_TEMPLATE = (
-    "{%- if not messages or messages[0]['role'] != 'system' -%}"
-    "{{- '<|begin_of_text|>system\\nYou are a helpful assistant.<|end_of_text|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|begin_of_text|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|end_of_text|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|begin_of_text|>assistant\\n' -}}{%- endif -%}"
-)
 
 
 
@@ -444,6 +427,7 @@ class YoutuVL(youtu.Youtu):
 
     name = "youtu_vl"
     chat_template = YOUTU_VL_TEMPLATE
+    has_vision = True
     tiny_variants = {
         # real window size (256 px): several windows only for large images
         "default": dict(),
@@ -475,21 +459,23 @@ class YoutuVL(youtu.Youtu):
 
     def make_tiny(self, folder, variant="default", seed=0, dtype="fp32", train_steps=0, n_coordinates: int = 64,
                   **overrides):
-        """A random Youtu-VL checkpoint in the real layout (the project's reference writes it)."""
+        """A random Youtu-VL checkpoint in the real layout (the project's reference writes it);
+        ``train_steps`` trains its language model briefly on text."""
         import torch
 
         from ..demo.tokenizer import save_tokenizer
         from ..reference.youtu_vl import make_config, make_random
-        from ..testing import tiny_tokenizer
+        from ..testing import tiny_tokenizer, train_briefly
 
-        if train_steps:
-            raise EdgevlError("briefly trained Youtu-VL checkpoints are not offered; use the demo model")
         tok = tiny_tokenizer(400, True, n_coordinates)
         ids = save_tokenizer(tok, folder)
         ids.pop("pad_token_id")
         overrides = {**self.tiny_variants.get(variant, {}), **overrides}
         cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids, **overrides)
-        make_random(cfg, seed=seed).save_pretrained(folder, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        model = make_random(cfg, seed=seed)
+        if train_steps:
+            model = train_briefly(model, tok, train_steps, seed)
+        model.save_pretrained(folder, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         return Path(folder)
 
 

@@ -1,0 +1,194 @@
+"""The conformance suite: every registered architecture, from its own tiny checkpoints.
+
+A new architecture registers itself (edgevl/models/__init__.py) and provides ``make_tiny`` and
+``reference``; it then gets all of this: fp32 conversion, greedy token parity with its PyTorch
+reference (text, and an image prompt for vision models), per-layer cosine, chat prefix reuse equal
+to a fresh run, reduced-precision top-1 agreement, bad inputs, and a bench smoke run.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import edgevl
+from edgevl import models
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare
+from edgevl.verify import compare
+
+ARCHS = models.names()
+N_NEW = 24
+PROMPT = "Describe the image in one sentence."
+
+
+def smooth_image(w, h, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Per architecture: (checkpoint, fp32 package), from its first tiny variant."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            arch = models.get(name)
+            root = tmp_path_factory.mktemp(name)
+            variant = next(iter(arch.tiny_variants), "default")
+            ck = arch.make_tiny(root / "ck", variant, seed=7)
+            cache[name] = (ck, edgevl.convert(ck, root / "pk", dtype="fp32", progress=False))
+        return cache[name]
+    return get
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_fp32_greedy_parity_and_layers(built, name):
+    ck, pk = built(name)
+    model = edgevl.load(pk)
+    ref = model.arch.reference(ck)
+    prep = prepare(model, "How many shapes are there?")
+    ours = list(model.generate_tokens(prep.input_ids, N_NEW, ignore_eos=True, reuse_cache=False))
+    theirs = ref.greedy(prep.input_ids, N_NEW)
+    assert ours == theirs, f"{name}: first differing token at {first_difference(ours, theirs)}"
+    rep = compare(pk, ck, PROMPT, max_new_tokens=4)
+    low = [(layer, c) for _, layer, c, _ in rep.rows if c < 0.99999]
+    assert not low and rep.identical, f"{name}: layers below 0.99999 cosine: {low}"
+
+
+@pytest.mark.parametrize("name", [n for n in ARCHS if models.get(n).has_vision])
+def test_fp32_image_prompt_parity(built, name):
+    ck, pk = built(name)
+    model = edgevl.load(pk)
+    assert model.vision is not None
+    img = smooth_image(37, 61, seed=3)
+    prep = prepare(model, PROMPT, image=img)
+    ref = model.arch.reference(ck)
+    ref_images = ref.prepare_images([img], prep.images)
+    ours = list(model.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True,
+                                      reuse_cache=False))
+    theirs = ref.greedy(prep.input_ids, N_NEW, images=ref_images)
+    assert ours == theirs, f"{name}: first differing token at {first_difference(ours, theirs)}"
+    rep = compare(pk, ck, PROMPT, image=img, max_new_tokens=4)
+    low = [(sec, layer, c) for sec, layer, c, _ in rep.rows if c < 0.99999]
+    assert not low and rep.identical, f"{name}: below 0.99999 cosine: {low}"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_chat_prefix_reuse_equals_fresh_run(built, name):
+    _, pk = built(name)
+    model = edgevl.load(pk)
+    turn1 = [{"role": "user", "content": "How many shapes are there?"}]
+    a1 = edgevl.generate(model, turn1, max_new_tokens=8)
+    turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "What color is it?"}]
+    ids2 = prepare(model, turn2).input_ids
+    second = list(model.generate_tokens(ids2, 12, ignore_eos=True))
+    assert 0 < model.last_prefill_tokens < len(ids2) // 2, "the second turn re-prefilled the conversation"
+    fresh = list(edgevl.load(pk).generate_tokens(ids2, 12, ignore_eos=True))
+    assert second == fresh
+    # going back into the conversation (an edited earlier turn) recomputes from a valid point
+    edited = prepare(model, [{"role": "user", "content": "How many circles are there?"}]).input_ids
+    again = list(model.generate_tokens(edited, 6, ignore_eos=True))
+    assert again == list(edgevl.load(pk).generate_tokens(edited, 6, ignore_eos=True))
+
+
+# Teacher-forced over 4 x 48 tokens on briefly trained tiny models (a random net's logits are so
+# flat that bf16 flips near-ties): top-1 agreement and min logit cosine per dtype, and every
+# disagreement must be one of the reference's top 3. These 64-wide models disagree only on
+# near-ties of the reference (measured: gaps of 0.002-0.13 logits in bf16, up to 0.54 in q8, row
+# std ~1.5), so the rate swings from seed to seed: 186-192/192 bf16, 180-185/192 q8. The
+# per-architecture suites hold real models to 0.98 / 0.95 (tests/test_youtu_parity.py).
+TOLERANCE = {"bf16": (0.95, 0.99), "q8": (0.90, 0.97)}
+PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? 数一数。", "def main():\n    return 42",
+           "Zürich — “quotes”"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            arch = models.get(name)
+            root = tmp_path_factory.mktemp(name + "-trained")
+            variant = next(iter(arch.tiny_variants), "default")
+            cache[name] = arch.make_tiny(root / "ck", variant, seed=11, dtype="bf16", train_steps=250)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("name", ARCHS)
+def test_reduced_precision_top1(trained, tmp_path, name, dtype):
+    ck = trained(name)
+    model = edgevl.load(edgevl.convert(ck, tmp_path / dtype, dtype=dtype, progress=False))
+    ref = model.arch.reference(ck)   # computes in fp32
+    agree, total, far, cosines = 0, 0, 0, []
+    for prompt in PROMPTS:
+        ids = prepare(model, prompt).input_ids
+        seq = ids + ref.greedy(ids, 48)
+        _, ref_logits = ref.text_states(seq)
+        ref_logits = ref_logits[len(ids) - 1:-1]
+        model.reset()
+        hidden, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache(), model.positions(seq))
+        ours = model.logits(hidden[len(ids) - 1:-1])
+        agree += int((ours.argmax(1) == ref_logits.argmax(1)).sum())
+        total += len(ours)
+        cosines += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(ours, ref_logits)]
+        top3 = np.argsort(-ref_logits, 1)[:, :3]
+        far += int(sum(t not in row for t, row in zip(ours.argmax(1), top3)))
+    top1, cos = TOLERANCE[dtype]
+    assert agree / total >= top1 and min(cosines) >= cos and far == 0, \
+        f"{name} {dtype}: top-1 {agree}/{total}, min logit cosine {min(cosines):.4f}, {far} outside the top 3"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_bad_inputs(built, tmp_path, name):
+    ck, pk = built(name)
+    model = edgevl.load(pk)
+    with pytest.raises(EdgevlError, match="context is"):
+        list(model.generate_tokens([1] * model.max_context, 1))
+    with pytest.raises(EdgevlError, match="prompt is empty"):
+        edgevl.generate(model, "  ")
+    # a checkpoint missing a tensor its config needs: one line naming it, nothing written
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    files = sorted(bad.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    dropped = sorted(k for k in tensors if "layers.0." in k)[0]
+    del tensors[dropped]
+    save_file(tensors, files[0])
+    index = bad / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())
+        wm["weight_map"].pop(dropped, None)
+        index.write_text(json.dumps(wm))
+    with pytest.raises(EdgevlError, match="is missing from the checkpoint"):
+        edgevl.convert(bad, tmp_path / "out", dtype="fp32", progress=False)
+    assert not (tmp_path / "out").exists()
+    if model.vision is None:
+        with pytest.raises(EdgevlError, match="no vision tower"):
+            edgevl.generate(model, "hi", image=smooth_image(32, 32))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_bench_smoke(built, name, tmp_path):
+    _, pk = built(name)
+    r = subprocess.run([sys.executable, "-m", "edgevl", "bench", str(pk), "--prompt-tokens", "8", "--gen-tokens",
+                        "2", "--threads", "1", "--repeats", "1", "--json", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "b.json").read_text())["results"]["edgevl"]
+    assert res["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0 and res["kv_bytes_per_token"] > 0
