@@ -183,17 +183,30 @@ def bench(systems: dict, prompt_tokens: int, gen_tokens: int, threads: int, repe
     for name, rs in runs.items():
         results[name] = {k: (statistics.median(x[k] for x in rs) if rs[0].get(k) is not None else None)
                          for k in KEYS}
+        # single runs swing a lot on a shared machine: keep the spread next to the median
+        results[name]["spread"] = {k: [min(x[k] for x in rs), max(x[k] for x in rs)]
+                                   for k in KEYS if rs[0].get(k) is not None}
         results[name].update({k: v for k, v in rs[0].items() if k not in KEYS})
     return {"results": results, "runs": runs}
 
 
+def _cell(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """median, with (min–max) when several runs differ."""
+    med = fmt % (r[key] / scale)
+    lo, hi = (fmt % (v / scale) for v in r.get("spread", {}).get(key, [r[key], r[key]]))
+    return med if lo == hi else f"{med} ({lo}–{hi})"
+
+
 def markdown_table(results: dict) -> str:
-    lines = ["| system | prefill tok/s | decode tok/s | TTFT s | load s | peak RSS GB | KV bytes/token |",
+    lines = ["| system | prefill tok/s | decode tok/s | TTFT s | load s | peak RSS GiB | KV bytes/token |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        kv = "—" if r.get("kv_bytes_per_token") is None else f"{r['kv_bytes_per_token']:.0f}"
-        lines.append(f"| {name} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | {r['ttft_s']:.2f} | "
-                     f"{r['load_s']:.1f} | {r['peak_rss_bytes'] / 2**30:.2f} | {kv} |")
+        kv = "—" if r.get("kv_bytes_per_token") is None else f"{r['kv_bytes_per_token']:,.0f}"
+        lines.append(f"| {name} | {_cell(r, 'prefill_tok_s', '%.1f')} | {_cell(r, 'decode_tok_s', '%.2f')} | "
+                     f"{_cell(r, 'ttft_s', '%.2f')} | {_cell(r, 'load_s', '%.1f')} | "
+                     f"{_cell(r, 'peak_rss_bytes', '%.2f', 2 ** 30)} | {kv} |")
+    lines.append("")
+    lines.append("Each cell: median (min–max) over the interleaved runs.")
     return "\n".join(lines)
 
 
@@ -233,10 +246,10 @@ def bench_cli(a) -> int:
     target = Path(a.model)
     systems = {}
 
-    def label(m):  # conversion options are named when they are not the architecture's default
+    def label(m):  # every conversion option (e.g. the KV cache layout) is named
         opts = models.get(m["architecture"]).options
         extra = [opts[k].label.format(value=v, name=k.replace("_", "-")) for k, v in (m.get("options") or {}).items()
-                 if k in opts and v != opts[k].default]
+                 if k in opts]
         return " ".join([f"edgevl {m['dtype']}"] + extra)
 
     if (target / "manifest.json").is_file():

@@ -19,7 +19,7 @@ def test_bench_json_table_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())
     assert set(res["results"]) == {"edgevl", "torch"}
-    assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8", "torch bf16"}
+    assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8 expanded-kv", "torch bf16"}
     for name, v in res["results"].items():
         for k in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes", "kv_bytes_per_token"):
             assert k in v
@@ -28,7 +28,11 @@ def test_bench_json_table_and_plot(tmp_path):
     # absorbed MLA cache: (latent + rope) keys + latent values, fp32, per layer
     assert res["results"]["edgevl"]["kv_bytes_per_token"] == 2 * (32 + 16 + 32) * 4
     assert (tmp_path / "r.png").stat().st_size > 1000
-    assert "| edgevl q8 |" in (tmp_path / "r.md").read_text()
+    md = (tmp_path / "r.md").read_text()
+    assert "| edgevl q8 expanded-kv |" in md and "peak RSS GiB" in md
+    for name, runs in res["runs"].items():  # the spread is the runs' min and max
+        lo, hi = res["variants"][name]["spread"]["decode_tok_s"]
+        assert lo == min(x["decode_tok_s"] for x in runs) and hi == max(x["decode_tok_s"] for x in runs)
 
 
 def test_bench_bad_model_is_one_line(tmp_path):
