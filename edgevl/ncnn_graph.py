@@ -9,6 +9,8 @@ Weight encodings (see ../shared/specs/ncnn_notes.md, "The .bin file"):
 - ``Tagged``: 4-byte tag, data, zero padding to 4 bytes (Gemm A/B/C, Embed, MemoryData 21=0).
 - ``Raw``: untagged fp32 (RMSNorm gamma, LayerNorm gamma/beta, MemoryData default).
 - ``BlockQuant``: ncnn block-quantized Gemm B (no tag), packed values then fp32 scales.
+- ``Int8Rows``: ncnn's classic int8 Gemm B (tagged int8), quantized per output row; the row
+  scales are applied after the Gemm (see ``gemm``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ MAGIC = 7767517
 TAG_FP32 = 0x00000000
 TAG_FP16 = 0x01306B47
 TAG_BF16 = 0x01348B83
+TAG_INT8 = 0x000D4B38
 
 DTYPES = ("fp32", "fp16", "bf16")
 
@@ -197,6 +200,30 @@ class BlockQuant(Weight):
         return n + len(b)
 
 
+class Int8Rows(Weight):
+    """Gemm constant B [N, K] as int8 with one symmetric scale per output row (q = round(w*s),
+    s = 127/absmax(row)). Streams rows; ``scales`` holds the rows' s once written."""
+
+    def __init__(self, src):
+        self.src, self.scales = src, None
+
+    def write(self, f) -> int:
+        f.write(np.uint32(TAG_INT8).tobytes())
+        n, scales = 4, []
+        for chunk in iter_row_chunks(self.src):
+            absmax = np.abs(chunk).max(axis=1)
+            s = np.where(absmax > 0, 127.0 / np.maximum(absmax, 1e-30), 1.0).astype(np.float32)
+            q = np.clip(np.rint(chunk * s[:, None]), -127, 127).astype(np.int8)
+            b = q.tobytes()
+            f.write(b)
+            n += len(b)
+            scales.append(s)
+        pad = (-n) % 4
+        f.write(b"\0" * pad)
+        self.scales = np.concatenate(scales)
+        return n + pad
+
+
 # ---------------------------------------------------------------------------------------------
 # the graph
 
@@ -352,13 +379,22 @@ def _write_param(path, layers) -> None:
 # common layer emitters (thin wrappers that fix ncnn's parameter ids in one place)
 
 
-def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant: tuple[int, int] | None = None,
+INT8 = "int8"  # quant: ncnn's classic int8 Gemm with per-row weight scales
+
+
+def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant=None,
          name: str | None = None, out: str | None = None, fp32_output: bool = False) -> str:
     """y = x @ W^T (+ b): a Linear layer. ``w`` is [N, K]; x is 2-D (h=rows, w=K) or 1-D.
 
+    ``quant``: None (``dtype`` floats), ``(bits, block)`` for ncnn's block-quantized Gemm, or
+    ``INT8``: ncnn's classic int8 Gemm (activations quantized per row at run time, VNNI kernels)
+    with per-row weight scales folded out of the Gemm into a multiply after it — one scale per
+    tensor (all ncnn keeps for a constant B) lost ~3x the accuracy on uneven rows (ncnn_notes.md).
     ``fp32_output`` keeps the result in fp32 inside a bf16-storage net (logits: a bf16 logit
     row would turn near-ties into wrong argmaxes)."""
     n, k = (int(s) for s in w.shape)
+    if quant == INT8:
+        return _gemm_int8_rows(g, x, w, n, k, bias, name, out, fp32_output)
     params = {10: 4 if bias is not None else -1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 1 if bias is not None else 0,
               7: 0, 8: n, 9: k}
     if fp32_output:
@@ -372,6 +408,23 @@ def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant: tuple[int, 
     if bias is not None:
         weights.append(Tagged(bias, "fp32"))
     return g.layer("Gemm", [x], params, weights, outputs=[out] if out else 1, name=name)
+
+
+def _gemm_int8_rows(g: Graph, x: str, w, n: int, k: int, bias, name, out, fp32_output) -> str:
+    params = {10: -1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 7: 0, 8: n, 9: k, 18: 2}  # 18=2: int8, B scale given
+    if fp32_output:
+        params[13] = 1
+    q = Int8Rows(w)
+    y = g.layer("Gemm", [x], params, [q, Raw(np.ones(1, np.float32))], name=name)  # the row scales come next
+    base = name or y
+    inv = (1.0 / q.scales).astype(np.float32)[None, :]                       # (h=1, w=N): per column
+    last = bias is None
+    y = binary(g, y, memory_data(g, inv, name=f"{base}.row_scales"), "mul", name=f"{base}.scale",
+               out=out if last else None)
+    if not last:
+        b = np.asarray(bias, np.float32)[None, :]
+        y = binary(g, y, memory_data(g, b, name=f"{base}.bias"), "add", name=f"{base}.bias_add", out=out)
+    return y
 
 
 def rms_norm(g: Graph, x: str, gamma, eps: float, name: str | None = None, out: str | None = None) -> str:

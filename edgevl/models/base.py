@@ -20,7 +20,7 @@ class Ctx:
     ckpt: Checkpoint
     g: G.Graph
     dtype: str = "fp32"                      # storage of large matrices: fp32 | fp16 | bf16
-    quant: tuple[int, int] | None = None     # (bits, block) for Gemm weights, e.g. (8, 32)
+    quant: object = None                     # Gemm weights: None, ncnn_graph.INT8, or (bits, block)
     progress: object = None                  # callable(LazyTensor), called as tensors are read
 
     def tensor(self, name: str, shape=None):
@@ -121,20 +121,22 @@ def kv_state(i: int, floats_per_token: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # writing a package's language-model files (any decoder-only LM)
 
-# q8 block size. Larger blocks run faster in this ncnn wheel (a one-row 6144x2048 Gemm: 2.2 / 2.0
-# / 1.6 ms at block 32 / 64 / 128, bf16 1.1 ms) but lost 4 points of top-1 agreement on the test
-# models; 32 is llama.cpp q8_0's block too.
-Q8_BLOCK = 32
+# q8 packages: ncnn's block-quantized Gemm, block 32 (llama.cpp q8_0's layout). Larger blocks run
+# faster in this wheel but lost 4 points of top-1 agreement on the test models. The classic int8
+# Gemm (G.INT8, per-row scales) measured 2.5x faster than bf16 for one row (1.4x for 64 rows, a
+# chain of 6144x2048 Gemms, 1 thread; block-quantized: slower than bf16) but agreed top-1 on only
+# 176-180 of 192 teacher-forced tokens on the tiny untied test model (block: 184-186; bar: 0.95).
+Q8_QUANT = (8, 32)
 
 
 def storage_dtype(dtype: str) -> str:
-    """The float format of weights that are not block-quantized."""
+    """The float format of weights that are not quantized."""
     return "bf16" if dtype == "q8" else dtype
 
 
 def weight_ctx(ckpt: Checkpoint, g: G.Graph, dtype: str, on_tensor, quantize: bool = True) -> Ctx:
-    """A Ctx writing the package dtype (q8: block-quantized Gemm weights, bf16 for the rest)."""
-    quant = (8, Q8_BLOCK) if dtype == "q8" and quantize else None
+    """A Ctx writing the package dtype (q8: int8 Gemm weights, bf16 for the rest)."""
+    quant = Q8_QUANT if dtype == "q8" and quantize else None
     return Ctx(ckpt, g, storage_dtype(dtype), quant, on_tensor)
 
 
