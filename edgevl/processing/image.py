@@ -38,12 +38,16 @@ __all__ = [
     "restore_order",
     "vision_rope_angles",
     "DEFAULT_MAX_IMAGE_PATCHES",
+    "MAX_IMAGE_PATCHES",
     "PATCH_SIZE",
     "MERGE_SIZE",
 ]
 
 # §2.3: the processor call overrides preprocessor_config's 256 with 36864.
 DEFAULT_MAX_IMAGE_PATCHES = 36864
+# The largest budget accepted (a 4096x4096 image at 16 px patches). Tested to run on this ncnn
+# wheel; far larger budgets crashed ncnn (a segfault, not an error) and would take hours anyway.
+MAX_IMAGE_PATCHES = 65536
 PATCH_SIZE = 16
 MERGE_SIZE = 2
 
@@ -101,15 +105,12 @@ def _open_path(path: Path) -> Image.Image:
             # Images between Pillow's warning and error limits are fine for us: they are
             # downscaled by the patch budget (§3.2) and the resize works in row blocks.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            # Pillow does not close a file object it was given, and closing ours leaves the
+            # decoded pixels alone: no copy of a huge image (Image.close() would free them).
+            with open(path, "rb") as f:
+                im = Image.open(f)
                 im.load()  # decode now so truncated files fail here, not later
-                try:
-                    img = ImageOps.exif_transpose(im)  # as transformers' load_image does
-                except Exception:  # noqa: BLE001 - a broken EXIF block must not stop decoding
-                    img = im
-                rgb = _to_rgb(img, str(path))
-                # Leaving the `with` closes `im` and frees its pixels: never return it itself.
-                return rgb.copy() if rgb is im else rgb
+            return _to_rgb(exif_transpose(im), str(path))
     except EdgevlError:
         raise
     except Image.DecompressionBombError as e:
@@ -126,6 +127,16 @@ def _open_path(path: Path) -> Image.Image:
         raise EdgevlError(
             f"Could not decode image file {path} (truncated or corrupt: {e}); re-export or re-download it."
         ) from None
+
+
+def exif_transpose(im: Image.Image) -> Image.Image:
+    """EXIF orientation applied as transformers' load_image does, in place where possible (no
+    second copy of a big image); a broken EXIF block leaves the image as it is."""
+    try:
+        ImageOps.exif_transpose(im, in_place=True)
+    except Exception:  # noqa: BLE001 - a broken EXIF block must not stop decoding
+        pass
+    return im
 
 
 def _bomb_message(path: Path, err: Exception) -> str:
@@ -186,6 +197,13 @@ def target_size(
         raise EdgevlError(f"patch_size and merge_size must be >= 1, got {patch_size} and {merge_size}.")
     align = patch_size * merge_size
     min_patches = merge_size * merge_size  # the smallest output, align x align
+    if isinstance(max_image_patches, bool) or not isinstance(max_image_patches, (int, np.integer)):
+        raise EdgevlError(f"max_image_patches must be an integer, got {max_image_patches!r:.40}.")
+    if max_image_patches > MAX_IMAGE_PATCHES:
+        raise EdgevlError(
+            f"max_image_patches={max_image_patches} is above the supported maximum {MAX_IMAGE_PATCHES} "
+            f"(a 4096x4096 image); use a smaller budget."
+        )
     if max_image_patches < min_patches:
         raise EdgevlError(
             f"max_image_patches={max_image_patches} cannot fit even a {align}x{align} image "
