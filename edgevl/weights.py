@@ -271,5 +271,5 @@ class _Unsupported:
         self.name, self.path, self.dtype, self.shape = name, path, dtype, tuple(shape)
 
     def fail(self):
-        raise EdgevlError(f"tensor {self.name} in {os.path.basename(self.path)} has dtype {self.dtype}; "
+        raise EdgevlError(f"tensor {_show(self.name)} in {os.path.basename(self.path)} has dtype {_show(self.dtype)}; "
                           "edgevl converts bf16, fp16 and fp32 checkpoints — convert it to one of those first")
