@@ -62,7 +62,11 @@ class Model:
         dec = graphs["decoder"]
         self.rope_dim = dec["extra"]["rope_dim"]
         self.rope_theta = dec["extra"]["rope_theta"]
-        self.max_context = int(dec["extra"]["max_position_embeddings"])
+        self.max_context = dec["extra"]["max_position_embeddings"]
+        for what, v, kind in (("rope_dim", self.rope_dim, int), ("rope_theta", self.rope_theta, (int, float)),
+                              ("max_position_embeddings", self.max_context, int)):
+            if isinstance(v, bool) or not isinstance(v, kind) or not v > 0:
+                raise TypeError(f"graphs.decoder.extra.{what} must be a positive number, got {v!r:.40}")
         self.decoder = Decoder(self._net("decoder", light_mode), dec,
                                lambda pos: rope_tables(pos, self.rope_dim, self.rope_theta))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])

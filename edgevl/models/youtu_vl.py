@@ -218,7 +218,8 @@ class VisionEncoder:
     def __init__(self, net: Net, info: dict, manifest: dict,
                  default_max_patches: int = improc.DEFAULT_MAX_IMAGE_PATCHES):
         self.net, self.info = net, info
-        self.v = VisionArgs(**info["extra"]["vision_args"])
+        # checked like a config: a damaged manifest must fail in one line, not divide by zero
+        self.v = config_args(VisionArgs, info["extra"]["vision_args"], where="manifest.json vision_args")
         self.default_max_patches = default_max_patches
 
     def preprocess(self, image, max_image_patches=None) -> dict:
