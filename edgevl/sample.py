@@ -48,14 +48,18 @@ class Sampler:
             ids = np.unique(np.asarray(history, dtype=np.int64))
             ids = ids[(ids >= 0) & (ids < x.shape[0])]
             v = x[ids]
-            x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+            with np.errstate(over="ignore", divide="ignore"):  # an absurd penalty may overflow to inf
+                x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
         if self.greedy:
             return int(np.argmax(x))
-        x = x.astype(np.float64) / self.temperature
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float64) / self.temperature
         if 0 < self.top_k < x.shape[0]:
             kth = np.partition(x, -self.top_k)[-self.top_k]
             x[x < kth] = -np.inf
-        p = np.exp(x - x.max())
+        top = x.max()
+        # overflowed logits (inf - inf would be NaN): the infinite ones share all the mass
+        p = (x == top).astype(np.float64) if np.isinf(top) else np.exp(x - top)
         p /= p.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")

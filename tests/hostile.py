@@ -63,3 +63,31 @@ def edit_json(path, fn) -> None:
     data = json.loads(path.read_text())
     new = fn(data)  # edits in place (returns None) or returns the replacement
     path.write_text(json.dumps(data if new is None else new))
+
+
+def png_bomb(path, width: int, height: int, rgb=(200, 30, 30), rows_per_block: int = 64) -> Path:
+    """A valid RGB PNG of one colour, width x height, written in well under a second however big:
+    identical row blocks compress to identical bytes after a full flush, so one block is
+    compressed and its output repeated (the Adler-32 trailer is computed over the real data)."""
+    import struct
+    import zlib
+
+    row = b"\x00" + bytes(rgb) * width
+    block = row * rows_per_block
+    c = zlib.compressobj(9)
+    first = c.compress(block) + c.flush(zlib.Z_FULL_FLUSH)
+    again = c.compress(block) + c.flush(zlib.Z_FULL_FLUSH)
+    n_blocks, rest = divmod(height, rows_per_block)
+    tail = c.compress(row * rest) + c.flush() if rest else c.flush()
+    adler = 1
+    for _ in range(n_blocks):
+        adler = zlib.adler32(block, adler)
+    adler = zlib.adler32(row * rest, adler)
+    idat = first + again * (n_blocks - 1) + tail[:-4] + struct.pack(">I", adler)
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                           + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    return Path(path)
