@@ -180,7 +180,7 @@ def cmd_serve(a) -> int:
     check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
-                 max_queue=a.max_queue, model_name=a.model_name,
+                 max_queue=a.max_queue, model_name=a.model_name, max_image_patches=a.max_image_patches,
                  allow_special_in_content=a.allow_special_in_content)
 
 

@@ -281,7 +281,7 @@ def _messages(raw, server) -> list[dict]:
                 if budget < 0:
                     raise _too_many_pixels(param)
                 try:  # an image the patch budget or the context cannot hold is refused before decoding
-                    image_tokens += vision.image_tokens(im.height, im.width)
+                    image_tokens += vision.image_tokens(im.height, im.width, server.max_image_patches)
                 except EdgevlError as e:
                     raise HTTPError(400, str(e), param, "invalid_image") from None
                 if image_tokens >= server.model.max_context:
@@ -328,7 +328,8 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", 0.0), top_p=_number(req, "top_p", 1.0),
         top_k=_number(req, "top_k", 0, int), repetition_penalty=_number(req, "repetition_penalty", 1.0),
-        seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content)
+        seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
+        max_image_patches=server.max_image_patches)
     return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
 
 
@@ -587,13 +588,26 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
+def _pixels_back_to_the_os() -> None:
+    """Pillow allocates pixels in 16 MB blocks. glibc serves blocks of that size from the arena
+    of the thread that asks and keeps them there once freed, so every handler thread that had
+    decoded a big image went on holding its size (16 requests with a 10000x10000 image, decoded
+    one at a time: 5.6 GB). Blocks of 64 MB are above glibc's largest mmap threshold (32 MB):
+    they are mapped for each image and go back to the OS when it is freed."""
+    from PIL import Image
+
+    if Image.core.get_block_size() < 64 << 20:
+        Image.core.set_block_size(64 << 20)
+
+
 class EdgevlServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64  # the listen backlog: bursts of clients must not be dropped before the 429 logic
 
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
-                 access_log: bool = False, allow_special_in_content: bool = False):
+                 access_log: bool = False, allow_special_in_content: bool = False,
+                 max_image_patches: int | None = None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -605,6 +619,8 @@ class EdgevlServer(ThreadingHTTPServer):
         self.model, self.api_key, self.image_dir = model, api_key or None, image_dir
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
+        self.max_image_patches = max_image_patches  # None: the model's own budget
+        _pixels_back_to_the_os()
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
@@ -649,11 +665,12 @@ def _is_loopback(host: str) -> bool:
 
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
-          allow_special_in_content: bool = False) -> int:
+          allow_special_in_content: bool = False, max_image_patches: int | None = None) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
-                          model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content)
+                          model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
+                          max_image_patches=max_image_patches)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
