@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import hmac
 import io
 import ipaddress
@@ -588,16 +589,16 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
-def _pixels_back_to_the_os() -> None:
-    """Pillow allocates pixels in 16 MB blocks. glibc serves blocks of that size from the arena
-    of the thread that asks and keeps them there once freed, so every handler thread that had
-    decoded a big image went on holding its size (16 requests with a 10000x10000 image, decoded
-    one at a time: 5.6 GB). Blocks of 64 MB are above glibc's largest mmap threshold (32 MB):
-    they are mapped for each image and go back to the OS when it is freed."""
-    from PIL import Image
-
-    if Image.core.get_block_size() < 64 << 20:
-        Image.core.set_block_size(64 << 20)
+def _one_malloc_arena() -> None:
+    """Each request waits in its own thread, and glibc gives threads their own malloc arenas:
+    pixels a thread decoded stayed in its arena once freed, so memory grew with the number of
+    threads that had decoded an image (16 requests with a 10000x10000 image, decoded one at a
+    time: 5.6 GB). With one arena the next request reuses the memory (peak: one image). Requests
+    hold the model one at a time anyway, so the shared arena costs no parallelism."""
+    try:
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX; no such call outside glibc: nothing to do
+    except (OSError, AttributeError):
+        pass
 
 
 class EdgevlServer(ThreadingHTTPServer):
@@ -620,7 +621,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
-        _pixels_back_to_the_os()
+        _one_malloc_arena()
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
