@@ -66,7 +66,8 @@ class Model:
         for what, v, kind in (("rope_dim", self.rope_dim, int), ("rope_theta", self.rope_theta, (int, float)),
                               ("max_position_embeddings", self.max_context, int)):
             if isinstance(v, bool) or not isinstance(v, kind) or not v > 0:
-                raise TypeError(f"graphs.decoder.extra.{what} must be a positive number, got {v!r:.40}")
+                raise EdgevlError(f"{path}: manifest.json graphs.decoder.extra.{what} must be a positive number, got "
+                                  f"{v!r:.40}; convert the model again")
         self.decoder = Decoder(self._net("decoder", light_mode), dec,
                                lambda pos: rope_tables(pos, self.rope_dim, self.rope_theta))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])

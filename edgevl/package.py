@@ -240,6 +240,13 @@ def check_manifest(m: dict, path) -> None:
         for key, kind in (("inputs", dict), ("outputs", dict), ("cache", list), ("extra", dict)):
             if key in info and not isinstance(info[key], kind):
                 bad(f"graphs.{g}.{key}", info[key], "an object" if kind is dict else "a list")
+        for key in ("inputs", "outputs"):  # blob names, or lists of them
+            for k, v in info.get(key, {}).items():
+                if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(n, str) for n in v)):
+                    bad(f"graphs.{g}.{key}.{k}", v, "a blob name or a list of them")
+        for i, c in enumerate(info.get("cache", [])):
+            if not (isinstance(c, list) and all(isinstance(n, str) for n in c)):
+                bad(f"graphs.{g}.cache[{i}]", c, "a list of blob names")
         sections = info.get("extra", {}).get("sections")
         if sections is None:
             continue

@@ -108,7 +108,13 @@ PACKAGE_CASES = [  # (id, damage, extra CLI flags, words of the error)
     ("manifest-a-list", lambda p: manifest(p).write_text("[1]"), (), "is not an edgevl manifest"),
     ("manifest-not-utf8", lambda p: manifest(p).write_bytes(b"\xff\xfe\x00"), (), "is not valid JSON"),
     ("manifest-deep-nesting", lambda p: manifest(p).write_text("[" * 100000 + "]" * 100000), (), "is not valid JSON"),
-    ("rope-dim-string", _rope_dim_string, (), "manifest.json has a malformed entry"),
+    ("rope-dim-string", _rope_dim_string, (), "graphs.decoder.extra.rope_dim must be a positive number, got '16'"),
+    ("cache-entry-not-a-list", lambda p: edit_json(manifest(p), lambda m: m["graphs"]["decoder"].update(
+        cache=[7])), (), "graphs.decoder.cache[0] must be a list of blob names"),
+    ("inputs-not-names", lambda p: edit_json(manifest(p), lambda m: m["graphs"]["lm_head"]["inputs"].update(
+        hidden=5)), (), "graphs.lm_head.inputs.hidden must be a blob name"),
+    ("config-eos-garbage", lambda p: edit_json(manifest(p), lambda m: m["config"].update(eos_token_id="abc")), (),
+     "manifest.json has a malformed entry (ValueError"),
     ("missing-output-blob", lambda p: edit_json(manifest(p), lambda m: m["graphs"]["decoder"]["outputs"].update(
         hidden="no_such_blob")), (), "ncnn failed to compute blob 'no_such_blob' of decoder.param in package"),
 ]
