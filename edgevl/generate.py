@@ -67,7 +67,8 @@ def _contents(messages) -> list[str]:
         if isinstance(c, str):
             out.append(c)
         elif isinstance(c, list):
-            out += [p["text"] for p in c if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+            out += [p["text"] for p in c
+                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
     return out
 
 

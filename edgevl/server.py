@@ -123,8 +123,9 @@ def _too_many_pixels(param: str) -> HTTPError:
 
 
 def _undecodable(e: Exception, param: str) -> HTTPError:
-    return HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                     "); send PNG, JPEG, WebP, BMP, GIF or TIFF", param, "invalid_image")
+    why = str(e).splitlines()[0] if str(e) else ""
+    return HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {why}); send PNG, JPEG, WebP, BMP, "
+                     "GIF or TIFF", param, "invalid_image")
 
 
 class PendingImage:
@@ -243,7 +244,8 @@ def _check_text(obj, where: str = "") -> None:
 
 
 def _messages(raw, server) -> list[dict]:
-    """OpenAI messages -> edgevl messages (image_url parts become decoded PIL images)."""
+    """OpenAI messages -> edgevl messages (image_url parts become PendingImages, checked from their
+    headers: size, pixel budget, patch budget and context; decoded later by ``decode_images``)."""
     if not isinstance(raw, list) or not raw:
         raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     out, budget, image_tokens = [], MAX_IMAGE_PIXELS, 0
