@@ -99,6 +99,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _only_package_files(folder: Path) -> bool:
+    """True if every entry is a plain file of the kinds a conversion writes: a folder of that name
+    pattern made by other software (anything else inside) is never deleted."""
+    try:
+        return all(p.is_file() and not p.is_symlink() and p.suffix in (".param", ".bin", ".json", ".jinja")
+                   for p in folder.iterdir())
+    except OSError:
+        return False
+
+
 def clean_stale(parent: Path) -> list[Path]:
     """Remove the work folders of conversions into ``parent`` whose process is gone (a SIGKILL,
     a power cut). An ``.old-`` folder whose package was never replaced (killed between the two
@@ -112,7 +122,7 @@ def clean_stale(parent: Path) -> list[Path]:
         m = _WORK_DIR.match(p.name)
         if not m or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
             continue
-        if p.is_symlink() or not p.is_dir():
+        if p.is_symlink() or not p.is_dir() or not _only_package_files(p):
             continue
         target = parent / m["name"]
         if m["kind"] == "old" and not (target.exists() or target.is_symlink()) and is_package(p):

@@ -166,6 +166,10 @@ def killed_conversion(ck, out, stage) -> int:
 def test_sigkilled_conversion_is_cleaned_up_by_the_next_one(tiny, tmp_path):
     pid = killed_conversion(tiny[0], tmp_path / "a", "writing")
     assert left_over(tmp_path, "a") == [f".a.partial-{pid}"] and not (tmp_path / "a").exists()
+    # another tool's folder of the same name pattern (a dead PID, files a conversion never writes) stays
+    foreign = tmp_path / f".notes.partial-{pid}"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("mine")
     # a conversion still running elsewhere keeps its folder: its PID is alive
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -173,6 +177,7 @@ def test_sigkilled_conversion_is_cleaned_up_by_the_next_one(tiny, tmp_path):
         alive.mkdir()
         edgevl.convert(tiny[0], tmp_path / "b", dtype="fp32", progress=False)
         assert left_over(tmp_path, "a") == [] and alive.is_dir()
+        assert (foreign / "thesis.tex").read_text() == "mine"
     finally:
         sleeper.kill()
         sleeper.wait()
