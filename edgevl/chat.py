@@ -66,8 +66,11 @@ class ChatSession:
 
     def __init__(self, model: Model, system: str | None = None, max_new_tokens: int = 256,
                  max_image_patches: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None, stop=None):
+                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None, stop=None,
+                 allow_special_in_content: bool = False):
         Sampler(temperature, top_k, top_p, repetition_penalty, seed)  # bad settings fail now, not per turn
+        # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
+        self.allow_special_in_content = allow_special_in_content
         if not 0 < int(max_new_tokens) < model.max_context:
             raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
                               f"context is {model.max_context} tokens), got {max_new_tokens}")
@@ -101,7 +104,8 @@ class ChatSession:
         self.pending_images.append(path)
 
     def _count(self, messages) -> int:
-        return len(prepare(self.model, messages, max_image_patches=self.max_image_patches).input_ids)
+        return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
+                           allow_special_in_content=self.allow_special_in_content).input_ids)
 
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
@@ -134,7 +138,8 @@ class ChatSession:
 
         try:
             for ev in stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
-                                    max_image_patches=self.max_image_patches, **self.sampling):
+                                    max_image_patches=self.max_image_patches,
+                                    allow_special_in_content=self.allow_special_in_content, **self.sampling):
                 if ev.token is not None:
                     tokens.append(ev.token)
                 if ev.finish_reason:
@@ -162,7 +167,7 @@ class ChatSession:
 def chat_loop(model_path, image=None, threads: int | None = None, max_image_patches: int | None = None,
               max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               repetition_penalty: float = 1.0, seed: int | None = None, stop=None, system: str | None = None,
-              input_fn=input, out=None) -> int:
+              input_fn=input, out=None, allow_special_in_content: bool = False) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -173,7 +178,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                          seed=seed, stop=stop)
+                          seed=seed, stop=stop, allow_special_in_content=allow_special_in_content)
     if image:
         session.attach(image)
     if input_fn is input and sys.stdin.isatty():

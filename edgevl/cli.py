@@ -6,6 +6,7 @@
     edgevl chat MODEL [--image PATH]
     edgevl serve MODEL [--host 127.0.0.1] [--port 8080]
     edgevl bench MODEL [--compare torch,llamacpp]
+    edgevl check MODEL
 
 Every user error prints one line ``error: ...`` and exits with status 2.
 """
@@ -42,12 +43,48 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: physical cores; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=int, default=None,
-                   help="patch budget per image (default 36864, the HF processor's)")
+                   help="patch budget per image (default 36864, the HF processor's; at most 65536)")
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
+
+
+def add_content_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-special-in-content", action="store_true",
+                   help="let special-token text in messages (e.g. <|end_of_text|>) act as control tokens; by "
+                        "default message contents are plain text and only the chat template adds control tokens")
+
+
+def check_model_args(a) -> None:
+    """Absurd values fail before anything is loaded (ncnn crashed on some instead of refusing)."""
+    from .processing.image import MAX_IMAGE_PATCHES
+    from .runtime import check_threads
+
+    if a.threads:
+        check_threads(a.threads, "--threads")
+    n = getattr(a, "max_image_patches", None)
+    if n is not None and not 4 <= n <= MAX_IMAGE_PATCHES:
+        raise EdgevlError(f"--max-image-patches must be between 4 and {MAX_IMAGE_PATCHES} (a 4096x4096 image), "
+                          f"got {n}")
+
+
+def check_image_out(path: str | None, flag: str) -> None:
+    """An image output path must be a writable file name with an image extension (checked before
+    the model runs, so a typo does not cost a generation)."""
+    if path is None:
+        return
+    from PIL import Image
+
+    p = Path(path)
+    if p.is_dir() or path.endswith(("/", "\\")):
+        raise EdgevlError(f"{flag} {path} is a folder; give an image file name such as {p / 'out.png'}")
+    if p.suffix.lower() not in Image.registered_extensions():
+        raise EdgevlError(f"{flag} {path} has no image extension Pillow knows (.png, .jpg, ...); add one")
+    if not p.parent.is_dir():
+        raise EdgevlError(f"{flag} {path}: the folder {p.parent} does not exist; create it first")
 
 
 def sampling_kwargs(a) -> dict:
@@ -80,6 +117,9 @@ def cmd_run(a) -> int:
     from . import load
     from .generate import stream_events
 
+    check_model_args(a)
+    check_image_out(a.demo_out, "--demo-out")
+    check_image_out(a.draw_boxes, "--draw-boxes")
     image = a.image
     model_path = resolve_model(a.model)
     if image == "demo":
@@ -94,7 +134,7 @@ def cmd_run(a) -> int:
     model = load(model_path, threads=a.threads, low_memory=a.low_memory)
     text = []
     for ev in stream_events(model, a.prompt, image=image, raw=a.raw, max_image_patches=a.max_image_patches,
-                            **sampling_kwargs(a)):
+                            allow_special_in_content=a.allow_special_in_content, **sampling_kwargs(a)):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -127,17 +167,29 @@ def cmd_chat(a) -> int:
     from . import load
     from .chat import chat_loop
 
+    check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
-    return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches, **sampling_kwargs(a))
+    return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
+                     allow_special_in_content=a.allow_special_in_content, **sampling_kwargs(a))
 
 
 def cmd_serve(a) -> int:
     from . import load
     from .server import serve
 
+    check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
-                 max_queue=a.max_queue, model_name=a.model_name)
+                 max_queue=a.max_queue, model_name=a.model_name, max_image_patches=a.max_image_patches,
+                 allow_special_in_content=a.allow_special_in_content)
+
+
+def cmd_check(a) -> int:
+    from .package import check_package
+
+    n, size = check_package(a.model)
+    print(f"ok: all {n} files of {a.model} ({size} bytes) match manifest.json")
+    return 0
 
 
 def cmd_bench(a) -> int:
@@ -182,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed")
     add_sampling_args(r)
     add_model_args(r)
+    add_content_args(r)
     r.set_defaults(fn=cmd_run)
 
     v = sub.add_parser("verify", help="compare a package with the PyTorch reference, layer by layer")
@@ -198,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--image")
     add_sampling_args(ch)
     add_model_args(ch)
+    add_content_args(ch)
     ch.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -209,7 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=8, help="requests waiting beyond this get 429")
     s.add_argument("--model-name", default=None, help="model id reported by /v1/models")
     add_model_args(s)
+    add_content_args(s)
     s.set_defaults(fn=cmd_serve)
+
+    k = sub.add_parser("check", help="re-hash every file of a package against its manifest (ignores the "
+                                     "verified-stamp cache: finds bit rot that kept the file time)")
+    k.add_argument("model")
+    k.set_defaults(fn=cmd_check)
 
     b = sub.add_parser("bench", help="measure prefill/decode speed and memory")
     b.add_argument("model", help="a package folder, or a Hugging Face checkpoint (converted on the fly)")
@@ -235,7 +295,8 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except EdgevlError as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).splitlines())  # one line, whatever text a hostile input put in it
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("", file=sys.stderr)

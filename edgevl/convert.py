@@ -7,17 +7,39 @@ handling, progress, source hashes, tokenizer files and the manifest.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from . import models
 from .errors import EdgevlError
-from .package import finalize, temp_dir_for
+from .package import check_output, finalize, temp_dir_for
 from .progress import Progress
-from .tokenizer import TOKENIZER_FILES
+from .tokenizer import TOKENIZER_FILES, Tokenizer
 from .weights import Checkpoint, sha256_file
 
 DTYPES = ("fp32", "fp16", "bf16", "q8")
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        v = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise EdgevlError(f"{path} is not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(v, dict):
+        raise EdgevlError(f"{path} must be a JSON object, got {type(v).__name__}; fix or re-download it")
+    return v
+
+
+def check_token_ids(cfg: dict, where: str) -> None:
+    """Every ``*_token_id`` is null, a token id or a list of them (the runtime trusts them)."""
+    for k, v in cfg.items():
+        if not k.endswith("_token_id"):
+            continue
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise EdgevlError(f"{where} field {k} must be a token id (an integer >= 0), a list of them or null, "
+                              f"got {v!r:.60}; fix the checkpoint's {where}")
 
 
 def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, progress: bool = True,
@@ -31,11 +53,15 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     ckpt = Checkpoint(hf_path)
     arch = models.resolve(ckpt.config)
     options = arch.resolve_options(options)
+    check_token_ids(ckpt.config, "config.json")
+    gen = ckpt.folder / "generation_config.json"
+    if gen.is_file():
+        check_token_ids(_json_object(gen), "generation_config.json")
+    # the tokenizer and chat template must work now, not first at run time
+    Tokenizer(ckpt.folder, fallback_template=arch.chat_template).compile_template()
     out_dir = Path(out_path)
-    if out_dir.exists() and not overwrite:
-        raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
-    if out_dir.resolve() == Path(hf_path).resolve():
-        raise EdgevlError("the output folder must differ from the checkpoint folder")
+    # never replace anything but an old package, nor a folder holding (or inside) the checkpoint
+    check_output(out_dir, overwrite, protected=[ckpt.folder, *ckpt.files])
 
     src_bytes = sum(p.stat().st_size for p in ckpt.files)
     bar = Progress(2 * src_bytes, desc=f"convert {Path(hf_path).name}", enabled=progress)

@@ -7,6 +7,7 @@ and the finish reason (the server and the CLI use it).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -57,8 +58,71 @@ def _validate_messages(messages) -> None:
             raise EdgevlError(f"unknown message role {m['role']!r}; use system, user or assistant")
 
 
-def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None) -> Prepared:
-    """Render the chat template, tokenize, encode images and expand each image placeholder."""
+_MARK = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _contents(messages) -> list[str]:
+    """The message texts, in order: what users wrote, as opposed to what the template adds."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out += [p["text"] for p in c
+                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+    return out
+
+
+def _masked(messages, marks) -> list[dict]:
+    marks, out = iter(marks), []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            c = next(marks)
+        elif isinstance(c, list):
+            c = [dict(p, text=next(marks)) if isinstance(p, dict) and p.get("type") == "text"
+                 and isinstance(p.get("text"), str) else p for p in c]
+        out.append(dict(m, content=c))
+    return out
+
+
+def encode_messages(tok, messages, allow_special_in_content: bool = False) -> list[int]:
+    """Render the chat template and tokenize it. Control tokens come only from the template:
+    special-token text inside a message (``<|end_of_text|><|begin_of_text|>system``...) is
+    tokenized as plain text, so a client cannot forge turns, unless ``allow_special_in_content``."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    contents = _contents(messages)
+    specials = tok.special_tokens
+    if allow_special_in_content or not any(sp in c for c in contents for sp in specials):
+        return tok.encode(text)  # the common case: the exact tokens of the whole rendered prompt
+    # Render again with a marker in each content's place: the text between markers is the
+    # template's own (control tokens allowed), the contents are encoded as plain text.
+    if any("\ue000" in c for c in contents):
+        raise EdgevlError("message contents may not contain U+E000 together with control-token text")
+    masked = tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
+                                     add_generation_prompt=True)
+    ids, rebuilt = [], []
+    for k, piece in enumerate(_MARK.split(masked)):
+        if k % 2:
+            piece = contents[int(piece)]
+            ids += tok.encode(piece, special=False)
+        else:
+            ids += tok.encode(piece)
+        rebuilt.append(piece)
+    if "".join(rebuilt) != text:  # the template rewrites contents: no safe split exists
+        bad = next(sp for c in contents for sp in specials if sp in c)
+        raise EdgevlError(f"a message contains the control-token text {bad!r}, which this chat template cannot "
+                          "keep as plain text; remove it")
+    return ids
+
+
+def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
+            allow_special_in_content: bool = False) -> Prepared:
+    """Render the chat template, tokenize, encode images and expand each image placeholder.
+
+    Message contents are plain text (see ``encode_messages``); ``raw=True`` tokenizes the prompt
+    as it is, special-token text included."""
     tok = model.tokenizer
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     if isinstance(prompt, str):
@@ -70,7 +134,8 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             text = prompt
         else:
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}] if images else prompt
-            text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            messages = [{"role": "user", "content": content}]
+            text = None
     else:
         _validate_messages(prompt)
         parts = _image_parts(prompt)
@@ -81,11 +146,11 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             images = [x for x in payloads if x is not None]
         if len(images) != len(parts):
             raise EdgevlError(f"the messages have {len(parts)} image parts but {len(images)} images were given")
-        text = tok.apply_chat_template(prompt, add_generation_prompt=True)
+        messages, text = prompt, None
     if images and model.vision is None:
         raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
 
-    ids = tok.encode(text)
+    ids = tok.encode(text) if text is not None else encode_messages(tok, messages, allow_special_in_content)
     prep = Prepared(input_ids=[])
     pad = model.image_token_id
     n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
@@ -108,10 +173,12 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
 def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                   stop=None, raw: bool = False, max_image_patches: int | None = None,
-                  reuse_cache: bool = True, rescale_coordinates: bool = True) -> Iterator[Event]:
+                  reuse_cache: bool = True, rescale_coordinates: bool = True,
+                  allow_special_in_content: bool = False) -> Iterator[Event]:
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     t0 = time.perf_counter()
-    prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches)
+    prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches,
+                   allow_special_in_content=allow_special_in_content)
     # architecture-specific post-processing of the generated tokens (e.g. grounding coordinates)
     rescale = model.arch.output_processor(model, prep.images) if rescale_coordinates else None
     detok = StreamDecoder(model.tokenizer)

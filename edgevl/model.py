@@ -22,8 +22,8 @@ import numpy as np
 
 from . import models
 from .errors import EdgevlError
-from .package import read_manifest, verify_files
-from .runtime import Embedding, LMHead, Net, SectionedNet, default_threads
+from .package import check_listed, package_path, read_manifest, verify_files
+from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads
 from .sample import Sampler
 from .tokenizer import Tokenizer
 
@@ -47,18 +47,21 @@ class Model:
         except KeyError as e:
             raise EdgevlError(f"{path}: manifest.json lacks {e}; the package comes from another edgevl "
                               "version — convert the model again") from None
+        except (TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
+            # a manifest entry of the wrong type or value that the generic checks do not cover
+            raise EdgevlError(f"{path}: manifest.json has a malformed entry ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); convert the model again") from None
 
     def _init(self, path, threads, verify, light_mode):
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
         if verify:
             verify_files(self.path, m)
+        check_listed(self.path, m)  # nothing beside the graphs is read unverified
         self.arch = models.get(m["architecture"])
         self.config = m["config"]
         self.dtype = m["dtype"]
-        self.threads = int(threads) if threads else default_threads()
-        if self.threads < 1:
-            raise EdgevlError(f"threads must be >= 1, got {threads}")
+        self.threads = check_threads(threads) if threads else default_threads()
         self.tokenizer = Tokenizer(self.path, fallback_template=self.arch.chat_template)
 
         graphs = m["graphs"]
@@ -66,13 +69,18 @@ class Model:
         self.decoder = self.arch.make_decoder(self, self._net("decoder", light_mode))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])
         e = m["embedding"]
-        self.embedding = Embedding(str(self.path / e["file"]), e["segments"], e["rows"], e["dim"], e["dtype"])
+        self.embedding = Embedding(str(package_path(self.path, e["file"], m, "embedding file")), e["segments"],
+                                   e["rows"], e["dim"], e["dtype"])
         self.vocab_size = int(e["rows"])
 
         self.eos_ids = set(_as_list(self.config.get("eos_token_id")))
         gen_cfg = self.path / "generation_config.json"
         if gen_cfg.is_file():
-            self.eos_ids |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
+            try:
+                gen = json.loads(gen_cfg.read_text())
+            except (ValueError, RecursionError):
+                raise EdgevlError(f"{gen_cfg} is not valid JSON; convert the model again") from None
+            self.eos_ids |= set(_as_list(gen.get("eos_token_id")))
         if not self.eos_ids and self.tokenizer.eos_token:
             tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)
             if tid is not None:
@@ -92,9 +100,13 @@ class Model:
     def _net(self, name: str, light_mode: bool = True) -> Net:
         dtype = self.dtype if self.dtype != "q8" else "bf16"
         sections = self.manifest["graphs"][name]["extra"].get("sections")
+        param, binfile = (str(package_path(self.path, f"{name}{x}", self.manifest, "graph file"))
+                          for x in (".param", ".bin"))
         if self.low_memory and light_mode and sections:
-            return SectionedNet(str(self.path), str(self.path / f"{name}.bin"), sections, self.threads, dtype)
-        return Net(str(self.path / f"{name}.param"), str(self.path / f"{name}.bin"), self.threads, dtype, light_mode)
+            for sec in sections:
+                package_path(self.path, sec["param"], self.manifest, "section file")
+            return SectionedNet(str(self.path), binfile, sections, self.threads, dtype)
+        return Net(param, binfile, self.threads, dtype, light_mode)
 
     @property
     def kv_elem_bytes(self) -> int:

@@ -3,17 +3,26 @@
 The manifest records the architecture, config, dtype, every file with its sha256, the sha256 of
 the source checkpoint files and the edgevl/ncnn versions. Conversion writes into a hidden
 temporary folder and renames it into place only after the manifest is written, so a folder
-without a valid manifest is never a package. Loading re-hashes a file only when its size or
-mtime changed since it was last verified (a small stamp file in the user cache).
+without a valid manifest is never a package. ``--force`` replaces only an existing package,
+never a folder that holds the checkpoint, and swaps the new one in atomically; hidden work
+folders of a killed conversion are cleaned up by the next conversion into the same parent.
+
+Loading re-hashes a file only when its size or mtime changed since it was last verified (a small
+stamp file in the user cache); ``check_package`` re-hashes everything. Every file the runtime
+opens is named by a manifest-relative path that must stay inside the package and be listed (so
+verified): ``package_path``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import EdgevlError
 from .weights import sha256_file
@@ -42,8 +51,96 @@ def versions() -> dict:
     return out
 
 
+def is_package(folder: Path) -> bool:
+    """True if ``folder`` holds an edgevl manifest (the only kind of folder ``--force`` replaces)."""
+    try:
+        m = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and m.get("format") == FORMAT
+
+
+def check_output(out_dir: Path, overwrite: bool, protected=()) -> None:
+    """Refuse an output folder whose creation or replacement could destroy anything but an old
+    package: an existing folder without an edgevl manifest, or one that is, holds or lies inside
+    a ``protected`` path (the checkpoint folder and its files, symlinks resolved)."""
+    out = out_dir.resolve()
+    for p in protected:
+        p = Path(p).resolve()
+        if out == p or out in p.parents:
+            raise EdgevlError(f"the output folder {out_dir} contains the checkpoint ({p}); choose an output "
+                              "folder outside the checkpoint")
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if not overwrite:
+        raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise EdgevlError(f"{out_dir} is not a package folder (a file or a symlink); --force replaces only an "
+                          "edgevl package folder — choose another output folder")
+    if not is_package(out_dir):
+        raise EdgevlError(f"{out_dir} is not an edgevl package (no edgevl manifest.json); --force replaces only "
+                          "a package folder — choose another output folder, or remove it yourself")
+    for p in protected:
+        if Path(p).resolve() in out.parents:
+            raise EdgevlError(f"{out_dir} lies inside the checkpoint folder; --force does not replace folders "
+                              "there — choose an output folder outside the checkpoint")
+
+
+# hidden work folders next to the output: .NAME.partial-PID (being written), .NAME.old-PID (replaced)
+_WORK_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>[0-9]{1,9})$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process (or not ours to judge): leave its folder alone
+    return True
+
+
+def _only_package_files(folder: Path) -> bool:
+    """True if every entry is a plain file of the kinds a conversion writes: a folder of that name
+    pattern made by other software (anything else inside) is never deleted."""
+    try:
+        return all(p.is_file() and not p.is_symlink() and p.suffix in (".param", ".bin", ".json", ".jinja")
+                   for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def clean_stale(parent: Path) -> list[Path]:
+    """Remove the work folders of conversions into ``parent`` whose process is gone (a SIGKILL,
+    a power cut). An ``.old-`` folder whose package was never replaced (killed between the two
+    renames of the fallback swap) is renamed back instead. Returns the folders handled."""
+    done = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return done
+    for p in entries:
+        m = _WORK_DIR.match(p.name)
+        if not m or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        if p.is_symlink() or not p.is_dir() or not _only_package_files(p):
+            continue
+        target = parent / m["name"]
+        if m["kind"] == "old" and not (target.exists() or target.is_symlink()) and is_package(p):
+            try:
+                p.rename(target)
+                done.append(p)
+                continue
+            except OSError:
+                pass
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(p)
+    return done
+
+
 def temp_dir_for(out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out_dir.parent)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -51,8 +148,26 @@ def temp_dir_for(out_dir: Path) -> Path:
     return tmp
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
-    """Hash every file, write the manifest last, then move the folder into place."""
+    """Hash every file, write the manifest last, then move the folder into place.
+
+    An existing package is replaced atomically where the OS allows (one exchange of the two
+    folders), else by two renames; the old package is deleted only once the new one is in place."""
     files = {}
     for p in sorted(tmp.iterdir()):
         if p.name == MANIFEST or not p.is_file():
@@ -61,16 +176,21 @@ def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
     manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION, files=files,
                     versions=versions(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False))
-    old = None
-    if out_dir.exists():
-        if not overwrite:
-            shutil.rmtree(tmp)
-            raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        tmp.rename(out_dir)
+        return out_dir
+    check_output(out_dir, overwrite)  # again: the folder may have changed during the conversion
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if _exchange(tmp, out_dir):
+        tmp.rename(old)  # tmp now holds the old package
+    else:
         out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            old.rename(out_dir)
+            raise
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -89,38 +209,157 @@ def read_manifest(path) -> dict:
                           "create one with: edgevl convert HF_DIR OUT_DIR")
     try:
         m = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
         raise EdgevlError(f"{mf} is not valid JSON; the package is corrupt — convert the model again") from None
-    if m.get("format") != FORMAT:
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise EdgevlError(f"{mf} is not an edgevl manifest; convert the model again")
-    if m.get("format_version", 0) > FORMAT_VERSION:
-        raise EdgevlError(f"{path} was written by a newer edgevl (format {m.get('format_version')}); upgrade edgevl")
-    if m.get("format_version", 0) < FORMAT_VERSION:
-        src = (m.get("source") or {}).get("path") or "HF_DIR"
-        raise EdgevlError(f"{path} was converted by an older edgevl (package format {m.get('format_version')}); "
-                          f"convert it again: edgevl convert {src} {path} --force")
+    v = m.get("format_version")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise EdgevlError(f"{mf}: format_version must be a positive integer, got {_short(v)}; the package is "
+                          "corrupt — convert the model again")
+    if v > FORMAT_VERSION:
+        raise EdgevlError(f"{path} was written by a newer edgevl (format {v}); upgrade edgevl")
+    if v < FORMAT_VERSION:
+        src = (m.get("source") or {}).get("path") if isinstance(m.get("source"), dict) else None
+        raise EdgevlError(f"{path} was converted by an older edgevl (package format {v}); "
+                          f"convert it again: edgevl convert {src or 'HF_DIR'} {path} --force")
+    check_manifest(m, path)
     return m
+
+
+def _short(v, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def check_manifest(m: dict, path) -> None:
+    """Types of the generic manifest fields the runtime relies on (one line per problem)."""
+    def bad(what, v, need):
+        raise EdgevlError(f"manifest.json of {path}: {what} must be {need}, got {_short(v)}; the package is "
+                          "corrupt — convert the model again")
+
+    for key, kind in (("architecture", str), ("dtype", str), ("config", dict), ("graphs", dict), ("files", dict),
+                      ("embedding", dict), ("options", dict)):
+        if key in m and not isinstance(m[key], kind):
+            bad(key, m[key], "an object" if kind is dict else "a string")
+    if "context" in m and not _is_int(m["context"], 1):
+        bad("context", m["context"], "a positive integer")
+    for name, meta in m.get("files", {}).items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and _is_int(meta.get("bytes"))):
+            bad(f"files[{name!r}]", meta, "an object with sha256 (a string) and bytes (an integer >= 0)")
+    for g, info in m.get("graphs", {}).items():
+        if not isinstance(info, dict):
+            bad(f"graphs.{g}", info, "an object")
+        for key, kind in (("inputs", dict), ("outputs", dict), ("state", list), ("passes", list), ("extra", dict)):
+            if key in info and not isinstance(info[key], kind):
+                bad(f"graphs.{g}.{key}", info[key], "an object" if kind is dict else "a list")
+        for key in ("inputs", "outputs"):  # blob names, or lists of them
+            for k, v in info.get(key, {}).items():
+                if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(n, str) for n in v)):
+                    bad(f"graphs.{g}.{key}.{k}", v, "a blob name or a list of them")
+        for i, st in enumerate(info.get("state", [])):
+            if not (isinstance(st, dict) and isinstance(st.get("kind"), str)
+                    and all(isinstance(st.get(k), list) and all(isinstance(n, str) for n in st[k])
+                            for k in ("inputs", "outputs"))):
+                bad(f"graphs.{g}.state[{i}]", st, "an object with kind, inputs and outputs (blob names)")
+        sections = info.get("extra", {}).get("sections")
+        if sections is None:
+            continue
+        if not isinstance(sections, list):
+            bad(f"graphs.{g}.extra.sections", sections, "a list")
+        for i, sec in enumerate(sections):
+            ok = (isinstance(sec, dict) and isinstance(sec.get("name"), str) and isinstance(sec.get("param"), str)
+                  and isinstance(sec.get("bin"), list) and len(sec["bin"]) == 2
+                  and all(_is_int(b) for b in sec["bin"]) and sec["bin"][0] <= sec["bin"][1]
+                  and all(isinstance(sec.get(k), list) and all(isinstance(n, str) for n in sec[k])
+                          for k in ("inputs", "outputs")))
+            if not ok:
+                bad(f"graphs.{g}.extra.sections[{i}]", sec,
+                    "an object with name, param, bin [start, end], inputs and outputs")
+    e = m.get("embedding")
+    if e is not None:
+        if e.get("dtype") not in ("fp32", "fp16", "bf16"):
+            bad("embedding.dtype", e.get("dtype"), "fp32, fp16 or bf16")
+        for key in ("rows", "dim"):
+            if not _is_int(e.get(key), 1):
+                bad(f"embedding.{key}", e.get(key), "a positive integer")
+        segs = e.get("segments")
+        if not isinstance(segs, list) or not segs:
+            bad("embedding.segments", segs, "a non-empty list")
+        expect = 0
+        for i, seg in enumerate(segs):
+            r = seg.get("rows") if isinstance(seg, dict) else None
+            if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and r[0] == expect
+                    and r[1] > r[0] and _is_int(seg.get("offset"))):
+                bad(f"embedding.segments[{i}]", seg, f"an object with rows [{expect}, end] and offset >= 0")
+            expect = r[1]
+        if expect != e["rows"]:
+            bad("embedding.segments", segs, f"row ranges covering all {e['rows']} rows")
+
+
+def package_path(folder, name, manifest: dict | None = None, what: str = "file") -> Path:
+    """The path of a package file named in manifest.json.
+
+    The name must be relative, without ``..``, stay inside the package after symlinks are resolved
+    and (given the manifest) be listed in its ``files``, so that loading has verified it."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise EdgevlError(f"manifest.json of {folder} names a {what} {_short(name)} that is not a file name; the "
+                          "package is corrupt — convert the model again")
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise EdgevlError(f"manifest.json of {folder} points outside the package ({what} {name!r}); refusing to "
+                          "load it — convert the model again")
+    full = folder / name
+    try:
+        inside = full.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        inside = False
+    if not inside:
+        raise EdgevlError(f"package file {name} of {folder} is a symlink leading outside the package; refusing "
+                          "to load it — convert the model again")
+    if manifest is not None and name not in manifest.get("files", {}):
+        raise EdgevlError(f"package file {name} is not listed in manifest.json of {folder}, so it cannot be "
+                          "verified; the package is corrupt or was modified — convert the model again")
+    return full
 
 
 def _stamp_path() -> Path:
     return cache_dir() / "verified.json"
 
 
-def verify_files(path, manifest: dict, full: bool = False) -> None:
-    """Refuse a package whose files are missing or differ from the manifest's sha256."""
-    path = Path(path).resolve()
-    stamp_file = _stamp_path()
+def _read_stamps(stamp_file: Path) -> dict:
+    """The verified-file stamps; anything unreadable or of the wrong shape counts as none (the
+    file is rewritten after the next verification) — a broken cache must never stop loading."""
     try:
         stamps = json.loads(stamp_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        stamps = {}
-    mine = stamps.get(str(path), {})
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return stamps if isinstance(stamps, dict) else {}
+
+
+def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
+    """Refuse a package whose files are missing or differ from the manifest's sha256.
+
+    ``full`` re-hashes every file whatever the stamps say. Returns (files, bytes) checked."""
+    path = Path(path).resolve()
+    stamp_file = _stamp_path()
+    stamps = _read_stamps(stamp_file)
+    mine = stamps.get(str(path))
+    if not isinstance(mine, dict):
+        mine = {}
     changed = False
+    total = 0
     for name, meta in manifest.get("files", {}).items():
-        p = path / name
+        p = package_path(path, name)
         if not p.is_file():
             raise EdgevlError(f"package file {name} is missing from {path}; convert the model again")
         st = p.stat()
+        total += st.st_size
         if st.st_size != meta["bytes"]:
             raise EdgevlError(f"package file {name} has {st.st_size} bytes but the manifest says "
                               f"{meta['bytes']}; the package is corrupt — convert the model again")
@@ -132,7 +371,7 @@ def verify_files(path, manifest: dict, full: bool = False) -> None:
                               "the package is corrupt or was modified — convert the model again")
         mine[name] = key
         changed = True
-    if changed:
+    if changed or stamps.get(str(path)) is not mine:
         stamps[str(path)] = mine
         try:
             stamp_file.parent.mkdir(parents=True, exist_ok=True)
@@ -141,3 +380,32 @@ def verify_files(path, manifest: dict, full: bool = False) -> None:
             tmp.replace(stamp_file)
         except OSError:
             pass  # a read-only cache only costs re-hashing next time
+    return len(manifest.get("files", {})), total
+
+
+# files beside the graphs that the runtime reads when present (tokenizer, templates, configs)
+RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
+                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json")
+
+
+def check_listed(path, manifest: dict, names=RUNTIME_FILES) -> None:
+    """Every one of ``names`` present in the package folder must be listed (and so verified)."""
+    path = Path(path)
+    for name in names:
+        if (path / name).exists() or (path / name).is_symlink():
+            package_path(path, name, manifest)
+
+
+def check_package(path) -> tuple[int, int]:
+    """``edgevl check``: the manifest, every path in it, and every file re-hashed (no stamp cache)."""
+    m = read_manifest(path)
+    check_listed(path, m)
+    e = m.get("embedding")
+    if isinstance(e, dict):
+        package_path(path, e.get("file"), m, "embedding file")
+    for g, info in m.get("graphs", {}).items():
+        for suffix in (".param", ".bin"):
+            package_path(path, g + suffix, m, "graph file")
+        for sec in info.get("extra", {}).get("sections") or []:
+            package_path(path, sec["param"], m, "section file")
+    return verify_files(path, m, full=True)

@@ -20,14 +20,28 @@ from .errors import EdgevlError
 from .ncnn_graph import bf16_bits_to_f32
 
 
+def max_threads() -> int:
+    """The most threads accepted: ncnn crashed (segfault) when asked for 100000."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_threads(n, what: str = "threads") -> int:
+    limit = max_threads()
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+        raise EdgevlError(f"{what} must be between 1 and {limit} (4 x the {os.cpu_count() or 1} CPUs here; "
+                          f"best: the free physical cores), got {n!r:.40}")
+    return n
+
+
 def default_threads() -> int:
     """EDGEVL_THREADS, else the physical core count (more threads than free cores stalls ncnn)."""
     env = os.environ.get("EDGEVL_THREADS")
     if env:
         try:
-            return max(1, int(env))
+            n = int(env)
         except ValueError:
             raise EdgevlError(f"EDGEVL_THREADS must be an integer, got {env!r}") from None
+        return check_threads(max(1, n), "EDGEVL_THREADS")
     try:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # pragma: no cover - very old wheels
@@ -69,6 +83,7 @@ class Net:
         self.net = ncnn.Net()
         _options(self.net.opt, threads, dtype)
         self.light_mode = light_mode
+        self.where = param  # for error messages
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")
         self.order = blob_order(param)
@@ -89,11 +104,11 @@ class Net:
         ex = self.extractor()
         _feed(ex, feeds)
         for names, fn in passes:
-            got = _extract(ex, [(n, 0) for n in names])
+            got = _extract(ex, [(n, 0) for n in names], self.where)
             _feed(ex, fn({n: from_mat(m) for n, m in got.items()}))
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
-        return _extract(ex, sorted(wanted, key=lambda w: self.order.get(w[0], 0)))
+        return _extract(ex, sorted(wanted, key=lambda w: self.order.get(w[0], 0)), self.where)
 
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
@@ -120,12 +135,14 @@ def _feed(ex, feeds: dict) -> None:
         ex.input(k, v if isinstance(v, ncnn.Mat) else to_mat(v))
 
 
-def _extract(ex, wanted) -> dict:
+def _extract(ex, wanted, where: str) -> dict:
     out = {}
     for name, typ in wanted:
         m = ncnn.Mat()
         if ex.extract(name, m, typ) != 0:
-            raise RuntimeError(f"ncnn failed to compute blob {name}")
+            pkg = os.path.dirname(where) or "."
+            raise EdgevlError(f"ncnn failed to compute blob {name!r} of {os.path.basename(where)} in package {pkg}; "
+                              f"the package may be damaged — check it with: edgevl check {pkg} (or convert again)")
         out[name] = m
     return out
 
@@ -142,6 +159,7 @@ class SectionedNet(Net):
     def _load(self, sec) -> Net:
         net = Net.__new__(Net)
         net.net, net.light_mode = ncnn.Net(), True
+        net.where = os.path.join(self.folder, sec["param"])
         _options(net.net.opt, self.threads, self.dtype)
         with open(self.binfile, "rb") as f:
             f.seek(sec["bin"][0])
@@ -162,7 +180,7 @@ class SectionedNet(Net):
                 if name in blobs:  # absent cache inputs stay empty (first prefill)
                     v = blobs[name]
                     ex.input(name, v if isinstance(v, ncnn.Mat) else to_mat(v))
-            blobs.update(_extract(ex, [(n, types.get(n, 0)) for n in sec["outputs"]]))
+            blobs.update(_extract(ex, [(n, types.get(n, 0)) for n in sec["outputs"]], net.where))
             del ex, net
         return {n: blobs[n] for n, _ in wanted}
 
@@ -401,6 +419,13 @@ class Embedding:
     def __init__(self, path: str, segments: list, rows: int, dim: int, dtype: str):
         np_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[dtype]
         self.dtype, self.rows, self.dim = dtype, rows, dim
+        size = os.path.getsize(path)
+        for s in segments:  # np.memmap would fail with a bare ValueError
+            end = s["offset"] + (s["rows"][1] - s["rows"][0]) * dim * np.dtype(np_dtype).itemsize
+            if end > size:
+                raise EdgevlError(f"the embedding table {path} has {size} bytes but rows {s['rows'][0]}.."
+                                  f"{s['rows'][1]} of {dim} {dtype} values need {end}; the package is corrupt — "
+                                  "convert the model again")
         self.starts = np.array([s["rows"][0] for s in segments], np.int64)
         self.tables = [np.memmap(path, dtype=np_dtype, mode="r", offset=s["offset"],
                                  shape=(s["rows"][1] - s["rows"][0], dim)) for s in segments]

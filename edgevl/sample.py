@@ -5,29 +5,42 @@ Order follows transformers' generate: repetition penalty, then temperature, top-
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .errors import EdgevlError
+
+# below this, sampling is greedy: logits up to ~1e4 divided by it stay far inside float64's range
+MIN_TEMPERATURE = 1e-100
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int | None = None):
-        if temperature is None or temperature < 0:
-            raise EdgevlError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if top_k is None or top_k < 0:
+        if not _finite(temperature) or temperature < 0:
+            raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if not _finite(top_k) or top_k < 0:
             raise EdgevlError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if top_p is None or not (0 < top_p <= 1):
+        if not _finite(top_p) or not (0 < top_p <= 1):
             raise EdgevlError(f"top_p must be in (0, 1], got {top_p}")
-        if repetition_penalty is None or repetition_penalty <= 0:
-            raise EdgevlError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        if not _finite(repetition_penalty) or repetition_penalty <= 0:
+            raise EdgevlError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition_penalty}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise EdgevlError(f"seed must be an integer >= 0, got {seed}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.repetition_penalty = float(repetition_penalty)
         self.rng = np.random.default_rng(seed)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # A temperature so small (1e-320, a denormal) that logits / temperature overflows is
+        # greedy in the limit; dividing would give inf - inf = NaN probabilities.
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
         x = np.asarray(logits, dtype=np.float32).copy()
@@ -35,14 +48,18 @@ class Sampler:
             ids = np.unique(np.asarray(history, dtype=np.int64))
             ids = ids[(ids >= 0) & (ids < x.shape[0])]
             v = x[ids]
-            x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+            with np.errstate(over="ignore", divide="ignore"):  # an absurd penalty may overflow to inf
+                x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
         if self.greedy:
             return int(np.argmax(x))
-        x = x.astype(np.float64) / self.temperature
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float64) / self.temperature
         if 0 < self.top_k < x.shape[0]:
             kth = np.partition(x, -self.top_k)[-self.top_k]
             x[x < kth] = -np.inf
-        p = np.exp(x - x.max())
+        top = x.max()
+        # overflowed logits (inf - inf would be NaN): the infinite ones share all the mass
+        p = (x == top).astype(np.float64) if np.isinf(top) else np.exp(x - top)
         p /= p.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")

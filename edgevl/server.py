@@ -12,8 +12,13 @@ Design:
 - Every client mistake is a JSON error in OpenAI's shape and the connection stays usable (or
   is closed when its body was not read); bodies over ``max_body`` get 413 before being read.
 - Images: ``data:`` URLs (base64) always; local paths only under ``--allow-image-dir``
-  (symlinks and ``..`` resolved first); ``http(s)://`` URLs are never fetched. Images are
-  decoded before the request queues, within ``MAX_IMAGE_PIXELS`` per request.
+  (symlinks and ``..`` resolved first); ``http(s)://`` URLs are never fetched. Before a request
+  queues, each image is checked from its header only (format, pixel count within
+  ``MAX_IMAGE_PIXELS`` per request, fit to the patch budget); its pixels are decoded only once
+  the request holds the model, so memory holds one request's images however many wait.
+- A client that hangs up is noticed between tokens (and while queued), and its generation stops.
+- Message contents are plain text: special-token text in them does not become control tokens
+  (``allow_special_in_content`` restores that).
 - Sampling defaults are edgevl's (greedy, up to the context end), not OpenAI's temperature 1;
   ``top_k`` and ``repetition_penalty`` are accepted as extensions. ``usage.completion_tokens``
   counts every generated token, the end-of-text token included.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import hmac
 import io
 import ipaddress
@@ -35,6 +41,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from contextlib import closing, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
@@ -45,10 +52,9 @@ from . import __version__
 from .errors import EdgevlError
 from .generate import stream_events
 from .model import Model, load
-from .processing.image import load_image
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
-MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~300 MB as RGB); the patch budget shrinks them later
+MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
 
 
@@ -78,7 +84,8 @@ class Gate:
         self.waiting = 0
 
     @contextmanager
-    def __call__(self):
+    def __call__(self, gone=lambda: False):
+        """``gone()`` is polled while waiting: a client that hung up gives its place back."""
         if not self.lock.acquire(blocking=False):
             with self._count:
                 if self.waiting >= self.max_queue:
@@ -86,7 +93,9 @@ class Gate:
                                     "shortly", code="queue_full", headers={"Retry-After": "1"})
                 self.waiting += 1
             try:
-                self.lock.acquire()
+                while not self.lock.acquire(timeout=0.25):
+                    if gone():
+                        raise ConnectionError("the client hung up while queued")
             finally:
                 with self._count:
                     self.waiting -= 1
@@ -113,27 +122,63 @@ def _too_many_pixels(param: str) -> HTTPError:
                      "images", param, "image_too_large")
 
 
-def _decode_image(data: bytes, param: str, budget: int):
-    from PIL import Image, ImageOps
-
-    try:
-        im = Image.open(io.BytesIO(data))
-        if im.width * im.height > budget:  # read from the header: a small file can decode to gigabytes
-            raise _too_many_pixels(param)
-        im.load()
-        im = ImageOps.exif_transpose(im)  # as for image files (and transformers' load_image)
-    except HTTPError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad data
-        raise HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {e}); send PNG, JPEG, "
-                        "WebP, BMP, GIF or TIFF", param, "invalid_image") from None
-    return im
+def _undecodable(e: Exception, param: str) -> HTTPError:
+    why = str(e).splitlines()[0] if str(e) else ""
+    return HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {why}); send PNG, JPEG, WebP, BMP, "
+                     "GIF or TIFF", param, "invalid_image")
 
 
-def _image(url: str, server: "EdgevlServer", param: str, budget: int):
-    """A PIL image from an image_url: a base64 data: URL, or an allowed local path.
+class PendingImage:
+    """An image known from its header only (format, size): cheap to hold while the request
+    waits. ``decode()`` reads the pixels; the server calls it once the request holds the model."""
 
-    ``budget`` is the pixels the request may still decode; data: URL bytes are bounded by the body limit."""
+    def __init__(self, opener, param: str, shown: str | None = None):
+        from PIL import Image
+
+        self.opener, self.param, self.shown = opener, param, shown
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies
+                im = opener()
+                self.width, self.height = im.width, im.height
+                im.close()
+        except Image.DecompressionBombError:
+            raise _too_many_pixels(param) from None
+        except HTTPError:
+            raise
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), param, "invalid_image") from None
+        except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad data
+            raise _undecodable(e, param) from None
+
+    def decode(self):
+        from PIL import Image
+
+        from .processing.image import exif_transpose
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                im = self.opener()
+                if (im.width, im.height) != (self.width, self.height):  # a local file changed meanwhile
+                    raise _too_many_pixels(self.param)
+                im.load()
+            return exif_transpose(im)  # as for image files (and transformers' load_image)
+        except HTTPError:
+            raise
+        except MemoryError:
+            raise HTTPError(400, "not enough memory to decode the image; send a smaller one", self.param,
+                            "image_too_large") from None
+        except Exception as e:  # noqa: BLE001 - truncated data raises OSError, SyntaxError, ...
+            raise _undecodable(e, self.param) from None
+
+
+def _image(url: str, server: "EdgevlServer", param: str) -> PendingImage:
+    """A pending image from an image_url: a base64 data: URL, or an allowed local path.
+
+    Only the header is read here; data: URL bytes are bounded by the body limit."""
+    from PIL import Image
+
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         head, sep, data = url[5:].partition(",")
@@ -144,7 +189,7 @@ def _image(url: str, server: "EdgevlServer", param: str, budget: int):
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise HTTPError(400, "the image data: URL is not valid base64", param, "invalid_image") from None
-        return _decode_image(raw, param, budget)
+        return PendingImage(lambda: Image.open(io.BytesIO(raw)), param)
     if scheme in ("http", "https", "ftp"):
         raise HTTPError(400, "remote image URLs are not fetched; send the image inline as a data: URL "
                         "(data:image/png;base64,...)", param, "remote_image_url")
@@ -168,17 +213,43 @@ def _image(url: str, server: "EdgevlServer", param: str, budget: int):
     if not full.is_relative_to(root):
         raise HTTPError(403, f"image path {path!r} is outside the allowed image folder", param,
                         "image_path_forbidden")
-    try:
-        return load_image(full)  # an operator-allowed file: Pillow's own pixel limit applies while decoding
-    except EdgevlError as e:
-        raise HTTPError(400, str(e).replace(str(full), path), param, "invalid_image") from None
+
+    def opener():
+        if not full.is_file():
+            raise EdgevlError(f"Image file not found: {path}; check the path." if not full.exists() else
+                              f"Image path is not a file: {path}; pass an image file.")
+        return Image.open(full)  # Pillow closes the file once the pixels are loaded
+
+    return PendingImage(opener, param)
+
+
+def _check_text(obj, where: str = "") -> None:
+    """Every string in the request must be valid Unicode: JSON allows lone surrogates
+    ("\\ud800"), which no tokenizer can take."""
+    stack = [(obj, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HTTPError(400, f"{at or 'the request'} contains invalid Unicode (a lone surrogate such as "
+                                "\\ud800); send valid UTF-8 text", at or None, "invalid_text") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, at or "the request"))
+                stack.append((x, f"{at}.{k}" if at else str(k)))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
 
 
 def _messages(raw, server) -> list[dict]:
-    """OpenAI messages -> edgevl messages (image_url parts become decoded PIL images)."""
+    """OpenAI messages -> edgevl messages (image_url parts become PendingImages, checked from their
+    headers: size, pixel budget, patch budget and context; decoded later by ``decode_images``)."""
     if not isinstance(raw, list) or not raw:
         raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out, budget = [], MAX_IMAGE_PIXELS
+    out, budget, image_tokens = [], MAX_IMAGE_PIXELS, 0
+    vision = server.model.vision
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -206,10 +277,20 @@ def _messages(raw, server) -> list[dict]:
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
                     raise HTTPError(400, f"{param}.image_url.url must be a string", param)
-                im = _image(url, server, param, budget)
+                if vision is None:
+                    raise HTTPError(400, "this model has no vision tower; it cannot take images", param)
+                im = _image(url, server, param)
                 budget -= im.width * im.height
                 if budget < 0:
                     raise _too_many_pixels(param)
+                try:  # an image the patch budget or the context cannot hold is refused before decoding
+                    image_tokens += vision.image_tokens(im.height, im.width, server.max_image_patches)
+                except EdgevlError as e:
+                    raise HTTPError(400, str(e), param, "invalid_image") from None
+                if image_tokens >= server.model.max_context:
+                    raise HTTPError(400, f"the request's images need {image_tokens} tokens but the model's context "
+                                    f"is {server.model.max_context}; send fewer or smaller images", param,
+                                    "context_length_exceeded")
                 parts.append({"type": "image", "image": im})
             else:
                 raise HTTPError(400, f"{param} must be a text or image_url part", param)
@@ -219,7 +300,10 @@ def _messages(raw, server) -> list[dict]:
 
 def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, bool]:
     """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
+    _check_text(req)
     model = req.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HTTPError(400, f"model must be a string, got {type(model).__name__}", "model")
     if model is not None and model not in server.model_ids:
         raise HTTPError(404, f"the model {model!r} does not exist; this server runs {server.model_id!r}",
                         "model", "model_not_found")
@@ -247,8 +331,20 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", 0.0), top_p=_number(req, "top_p", 1.0),
         top_k=_number(req, "top_k", 0, int), repetition_penalty=_number(req, "repetition_penalty", 1.0),
-        seed=seed, stop=stop)
+        seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
+        max_image_patches=server.max_image_patches)
     return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
+
+
+def decode_images(messages: list) -> list:
+    """The messages with every pending image decoded (call with the model held)."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            m = dict(m, content=[dict(p, image=p["image"].decode()) if p["type"] == "image" else p
+                                 for p in m["content"]])
+        out.append(m)
+    return out
 
 
 def _usage(ev) -> dict:
@@ -301,11 +397,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str):
         self._sent = False  # headers out: errors can no longer get a status
+        lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
         # body bytes not read yet; -1 = unknown (chunked, or a bad header): the connection must close
-        self._unread = int(length) if length.isdigit() and not chunked else -1
+        self._unread = int(length) if length.isdigit() and len(lengths) <= 1 and not chunked else -1
         try:
+            if len(lengths) > 1:  # which one frames the body? (request smuggling): refuse and close
+                raise HTTPError(400, f"conflicting Content-Length headers {sorted(lengths)}; send one")
             if self._unread < 0 and not chunked:
                 raise HTTPError(400, f"invalid Content-Length header {length!r}")
             self._route(method)()
@@ -419,20 +518,30 @@ class Handler(BaseHTTPRequestHandler):
     def _chat(self):
         self._check_key()
         messages, kwargs, stream, include_usage = parse_request(self._read_json(), self.server)
-        with self.server.gate():
+        with self.server.gate(self._client_gone):
             if self._client_gone():
                 self.close_connection = True
                 return
-            with closing(stream_events(self.server.model, messages, **kwargs)) as events:
-                try:
-                    first = next(events)  # template, images, prefill: errors here still get a status
-                    if not stream:
-                        evs = [first, *events]
-                except EdgevlError as e:
-                    raise HTTPError(400, str(e), code="invalid_request") from None
-                if stream:
-                    self._stream(chain([first], events), include_usage)
-                    return
+            # pixels are decoded only now, one request at a time: waiting requests hold only
+            # their compressed bytes, however large the images
+            decoded = decode_images(messages)
+            try:
+                with closing(stream_events(self.server.model, decoded, **kwargs)) as events:
+                    try:
+                        first = next(events)  # template, images, prefill: errors here still get a status
+                    except EdgevlError as e:
+                        raise HTTPError(400, str(e), code="invalid_request") from None
+                    if stream:
+                        self._stream(chain([first], events), include_usage)
+                        return
+                    evs = [first]
+                    for ev in events:
+                        evs.append(ev)
+                        if self._client_gone():  # nobody will read the answer: free the model now
+                            self.close_connection = True
+                            return
+            finally:
+                decoded = None  # before the next request may decode its images
         head = self._head("chat.completion")
         self._send(200, {**head, "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
@@ -462,6 +571,8 @@ class Handler(BaseHTTPRequestHandler):
             for ev in events:
                 if ev.text:
                     chunk({"content": ev.text})
+                elif self._client_gone():  # no write to fail on (held-back text): look
+                    raise ConnectionError("the client hung up")
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
@@ -480,13 +591,26 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
+def _one_malloc_arena() -> None:
+    """Each request waits in its own thread, and glibc gives threads their own malloc arenas:
+    pixels a thread decoded stayed in its arena once freed, so memory grew with the number of
+    threads that had decoded an image (16 requests with a 10000x10000 image, decoded one at a
+    time: 5.6 GB). With one arena the next request reuses the memory (peak: one image). Requests
+    hold the model one at a time anyway, so the shared arena costs no parallelism."""
+    try:
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX; no such call outside glibc: nothing to do
+    except (OSError, AttributeError):
+        pass
+
+
 class EdgevlServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64  # the listen backlog: bursts of clients must not be dropped before the 429 logic
 
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
-                 access_log: bool = False):
+                 access_log: bool = False, allow_special_in_content: bool = False,
+                 max_image_patches: int | None = None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -497,6 +621,9 @@ class EdgevlServer(ThreadingHTTPServer):
                 raise EdgevlError(f"--allow-image-dir {image_dir} is not a folder")
         self.model, self.api_key, self.image_dir = model, api_key or None, image_dir
         self.max_body, self.access_log = int(max_body), access_log
+        self.allow_special_in_content = allow_special_in_content
+        self.max_image_patches = max_image_patches  # None: the model's own budget
+        _one_malloc_arena()
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
@@ -540,11 +667,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None) -> int:
+          threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
+          allow_special_in_content: bool = False, max_image_patches: int | None = None) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
-                          model_name=model_name, access_log=True)
+                          model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
+                          max_image_patches=max_image_patches)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

@@ -20,18 +20,35 @@ def _raise(msg):
     raise EdgevlError(f"chat template error: {msg}")
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        v = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise EdgevlError(f"{path} is not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(v, dict):
+        raise EdgevlError(f"{path} must be a JSON object, got a {type(v).__name__}; fix or re-download it")
+    return v
+
+
 def _load_template(folder: Path, tok_cfg: dict) -> str | None:
     p = folder / "chat_template.jinja"
     if p.is_file():
-        return p.read_text()
+        try:
+            return p.read_text()
+        except ValueError:
+            raise EdgevlError(f"{p} is not UTF-8 text; fix or re-download it") from None
     p = folder / "chat_template.json"
     if p.is_file():
-        t = json.loads(p.read_text()).get("chat_template")
+        t = _read_json(p).get("chat_template")
         if t:
+            if not isinstance(t, str):
+                raise EdgevlError(f"{p}: chat_template must be a string; fix or re-download it")
             return t
     t = tok_cfg.get("chat_template")
     if isinstance(t, list):  # named templates: take "default"
-        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    if t and not isinstance(t, str):
+        raise EdgevlError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string; fix or re-download it")
     return t or None
 
 
@@ -55,11 +72,16 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise EdgevlError(f"{path} could not be read ({e}); re-download it") from None
         cfg_path = self.folder / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = _read_json(cfg_path) if cfg_path.is_file() else {}
         self.chat_template = _load_template(self.folder, self.config) or fallback_template
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        for name in ("bos_token", "eos_token"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise EdgevlError(f"{cfg_path}: {name} must be a string; fix or re-download it")
         self._env = None
+        self._plain = None  # a copy that reads special-token text as plain text (message contents)
+        self._specials = None
 
     # -- ids ----------------------------------------------------------------------------------
     @property
@@ -72,9 +94,27 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(int(i))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special=False`` reads special-token text such as
+        ``<|end_of_text|>`` as plain characters (for message contents: no forged turns)."""
         # Templates already carry BOS (spec §9): never add special tokens here.
-        return self.tok.encode(text, add_special_tokens=False).ids
+        _check_text(text)
+        if special:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_tokens(self) -> list[str]:
+        """The text of every special (control) token."""
+        if self._specials is None:
+            self._specials = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        return self._specials
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -84,15 +124,7 @@ class Tokenizer:
         if not self.chat_template:
             raise EdgevlError("this checkpoint has no chat template; pass a plain prompt with raw=True "
                               "(or add chat_template.jinja to the model folder)")
-        if self._env is None:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-            self._env = env.from_string(self.chat_template)
+        self.compile_template()
         try:
             return self._env.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
@@ -100,6 +132,36 @@ class Tokenizer:
             raise
         except Exception as e:
             raise EdgevlError(f"the chat template failed to render these messages ({e})") from None
+
+
+    def compile_template(self) -> None:
+        """Parse the chat template once (a broken one fails here: at convert time, not per request)."""
+        if self._env is not None or not self.chat_template:
+            return
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        try:
+            self._env = env.from_string(self.chat_template)
+        except TemplateError as e:
+            where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise EdgevlError(f"the chat template of {self.folder} does not parse ({e.message}{where}); fix "
+                              "chat_template.jinja (or tokenizer_config.json)") from None
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise EdgevlError(f"text to tokenize must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EdgevlError(f"the text contains invalid Unicode ({text[e.start]!r} at position {e.start}, a lone "
+                          "surrogate); send valid UTF-8 text") from None
 
 
 class StreamDecoder:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -21,6 +22,15 @@ from .errors import EdgevlError
 # safetensors dtype -> (numpy storage dtype, bytes per element)
 _STORAGE = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 _KNOWN_UNSUPPORTED = {"F64", "F8_E4M3", "F8_E5M2", "I8", "U8", "I16", "I32", "I64", "BOOL"}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2,
+             "I32": 4, "I64": 8, "BOOL": 1}
+MAX_HEADER = 100 << 20
+
+
+def _show(name) -> str:
+    """A header string fit for a one-line message (names come from an untrusted file)."""
+    r = repr(name)[1:-1] if isinstance(name, str) else repr(name)
+    return r if len(r) <= 80 else r[:80] + "..."
 
 
 def sha256_file(path, on_bytes=None, block=8 << 20) -> str:
@@ -51,16 +61,17 @@ class LazyTensor:
         self.start, self.end = start, end
         if dtype not in _STORAGE:
             raise EdgevlError(
-                f"tensor {name} in {os.path.basename(path)} has dtype {dtype}; edgevl converts "
+                f"tensor {_show(name)} in {os.path.basename(path)} has dtype {_show(dtype)}; edgevl converts "
                 "bf16, fp16 and fp32 checkpoints — convert the checkpoint to one of those first")
         itemsize = _STORAGE[dtype][1]
-        if (end - start) != int(np.prod(self.shape, dtype=np.int64)) * itemsize:
-            raise EdgevlError(f"tensor {name} in {os.path.basename(path)} has a byte range that does "
+        # Python ints: a hostile shape such as 2**70 must not wrap around in int64
+        if min(self.shape, default=1) < 0 or start < 0 or (end - start) != math.prod(self.shape) * itemsize:
+            raise EdgevlError(f"tensor {_show(name)} in {os.path.basename(path)} has a byte range that does "
                               f"not match its shape {list(self.shape)}; the file is corrupt — re-download it")
 
     @property
     def row_elems(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
     def read_raw_rows(self, r0: int, r1: int) -> np.ndarray:
         """Rows [r0, r1) in the checkpoint's own dtype (bf16 as uint16)."""
@@ -103,21 +114,72 @@ class RowSlice:
 
 
 def _read_header(path: str) -> dict:
+    """name -> (dtype, shape, start, end) with absolute file offsets; nothing in the header is
+    trusted: every entry must be well typed, lie inside the data section and match its shape,
+    and the tensors must tile the data section as the safetensors format requires."""
+    fname = os.path.basename(path)
+
+    def bad(why):
+        return EdgevlError(f"{path} is not a valid safetensors file ({why}); re-download it")
+
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
-                raise ValueError("short file")
+                raise bad("shorter than 8 bytes")
             (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise ValueError("header too large")
+            if n > MAX_HEADER or n > size - 8:
+                raise bad(f"header length {n} exceeds {'the file' if n <= MAX_HEADER else 'the 100 MB limit'}")
             meta = json.loads(f.read(n))
-        meta.pop("__metadata__", None)
-        base = 8 + n
-        return {k: (v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
-                for k, v in meta.items()}
-    except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EdgevlError(f"{path} is not a valid safetensors file ({e}); re-download it") from None
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, nesting
+        raise bad(_show(str(e))) from None
+    if not isinstance(meta, dict):
+        raise bad(f"the header is a JSON {type(meta).__name__}, not an object")
+    base, data_len = 8 + n, size - 8 - n
+    out, spans = {}, []
+    for k, v in meta.items():
+        if k == "__metadata__":
+            continue
+        where = f"tensor {_show(k)} in {fname}"
+        if not isinstance(v, dict):
+            raise EdgevlError(f"{where}: its header entry is a {type(v).__name__}, not an object; the file is "
+                              "corrupt — re-download it")
+        dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise EdgevlError(f"{where}: dtype must be a string, got {_show(dtype)}; the file is corrupt — "
+                              "re-download it")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise EdgevlError(f"{where}: shape must be a list of integers >= 0, got {_show(shape)}; the file is "
+                              "corrupt — re-download it")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_count(o) for o in offs)):
+            raise EdgevlError(f"{where}: data_offsets must be two integers >= 0, got {_show(offs)}; the file is "
+                              "corrupt — re-download it")
+        start, end = offs
+        if not start <= end <= data_len:
+            raise EdgevlError(f"{where}: data_offsets [{start}, {end}] lie outside the data section (0..{data_len}"
+                              " bytes); the file is corrupt or truncated — re-download it")
+        itemsize = _ITEMSIZE.get(dtype)
+        if itemsize is not None and end - start != math.prod(shape) * itemsize:
+            raise EdgevlError(f"{where}: data_offsets [{start}, {end}] hold {end - start} bytes but shape "
+                              f"{_show(shape)} of {dtype} needs {math.prod(shape) * itemsize}; the file is corrupt "
+                              "— re-download it")
+        spans.append((start, end, k))
+        out[k] = (dtype, shape, base + start, base + end)
+    pos = 0
+    for start, end, k in sorted(spans):
+        if start != pos:
+            raise EdgevlError(f"tensor {_show(k)} in {fname} starts at byte {start} of the data section, but the "
+                              f"previous tensor ends at {pos} (tensors must not overlap or leave gaps); the file "
+                              "is corrupt — re-download it")
+        pos = end
+    if pos != data_len:
+        raise bad(f"{data_len - pos} bytes after the last tensor")
+    return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class Checkpoint:
@@ -138,6 +200,11 @@ class Checkpoint:
             self.config = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise EdgevlError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
+        except (ValueError, RecursionError) as e:  # not UTF-8, absurd nesting
+            raise EdgevlError(f"{cfg} is not valid JSON ({_show(str(e))}); fix or re-download it") from None
+        if not isinstance(self.config, dict):
+            raise EdgevlError(f"{cfg} must be a JSON object (the model's settings), got a "
+                              f"{type(self.config).__name__}; fix or re-download it")
         self.files = self._shard_files()
         self._tensors: dict[str, LazyTensor] = {}
         for path in self.files:
@@ -153,9 +220,13 @@ class Checkpoint:
         if index.is_file():
             try:
                 wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
+                names = sorted(set(wm.values()))
+            except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
                 raise EdgevlError(f"{index} is not a valid safetensors index; re-download it") from None
-            names = sorted(set(wm.values()))
+            bad = [n for n in names if not isinstance(n, str) or not n or os.path.basename(n) != n or n in (".", "..")]
+            if bad:
+                raise EdgevlError(f"{index} names shard {_show(bad[0])}, which is not a file name in {self.folder}; "
+                                  "re-download the index")
             missing = [n for n in names if not (self.folder / n).is_file()]
             if missing:
                 raise EdgevlError(f"checkpoint shard {missing[0]} listed in model.safetensors.index.json "
@@ -200,5 +271,5 @@ class _Unsupported:
         self.name, self.path, self.dtype, self.shape = name, path, dtype, tuple(shape)
 
     def fail(self):
-        raise EdgevlError(f"tensor {self.name} in {os.path.basename(self.path)} has dtype {self.dtype}; "
+        raise EdgevlError(f"tensor {_show(self.name)} in {os.path.basename(self.path)} has dtype {_show(self.dtype)}; "
                           "edgevl converts bf16, fp16 and fp32 checkpoints — convert it to one of those first")

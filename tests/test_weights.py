@@ -84,10 +84,12 @@ def test_corrupt_header_and_truncated_data(tmp_path):
     write(tmp_path / "m", {"a": torch.zeros(100, 10)})
     f = tmp_path / "m" / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes(data[:-200])
     ck = Checkpoint(tmp_path / "m")
+    f.write_bytes(data[:-200])  # truncated after opening: found when read
     with pytest.raises(EdgevlError, match="truncated"):
         ck.numpy("a")
+    with pytest.raises(EdgevlError, match="lie outside the data section.*truncated"):  # and when opened
+        Checkpoint(tmp_path / "m")
     f.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
     with pytest.raises(EdgevlError, match="not a valid safetensors file"):
         Checkpoint(tmp_path / "m")

@@ -35,9 +35,10 @@ def resolve(config: dict):
     """The Architecture for a checkpoint's config.json (model_type first, then architectures)."""
     mt = config.get("model_type")
     for module, model_types, _ in _TABLE:
-        if mt in model_types:
+        if isinstance(mt, str) and mt in model_types:
             return get(module)
-    archs = config.get("architectures") or []
+    archs = config.get("architectures")
+    archs = archs if isinstance(archs, list) else []
     for module, _, hf_archs in _TABLE:
         if any(a in hf_archs for a in archs if isinstance(a, str)):
             return get(module)

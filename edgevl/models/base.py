@@ -6,6 +6,7 @@ the context applies the package's storage dtype / quantization in one place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -70,27 +71,77 @@ def heads_last(g: G.Graph, x: str, head_dim: int, heads: int, name: str) -> str:
     return G.reshape(g, x, head_dim * heads, -1, name=f"{name}.reshape")
 
 
-def config_args(cls, cfg: dict, **extra):
-    """Build a dataclass from config.json keys, ignoring keys it does not declare."""
-    names = {f.name for f in fields(cls)}
-    kw = {k: v for k, v in cfg.items() if k in names}
+def config_args(cls, cfg: dict, where: str = "config.json", **extra):
+    """Build a dataclass from config.json keys, ignoring keys it does not declare.
+
+    Values are checked against the field annotations first, so every architecture refuses a
+    bad config in one line: ``int`` fields must be integers >= 1 (``field(metadata={"min": 0})``
+    lowers the bound), ``float`` fields finite and > 0, ``bool``/``str`` of that type,
+    ``list[int]`` lists of integers >= 0; ``X | None`` also takes null."""
+    if not isinstance(cfg, dict):
+        raise EdgevlError(f"{where} must be a JSON object, got {type(cfg).__name__}; fix the checkpoint's config")
+    declared = {f.name: f for f in fields(cls)}
+    kw = {k: v for k, v in cfg.items() if k in declared}
     kw.update(extra)
+    for k, v in kw.items():
+        _check_field(declared[k], v, where)
     try:
         return cls(**kw)
     except TypeError as e:
-        raise EdgevlError(f"config.json is missing a field the model needs ({e}); check the checkpoint") from None
+        raise EdgevlError(f"{where} is missing a field the model needs ({e}); check the checkpoint") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_field(f, v, where: str) -> None:
+    ann = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")).replace(" ", "")
+    optional = ann.endswith("|None")
+    kind = ann[:-len("|None")] if optional else ann
+    if v is None and optional:
+        return
+    lo = f.metadata.get("min", 1)
+    if kind == "int":
+        ok, need = _is_int(v) and v >= lo, "a positive integer" if lo == 1 else f"an integer >= {lo}"
+    elif kind == "float":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        need = "a positive number"
+    elif kind == "bool":
+        ok, need = isinstance(v, bool), "true or false"
+    elif kind == "str":
+        ok, need = isinstance(v, str), "a string"
+    elif kind == "list[int]":
+        ok, need = isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v), "a list of integers >= 0"
+    elif kind == "list":
+        ok, need = isinstance(v, list), "a list"
+    else:
+        return  # other annotations: the architecture checks them
+    if not ok:
+        r = repr(v)
+        raise EdgevlError(f"{where} field {f.name} must be {need}{' or null' if optional else ''}, got "
+                          f"{r if len(r) <= 60 else r[:60] + '...'}; fix the checkpoint's config")
 
 
 def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
     """The checkpoint's own RoPE base: ``rope_parameters`` (transformers 5) or ``rope_theta``."""
     rp = cfg.get("rope_parameters") or {}
     rs = cfg.get("rope_scaling") or {}
+    for key, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+        if not isinstance(v, dict):
+            raise EdgevlError(f"config.json field {key} must be an object or null, got {type(v).__name__}; fix "
+                              "the checkpoint's config")
     rtype = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
     if rtype != "default":
-        raise EdgevlError(f"rope_type {rtype!r} in config.json is not supported yet (only plain RoPE); "
+        raise EdgevlError(f"rope_type {rtype!r:.60} in config.json is not supported yet (only plain RoPE); "
                           "please open an issue with the checkpoint name")
     theta = rp.get("rope_theta", cfg.get("rope_theta"))
-    return float(theta if theta is not None else default)
+    if theta is None:
+        return float(default)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise EdgevlError(f"config.json field rope_theta must be a positive number, got {theta!r:.60}; fix the "
+                          "checkpoint's config")
+    return float(theta)
 
 
 def rope_tables(positions: np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

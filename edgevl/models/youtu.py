@@ -232,6 +232,10 @@ class Youtu(Architecture):
 
     def rope(self, info):
         dim, theta = info["extra"]["rope_dim"], info["extra"]["rope_theta"]
+        for what, v, kind in (("rope_dim", dim, int), ("rope_theta", theta, (int, float))):
+            if isinstance(v, bool) or not isinstance(v, kind) or not v > 0:
+                raise EdgevlError(f"manifest.json graphs.decoder.extra.{what} must be a positive number, got "
+                                  f"{v!r:.40}; convert the model again")
         return lambda positions: rope_tables(positions[0], dim, theta)
 
     def reference(self, ref_dir, dtype="fp32"):

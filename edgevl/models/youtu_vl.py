@@ -49,7 +49,7 @@ class VisionArgs:
     layer_norm_eps: float = 1e-6
     spatial_merge_size: int = 2
     window_size: int = 256                        # pixels (spec §2.2)
-    fullatt_block_indexes: list = field(default_factory=lambda: [7, 15, 23, 26])
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 26])
     out_hidden_size: int = 2560
     rope_theta: float = 10000.0                   # [I] vision RoPE base (spec §4.4)
     merger_rms_norm_eps: float = 1e-6             # [I] spec §5
@@ -57,7 +57,7 @@ class VisionArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "VisionArgs":
-        v = config_args(cls, cfg.get("vision_config") or {})
+        v = config_args(cls, cfg.get("vision_config") or {}, where="config.json vision_config")
         if v.hidden_size % v.num_attention_heads or v.head_dim % 4:
             raise EdgevlError("vision_config: head size must divide hidden_size and be a multiple of 4 (2-D RoPE)")
         for act in (v.hidden_act, v.merger_act):
@@ -243,14 +243,26 @@ class VisionEncoder:
 
     def __init__(self, net: Net, info: dict):
         self.net, self.info = net, info
-        self.v = VisionArgs(**info["extra"]["vision_args"])
-        self.default_max_patches = int(info["extra"]["max_image_patches"])
+        # checked like a config: a damaged manifest must fail in one line, not divide by zero
+        self.v = config_args(VisionArgs, info["extra"]["vision_args"], where="manifest.json vision_args")
+        n = info["extra"].get("max_image_patches")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise EdgevlError(f"manifest.json graphs.vision.extra.max_image_patches must be a positive integer, "
+                              f"got {n!r:.40}; convert the model again")
+        self.default_max_patches = n
 
     def preprocess(self, image, max_image_patches=None) -> dict:
         n = self.default_max_patches if max_image_patches is None else int(max_image_patches)
         pre = siglip2.preprocess(image, n, patch_size=self.v.patch_size, merge_size=self.v.spatial_merge_size)
         pre["max_image_patches"] = n
         return pre
+
+    def image_tokens(self, height: int, width: int, max_image_patches=None) -> int:
+        """Tokens an image of this size will take, from its size alone (nothing decoded)."""
+        n = self.default_max_patches if max_image_patches is None else max_image_patches
+        m = self.v.spatial_merge_size
+        th, tw = siglip2.target_size(height, width, n, self.v.patch_size, m)
+        return (th // self.v.patch_size) * (tw // self.v.patch_size) // (m * m)
 
     def inputs(self, pre: dict) -> tuple[dict, WindowLayout]:
         v = self.v

@@ -22,7 +22,12 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edgevl.errors import EdgevlError
 
-__all__ = ["load_image", "resize_uint8_antialias", "resize_pil_strips"]
+__all__ = ["load_image", "resize_uint8_antialias", "resize_pil_strips", "exif_transpose", "MAX_IMAGE_PATCHES"]
+
+# The largest per-image patch budget accepted (a 4096x4096 image at 16 px patches). Tested to run
+# on this ncnn wheel; far larger budgets crashed ncnn (a segfault, not an error) and would take
+# hours anyway.
+MAX_IMAGE_PATCHES = 65536
 
 # Temporary int32 accumulators in the resize are kept to about this many elements
 # (4 bytes each), so memory stays flat whatever the image size.
@@ -78,15 +83,12 @@ def _open_path(path: Path) -> Image.Image:
             # Images between Pillow's warning and error limits are fine for us: they are
             # downscaled by the patch budget (§3.2) and the resize works in row blocks.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            # Pillow does not close a file object it was given, and closing ours leaves the
+            # decoded pixels alone: no copy of a huge image (Image.close() would free them).
+            with open(path, "rb") as f:
+                im = Image.open(f)
                 im.load()  # decode now so truncated files fail here, not later
-                try:
-                    img = ImageOps.exif_transpose(im)  # as transformers' load_image does
-                except Exception:  # noqa: BLE001 - a broken EXIF block must not stop decoding
-                    img = im
-                rgb = _to_rgb(img, str(path))
-                # Leaving the `with` closes `im` and frees its pixels: never return it itself.
-                return rgb.copy() if rgb is im else rgb
+            return _to_rgb(exif_transpose(im), str(path))
     except EdgevlError:
         raise
     except Image.DecompressionBombError as e:
@@ -103,6 +105,16 @@ def _open_path(path: Path) -> Image.Image:
         raise EdgevlError(
             f"Could not decode image file {path} (truncated or corrupt: {e}); re-export or re-download it."
         ) from None
+
+
+def exif_transpose(im: Image.Image) -> Image.Image:
+    """EXIF orientation applied as transformers' load_image does, in place where possible (no
+    second copy of a big image); a broken EXIF block leaves the image as it is."""
+    try:
+        ImageOps.exif_transpose(im, in_place=True)
+    except Exception:  # noqa: BLE001 - a broken EXIF block must not stop decoding
+        pass
+    return im
 
 
 def _bomb_message(path: Path, err: Exception) -> str:

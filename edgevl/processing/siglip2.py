@@ -20,7 +20,7 @@ import numpy as np
 
 from edgevl.errors import EdgevlError
 
-from .image import load_image, resize_pil_strips
+from .image import MAX_IMAGE_PATCHES, load_image, resize_pil_strips
 
 __all__ = [
     "target_size",
@@ -30,6 +30,7 @@ __all__ = [
     "restore_order",
     "vision_rope_angles",
     "DEFAULT_MAX_IMAGE_PATCHES",
+    "MAX_IMAGE_PATCHES",
     "PATCH_SIZE",
     "MERGE_SIZE",
 ]
@@ -65,6 +66,13 @@ def target_size(
         raise EdgevlError(f"patch_size and merge_size must be >= 1, got {patch_size} and {merge_size}.")
     align = patch_size * merge_size
     min_patches = merge_size * merge_size  # the smallest output, align x align
+    if isinstance(max_image_patches, bool) or not isinstance(max_image_patches, (int, np.integer)):
+        raise EdgevlError(f"max_image_patches must be an integer, got {max_image_patches!r:.40}.")
+    if max_image_patches > MAX_IMAGE_PATCHES:
+        raise EdgevlError(
+            f"max_image_patches={max_image_patches} is above the supported maximum {MAX_IMAGE_PATCHES} "
+            f"(a 4096x4096 image); use a smaller budget."
+        )
     if max_image_patches < min_patches:
         raise EdgevlError(
             f"max_image_patches={max_image_patches} cannot fit even a {align}x{align} image "
