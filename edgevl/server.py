@@ -14,8 +14,12 @@ Design:
 - Images: ``data:`` URLs (base64) always; local paths only under ``--allow-image-dir``
   (symlinks and ``..`` resolved first); ``http(s)://`` URLs are never fetched. Images are
   decoded before the request queues, within ``MAX_IMAGE_PIXELS`` per request.
-- Sampling defaults are edgevl's (greedy, up to the context end), not OpenAI's temperature 1;
-  ``top_k`` and ``repetition_penalty`` are accepted as extensions. ``usage.completion_tokens``
+- Sampling defaults are the model's (its generation_config.json, else greedy; up to the context
+  end), not OpenAI's temperature 1; ``top_k`` and ``repetition_penalty`` are accepted as
+  extensions; ``temperature: 0`` is plain greedy.
+- Model names: the one model answers to any requested name (clients often send a fixed one), as
+  llama-server does, unless ``strict_model``. Boxes the answer names come back as an extra
+  ``boxes`` field of the message (streaming: of the last delta), in original-image pixels. ``usage.completion_tokens``
   counts every generated token, the end-of-text token included.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hmac
 import io
 import ipaddress
@@ -117,7 +122,11 @@ def _decode_image(data: bytes, param: str, budget: int):
     from PIL import Image, ImageOps
 
     try:
-        im = Image.open(io.BytesIO(data))
+        try:
+            im = Image.open(io.BytesIO(data))
+        except Image.UnidentifiedImageError:  # its message names a BytesIO object, not the problem
+            raise HTTPError(400, "the image data is not an image in a format this server reads; send PNG, "
+                            "JPEG, WebP, BMP, GIF or TIFF", param, "invalid_image") from None
         if im.width * im.height > budget:  # read from the header: a small file can decode to gigabytes
             raise _too_many_pixels(param)
         im.load()
@@ -220,7 +229,7 @@ def _messages(raw, server) -> list[dict]:
 def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, bool]:
     """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
     model = req.get("model")
-    if model is not None and model not in server.model_ids:
+    if model is not None and server.strict_model and model not in server.model_ids:
         raise HTTPError(404, f"the model {model!r} does not exist; this server runs {server.model_id!r}",
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
@@ -245,8 +254,8 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
-        temperature=_number(req, "temperature", 0.0), top_p=_number(req, "top_p", 1.0),
-        top_k=_number(req, "top_k", 0, int), repetition_penalty=_number(req, "repetition_penalty", 1.0),
+        temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
+        top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop)
     return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
 
@@ -410,7 +419,7 @@ class Handler(BaseHTTPRequestHandler):
         card = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "edgevl"}
         if model_id is None:
             self._send(200, {"object": "list", "data": [card]})
-        elif unquote(model_id) in s.model_ids:
+        elif not s.strict_model or unquote(model_id) in s.model_ids:
             self._send(200, card)
         else:
             raise HTTPError(404, f"the model {model_id!r} does not exist; this server runs {s.model_id!r}",
@@ -434,8 +443,11 @@ class Handler(BaseHTTPRequestHandler):
                     self._stream(chain([first], events), include_usage)
                     return
         head = self._head("chat.completion")
+        message = {"role": "assistant", "content": "".join(e.text for e in evs)}
+        if evs[-1].boxes:
+            message["boxes"] = [b.as_json() for b in evs[-1].boxes]
         self._send(200, {**head, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+            "index": 0, "message": message,
             "logprobs": None, "finish_reason": evs[-1].finish_reason}], "usage": _usage(evs[-1])})
 
     def _head(self, kind: str) -> dict:
@@ -469,7 +481,7 @@ class Handler(BaseHTTPRequestHandler):
                 traceback.print_exc()
             self._event(HTTPError(500, str(e), code="generation_error").body())
         else:
-            chunk({}, ev.finish_reason)
+            chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, ev.finish_reason)
             if include_usage:
                 self._event({**head, "choices": [], "usage": _usage(ev)})
         self._event(b"[DONE]")
@@ -486,7 +498,7 @@ class EdgevlServer(ThreadingHTTPServer):
 
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
-                 access_log: bool = False):
+                 access_log: bool = False, strict_model: bool = False):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -500,10 +512,21 @@ class EdgevlServer(ThreadingHTTPServer):
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
+        self.strict_model = strict_model
         self.gate = Gate(int(max_queue))
         self.created = int(time.time())
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host, int(port)), Handler)
+        try:
+            super().__init__((host, int(port)), Handler)
+        except OSError as e:
+            where = f"{host}:{port}"
+            if e.errno == errno.EADDRINUSE:
+                raise EdgevlError(f"port {port} on {host} is already in use; stop what uses it or pass "
+                                  "another --port") from None
+            if e.errno == errno.EACCES:
+                raise EdgevlError(f"no permission to listen on {where} (ports below 1024 need privileges); "
+                                  "pass another --port") from None
+            raise EdgevlError(f"cannot listen on {where}: {e.strerror or e}; check --host and --port") from None
 
     @property
     def url(self) -> str:
@@ -540,11 +563,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None) -> int:
+          threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
+          strict_model: bool = False) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
-                          model_name=model_name, access_log=True)
+                          model_name=model_name, access_log=True, strict_model=strict_model)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
