@@ -178,9 +178,11 @@ def cmd_serve(a) -> int:
     from . import load
     from .server import serve
 
-    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
+    path = resolve_model(a.model)
+    model = load(path, threads=a.threads, low_memory=a.low_memory)
+    name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
-                 max_queue=a.max_queue, model_name=a.model_name, strict_model=a.strict_model)
+                 max_queue=a.max_queue, model_name=name, strict_model=a.strict_model)
 
 
 def cmd_bench(a) -> int:
@@ -293,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local image paths are allowed only under this folder (default: none, data: URLs only)")
     s.add_argument("--max-queue", type=int, default=8, help="requests waiting beyond this get 429")
     s.add_argument("--model-name", default=None,
-                   help="model id reported by /v1/models (default: the package folder's name)")
+                   help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
     add_model_args(s)
