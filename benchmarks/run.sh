@@ -2,7 +2,10 @@
 # The benchmark behind the README table: a random Youtu-LLM-2B-shaped checkpoint (YoutuConfig
 # defaults), edgevl bf16 / q8 / bf16 with the expanded KV cache, transformers eager bf16, and
 # llama.cpp bf16 / q8_0 (llama-cpp-python built from source), interleaved, 128-token prompt.
-#   WORK=/big/disk benchmarks/run.sh [THREADS...]
+#   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
+# WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
+# thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
+# (default 3; the README tables used 5 at 2 threads and 2 at 1 thread, results/*.json "config").
 # Needs: pip install -e ".[dev]" llama-cpp-python, and llama-cpp-python's sdist in $WORK/sdist
 # (pip download --no-deps --no-binary :all: llama-cpp-python -d $WORK/sdist) for its converter.
 set -euo pipefail

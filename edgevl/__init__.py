@@ -9,7 +9,9 @@ __version__ = "0.1.0"
 
 from .convert import convert
 from .errors import EdgevlError
-from .generate import generate, stream_events, stream_generate
+from .boxes import Box
+from .generate import Completion, complete, generate, stream_events, stream_generate
 from .model import Model, load
 
-__all__ = ["load", "generate", "stream_generate", "stream_events", "convert", "Model", "EdgevlError"]
+__all__ = ["load", "generate", "stream_generate", "stream_events", "complete", "Completion", "Box", "convert",
+           "Model", "EdgevlError"]

@@ -120,10 +120,20 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     r = subprocess.run([sys.executable, "-m", "edgevl.bench", kind, json.dumps(args)],
                        capture_output=True, text=True, timeout=timeout, env=env)
+    lines = r.stdout.strip().splitlines()
     if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        raise EdgevlError(f"the {kind} benchmark failed: {tail}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        try:  # the worker reports its exception as one JSON line (see __main__ below)
+            err = json.loads(lines[-1])["error"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            err = (r.stderr.strip().splitlines() or ["?"])[-1]
+        what = {"torch": f"the PyTorch reference ({args.get('reference')})", "edgevl": f"edgevl ({args.get('model')})",
+                "llamacpp": f"llama.cpp ({args.get('gguf')})"}.get(kind, kind)
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", prefix=f"edgevl-bench-{kind}-", suffix=".log", delete=False) as f:
+            f.write(r.stderr)  # libraries often put the detail in a report above their exception
+        raise EdgevlError(f"the {kind} benchmark failed: {what} could not run: {err} (its full output: {f.name})")
+    return json.loads(lines[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,4 +322,13 @@ def bench_cli(a) -> int:
 
 if __name__ == "__main__":
     kind, args = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(WORKERS[kind](args)))
+    try:
+        result = WORKERS[kind](args)
+    except Exception as e:  # noqa: BLE001 - reported whole to the parent, which prints one line
+        import traceback
+
+        traceback.print_exc()
+        msg = " ".join(str(e).split()) or "(no message)"
+        print(json.dumps({"error": f"{type(e).__name__}: {msg}"}))
+        sys.exit(1)
+    print(json.dumps(result))

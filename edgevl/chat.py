@@ -11,29 +11,35 @@ and its answer) are dropped, the system message is kept, and a one-line notice i
 next prefill then recomputes the cache once. A message that does not fit even alone is refused
 with a message, and the chat goes on.
 
-    /image PATH   attach an image to the next message      /reset       forget everything
+    /image PATH   attach an image to the next message      /reset       forget the conversation
     /save FILE    write the transcript as JSON              /help, /quit (or Ctrl-D)
+
+Ctrl-C stops an answer, or clears the line at the prompt; a second Ctrl-C at the prompt within
+``LEAVE_WINDOW`` seconds leaves. ``/image demo`` (and ``--image demo``) attach a random demo scene.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 from typing import Iterator
 
 from .errors import EdgevlError
-from .generate import Event, prepare, stream_events
+from .generate import Event, default_max_new_tokens, prepare, stream_events
 from .model import Model, load
-from .sample import Sampler
+from .sample import resolve
+
+LEAVE_WINDOW = 2.0  # seconds: a second Ctrl-C at the prompt within this leaves
 
 HELP = """commands:
-  /image PATH   attach an image to your next message
-  /reset        forget the conversation (and the KV cache)
+  /image PATH   attach an image to your next message ('demo': a random demo scene)
+  /reset        forget the conversation (and the KV cache); attached images stay
   /save FILE    write the transcript as JSON
   /help         this list
-  /quit         leave (Ctrl-D works too); Ctrl-C stops an answer"""
+  /quit         leave (Ctrl-D, or Ctrl-C twice, works too); Ctrl-C stops an answer or clears the line"""
 
 
 class _ImageMemo:
@@ -64,13 +70,16 @@ class ChatSession:
     ``last_event`` describe the last answer.
     """
 
-    def __init__(self, model: Model, system: str | None = None, max_new_tokens: int = 256,
-                 max_image_patches: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None, stop=None,
-                 allow_special_in_content: bool = False):
-        Sampler(temperature, top_k, top_p, repetition_penalty, seed)  # bad settings fail now, not per turn
+    def __init__(self, model: Model, system: str | None = None, max_new_tokens: int | None = None,
+                 max_image_patches: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
+                 stop=None, allow_special_in_content: bool = False):
+        # unset values come from the model's generation_config.json; bad ones fail now, not per turn
+        resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty)
         # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
         self.allow_special_in_content = allow_special_in_content
+        if max_new_tokens is None:
+            max_new_tokens = default_max_new_tokens(model)
         if not 0 < int(max_new_tokens) < model.max_context:
             raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
                               f"context is {model.max_context} tokens), got {max_new_tokens}")
@@ -84,9 +93,10 @@ class ChatSession:
                              repetition_penalty=repetition_penalty, stop=stop)
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, keep_attached: bool = False) -> None:
+        """Forget the conversation; ``keep_attached`` keeps images attached for the next message."""
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.pending_images: list[str] = []
+        self.pending_images: list[str] = list(self.pending_images) if keep_attached else []
         self.dropped = 0
         self.turns = 0
         self.last_tokens: list[int] = []
@@ -165,9 +175,10 @@ class ChatSession:
 
 
 def chat_loop(model_path, image=None, threads: int | None = None, max_image_patches: int | None = None,
-              max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              repetition_penalty: float = 1.0, seed: int | None = None, stop=None, system: str | None = None,
-              input_fn=input, out=None, allow_special_in_content: bool = False) -> int:
+              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+              top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
+              stop=None, system: str | None = None, input_fn=input, out=None,
+              allow_special_in_content: bool = False) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -179,8 +190,24 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seed=seed, stop=stop, allow_special_in_content=allow_special_in_content)
+    demo_scenes = 0
+
+    def attach(arg: str) -> str:
+        """Attach an image (``demo``: a fresh demo scene, saved beside the others); returns its name."""
+        nonlocal demo_scenes
+        if arg == "demo" and not Path(arg).exists() and model.vision is not None:
+            from .demo.scene_file import save_demo_scene
+
+            demo_scenes += 1
+            # a new file per scene: earlier turns keep showing their own picture
+            _, path = save_demo_scene("demo_scene.png" if demo_scenes == 1 else f"demo_scene-{demo_scenes}.png")
+            session.attach(str(path))
+            return f"a random demo scene, saved to {path}"
+        session.attach(arg)
+        return arg
+
     if image:
-        session.attach(image)
+        image = attach(image)
     if input_fn is input and sys.stdin.isatty():
         try:
             import readline  # noqa: F401 - line editing and history for input()
@@ -191,15 +218,30 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
         print(line, file=out, flush=True)
 
     say(f"edgevl chat: {model.path.name} ({model.max_context}-token context). /help lists commands; "
-        "/quit or Ctrl-D leaves.")
+        "/quit, Ctrl-D or Ctrl-C twice leaves.")
     if image:
         say(f"[image attached to your first message: {image}]")
+    last_interrupt = None
     while True:
         try:
             line = input_fn("> ").strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             say()
             return 0
+        except KeyboardInterrupt:
+            now = time.monotonic()
+            if last_interrupt is not None and now - last_interrupt <= LEAVE_WINDOW:
+                say()
+                return 0
+            last_interrupt = now
+            try:
+                say(f"\n[line cleared; the conversation is kept. Ctrl-C again within {LEAVE_WINDOW:g} s, "
+                    "/quit or Ctrl-D leaves]")
+            except KeyboardInterrupt:  # the second one came before the prompt was back
+                say()
+                return 0
+            continue
+        last_interrupt = None
         if not line:
             continue
         if line.startswith("/"):
@@ -211,13 +253,14 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                 elif cmd == "/help":
                     say(HELP)
                 elif cmd == "/reset":
-                    session.reset()
-                    say("[conversation cleared]")
+                    session.reset(keep_attached=True)
+                    n = len(session.pending_images)
+                    say("[conversation cleared" + (f"; the {n} attached image(s) stay for your next message]"
+                                                   if n else "]"))
                 elif cmd == "/image":
                     if not arg:
-                        raise EdgevlError("usage: /image PATH")
-                    session.attach(arg)
-                    say(f"[image attached to your next message: {arg}]")
+                        raise EdgevlError("usage: /image PATH (or /image demo)")
+                    say(f"[image attached to your next message: {attach(arg)}]")
                 elif cmd == "/save":
                     if not arg:
                         raise EdgevlError("usage: /save FILE")

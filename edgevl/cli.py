@@ -2,13 +2,15 @@
 
     edgevl convert HF_DIR OUT_DIR [--dtype fp32|fp16|bf16|q8]
     edgevl run [MODEL] --prompt "..." [--image PATH|demo] [sampling flags]
-    edgevl verify MODEL --reference HF_DIR [--prompt ...] [--image PATH]
-    edgevl chat MODEL [--image PATH]
-    edgevl serve MODEL [--host 127.0.0.1] [--port 8080]
-    edgevl bench MODEL [--compare torch,llamacpp]
+    edgevl verify [MODEL] [--reference HF_DIR] [--prompt ...] [--image PATH]
+    edgevl chat [MODEL] [--image PATH|demo]
+    edgevl serve [MODEL] [--host 127.0.0.1] [--port 8080]
+    edgevl bench [MODEL] [--compare torch,llamacpp]
+    edgevl cache [list|clear]
     edgevl check MODEL
 
-Every user error prints one line ``error: ...`` and exits with status 2.
+MODEL is a package folder; left out (or ``demo``) it is the shipped demo model. Every user
+error prints one line ``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
@@ -32,21 +34,40 @@ def _positive_int(name):
     return parse
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help lines end with the default, unless it is None/False or the line already says it."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        required = action.required or (not action.option_strings and action.nargs is None)
+        if "default" in h or required or action.default in (False, argparse.SUPPRESS) or action.nargs == 0:
+            return h
+        if action.default is None or action.default == []:
+            return f"{h} (default: none)"
+        return f"{h} (default: %(default)s)"
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cfg = "default: the model's generation_config.json"
+    p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=None,
+                   help=f"most tokens to generate ({cfg} max_new_tokens, else 256)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = plain greedy, ignoring the model's sampling defaults ({cfg}, else greedy)")
+    p.add_argument("--top-k", type=int, default=None, help=f"keep the k likeliest tokens, 0 = off ({cfg}, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass ({cfg}, else 1.0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"1 = off ({cfg}, else 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: physical cores; at most 4 x the CPU count)")
+                   help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=int, default=None,
-                   help="patch budget per image (default 36864, the HF processor's; at most 65536)")
+                   help="patch budget per image; bigger images are downscaled to fit (default: the model's "
+                        "own, from its preprocessor_config.json max_image_patches, else the processor's "
+                        "36864; at most 65536; run --verbose shows it)")
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
@@ -92,12 +113,19 @@ def sampling_kwargs(a) -> dict:
                 repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
 
 
-def resolve_model(path: str | None) -> str:
-    """A package folder, or (no argument) the shipped demo model converted into the user cache."""
-    if path:
-        return path
-    from .demo import demo_package
+MODEL_HELP = "a package folder; 'demo' or none: the shipped demo model (converted once into the cache; default)"
 
+
+def resolve_model(path: str | None) -> str:
+    """A package folder, or (no argument, or ``demo``) the shipped demo model converted into the
+    user cache (a folder named ``demo`` holding a package wins)."""
+    if path and not (path == "demo" and not (Path(path) / "manifest.json").is_file()):
+        return path
+    from .demo import demo_package, demo_package_path
+
+    out = demo_package_path()
+    if not (out / "manifest.json").is_file():
+        print(f"[converting the demo model into {out} (once)]", file=sys.stderr, flush=True)
     return str(demo_package())
 
 
@@ -115,51 +143,66 @@ def cmd_convert(a) -> int:
 
 def cmd_run(a) -> int:
     from . import load
-    from .generate import stream_events
+    from .demo.scene_file import save_demo_scene
+    from .generate import default_max_new_tokens, stream_events
+    from .sample import resolve
 
     check_model_args(a)
     check_image_out(a.demo_out, "--demo-out")
     check_image_out(a.draw_boxes, "--draw-boxes")
-    image = a.image
+    images = list(a.image or [])
+    if a.raw and images:
+        raise EdgevlError("--raw cannot be combined with --image: images need the chat template")
     model_path = resolve_model(a.model)
-    if image == "demo":
-        from .demo.scenes import make_scene
-
-        import random
-        scene = make_scene(random.randrange(1 << 30) if a.seed is None else a.seed)
-        out = Path(a.demo_out or "demo_scene.png")
-        scene.image.save(out)
-        print(f"[demo scene saved to {out}]", file=sys.stderr)
-        image = scene.image
+    for k, im in enumerate(images):
+        if im == "demo":
+            out = a.demo_out or "demo_scene.png"
+            if images.count("demo") > 1:
+                out = str(Path(out).with_name(f"{Path(out).stem}-{k + 1}{Path(out).suffix or '.png'}"))
+            images[k], saved = save_demo_scene(out, None if a.seed is None else a.seed + k)
+            print(f"[demo scene saved to {saved}]", file=sys.stderr)
     model = load(model_path, threads=a.threads, low_memory=a.low_memory)
-    text = []
-    for ev in stream_events(model, a.prompt, image=image, raw=a.raw, max_image_patches=a.max_image_patches,
-                            allow_special_in_content=a.allow_special_in_content, **sampling_kwargs(a)):
+    kwargs = sampling_kwargs(a)
+    if a.verbose:
+        settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty)
+        budget = a.max_image_patches or getattr(model.vision, "default_max_patches", None)
+        print(f"[model {model.path} ({model.arch.name}, {model.dtype}, {model.threads} threads); "
+              f"{settings.describe()}; max_new_tokens {a.max_new_tokens or default_max_new_tokens(model)}"
+              + (f"; image patch budget {budget}" + (" (--max-image-patches)" if a.max_image_patches else
+                                                       " (the model's own)") if images and budget else "")
+              + "]", file=sys.stderr)
+    text, boxes = [], []
+    for ev in stream_events(model, a.prompt, image=images or None, raw=a.raw,
+                            max_image_patches=a.max_image_patches,
+                            allow_special_in_content=a.allow_special_in_content, **kwargs):
         if ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             text.append(ev.text)
-        if ev.finish_reason and a.verbose:
-            print(f"\n[{ev.prompt_tokens} prompt tokens, {ev.prompt_tps:.1f} tok/s; {ev.generation_tokens} "
-                  f"generated, {ev.generation_tps:.1f} tok/s; finish: {ev.finish_reason}]", file=sys.stderr)
+        if ev.finish_reason:
+            boxes = ev.boxes
+            if a.verbose:
+                print(f"\n[{ev.prompt_tokens} prompt tokens, {ev.prompt_tps:.1f} tok/s; {ev.generation_tokens} "
+                      f"generated, {ev.generation_tps:.1f} tok/s; finish: {ev.finish_reason}]", file=sys.stderr)
     sys.stdout.write("\n")
     if a.draw_boxes:
-        if image is None:
+        if not images:
             raise EdgevlError("--draw-boxes needs --image")
-        from .boxes import draw_boxes, parse_boxes
+        from .boxes import box_image_paths, draw_boxes
         from .processing.image import load_image
 
-        boxes = parse_boxes("".join(text))
-        draw_boxes(load_image(image), boxes).save(a.draw_boxes)
-        print(f"[{len(boxes)} box(es) drawn to {a.draw_boxes}]", file=sys.stderr)
+        for k, (im, out) in enumerate(zip(images, box_image_paths(a.draw_boxes, len(images)))):
+            mine = [b for b in boxes if b.image == k]
+            draw_boxes(load_image(im), mine).save(out)
+            print(f"[{len(mine)} box(es) drawn to {out}]", file=sys.stderr)
     return 0
 
 
 def cmd_verify(a) -> int:
     from .verify import verify
 
-    ok = verify(a.model, a.reference, prompt=a.prompt, image=a.image, max_new_tokens=a.max_new_tokens,
-                max_image_patches=a.max_image_patches, threads=a.threads)
+    ok = verify(resolve_model(a.model), a.reference, prompt=a.prompt, image=a.image,
+                max_new_tokens=a.max_new_tokens, max_image_patches=a.max_image_patches, threads=a.threads)
     return 0 if ok else 1
 
 
@@ -178,10 +221,12 @@ def cmd_serve(a) -> int:
     from .server import serve
 
     check_model_args(a)
-    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
+    path = resolve_model(a.model)
+    model = load(path, threads=a.threads, low_memory=a.low_memory)
+    name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
-                 max_queue=a.max_queue, model_name=a.model_name, max_image_patches=a.max_image_patches,
-                 allow_special_in_content=a.allow_special_in_content)
+                 max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
+                 max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content)
 
 
 def cmd_check(a) -> int:
@@ -195,7 +240,35 @@ def cmd_check(a) -> int:
 def cmd_bench(a) -> int:
     from .bench import bench_cli
 
+    a.model = resolve_model(a.model)
     return bench_cli(a)
+
+
+def cmd_cache(a) -> int:
+    from .package import cache_entries, cache_dir, clear_cache
+
+    root = cache_dir()
+    entries = cache_entries()
+    if a.action == "clear":
+        freed = clear_cache(entries)
+        print(f"removed {len(entries)} item(s), {_size(freed)}, from {root}")
+        return 0
+    print(f"edgevl cache: {root} (set EDGEVL_CACHE to move it)")
+    if not entries:
+        print("  (empty)")
+    for e in entries:
+        print(f"  {_size(e.bytes):>9}  {e.path.name}  {e.what}")
+    if entries:
+        print(f"  {_size(sum(e.bytes for e in entries)):>9}  in all; 'edgevl cache clear' removes them")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _convert_options() -> dict:
@@ -210,82 +283,105 @@ def _convert_options() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgevl", description="Run multimodal LLMs on CPUs through ncnn.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from . import __version__
 
-    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder to an edgevl package")
-    c.add_argument("hf_dir")
-    c.add_argument("out_dir")
-    c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"])
+    p = argparse.ArgumentParser(prog="edgevl", description="Run multimodal LLMs on CPUs through ncnn.",
+                                formatter_class=_Help)
+    p.add_argument("--version", action="version", version=f"edgevl {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
+
+    c = command("convert", "convert a Hugging Face checkpoint folder to an edgevl package")
+    c.add_argument("hf_dir", help="the checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    c.add_argument("out_dir", help="the package folder to write (must not exist unless --force)")
+    c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"],
+                   help="weight format: fp32 exact parity, bf16 fast, fp16, q8 block-quantized (smallest)")
     for name, (opt, archs) in _convert_options().items():  # the architectures' own options
         c.add_argument("--" + name.replace("_", "-"), dest=name, default=None, choices=list(opt.choices),
                        help=f"{opt.help} (default {opt.default}; {', '.join(archs)} models)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
 
-    r = sub.add_parser("run", help="generate text from a prompt (and an image)")
-    r.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
-    r.add_argument("--prompt", required=True)
-    r.add_argument("--image", help="image path, or 'demo' to draw a random demo scene")
-    r.add_argument("--demo-out", help="where --image demo saves the scene (default demo_scene.png)")
-    r.add_argument("--draw-boxes", metavar="OUT_PNG", help="draw <box> answers on the image")
-    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    r.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed")
+    r = command("run", "generate text from a prompt (and images)")
+    r.add_argument("model", nargs="?", help=MODEL_HELP)
+    r.add_argument("--prompt", required=True, help="the user message (required)")
+    r.add_argument("--image", action="append", default=None,
+                   help="image path, or 'demo' for a random demo scene; repeat for several images (default: none)")
+    r.add_argument("--demo-out", help="where --image demo saves the scene (default: demo_scene.png)")
+    r.add_argument("--draw-boxes", metavar="OUT_PNG",
+                   help="draw the answer's boxes on the image(s) (OUT-1.png, OUT-2.png ... for several)")
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template (text only)")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="print the model, the sampling settings in effect, token counts and speed")
     add_sampling_args(r)
     add_model_args(r)
     add_content_args(r)
     r.set_defaults(fn=cmd_run)
 
-    v = sub.add_parser("verify", help="compare a package with the PyTorch reference, layer by layer")
-    v.add_argument("model")
-    v.add_argument("--reference", required=True, help="the Hugging Face checkpoint folder")
-    v.add_argument("--prompt", default="Describe the image in one sentence.")
-    v.add_argument("--image")
-    v.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=32)
+    v = command("verify", "compare a package with the PyTorch reference, layer by layer")
+    v.add_argument("model", nargs="?", help=MODEL_HELP)
+    v.add_argument("--reference", default=None,
+                   help="the Hugging Face checkpoint folder (default: the one the package was converted from)")
+    v.add_argument("--prompt", default="Describe the image in one sentence.", help="the prompt")
+    v.add_argument("--image", help="an image to include (default: none; text only)")
+    v.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=32,
+                   help="greedy tokens compared")
     add_model_args(v)
     v.set_defaults(fn=cmd_verify)
 
-    ch = sub.add_parser("chat", help="interactive chat in the terminal")
-    ch.add_argument("model", nargs="?")
-    ch.add_argument("--image")
+    ch = command("chat", "interactive chat in the terminal")
+    ch.add_argument("model", nargs="?", help=MODEL_HELP)
+    ch.add_argument("--image", help="image for your first message, or 'demo' for a random demo scene (default: none)")
     add_sampling_args(ch)
     add_model_args(ch)
     add_content_args(ch)
     ch.set_defaults(fn=cmd_chat)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--allow-image-dir", default=None, help="local image paths are allowed only under this folder")
+    s = command("serve", "OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    s.add_argument("--allow-image-dir", default=None,
+                   help="local image paths are allowed only under this folder (default: none, data: URLs only)")
     s.add_argument("--max-queue", type=int, default=8, help="requests waiting beyond this get 429")
-    s.add_argument("--model-name", default=None, help="model id reported by /v1/models")
+    s.add_argument("--model-name", default=None,
+                   help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
+    s.add_argument("--strict-model", action="store_true",
+                   help="answer 404 to requests naming another model (default: any name gets this model)")
     add_model_args(s)
     add_content_args(s)
     s.set_defaults(fn=cmd_serve)
 
-    k = sub.add_parser("check", help="re-hash every file of a package against its manifest (ignores the "
-                                     "verified-stamp cache: finds bit rot that kept the file time)")
-    k.add_argument("model")
-    k.set_defaults(fn=cmd_check)
-
-    b = sub.add_parser("bench", help="measure prefill/decode speed and memory")
-    b.add_argument("model", help="a package folder, or a Hugging Face checkpoint (converted on the fly)")
-    b.add_argument("--prompt-tokens", type=int, default=128)
-    b.add_argument("--gen-tokens", type=int, default=32)
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--compare", default="", help="comma list: torch,llamacpp")
+    b = command("bench", "measure prefill/decode speed and memory")
+    b.add_argument("model", nargs="?",
+                   help="a package folder, a Hugging Face checkpoint (converted on the fly), or 'demo' (default)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
+    b.add_argument("--gen-tokens", type=int, default=32, help="tokens decoded after the prompt")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    b.add_argument("--compare", default="", help="comma list: torch,llamacpp (default: edgevl only)")
     b.add_argument("--reference", default=None, help="HF checkpoint for --compare (default: the package's source)")
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--repeats", type=int, default=3, help="interleaved runs per system; the table shows medians")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG plot here")
     b.add_argument("--markdown", default=None, help="write a markdown table here")
-    b.add_argument("--extra-model", action="append", default=[], help="another package to run side by side")
+    b.add_argument("--extra-model", action="append", default=[],
+                   help="another package to run side by side (repeatable)")
     b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
     b.add_argument("--low-memory", action="store_true", help="also run edgevl in low-memory mode")
     b.set_defaults(fn=cmd_bench)
+
+    kc = command("check", "re-hash every file of a package against its manifest (ignores the verified-stamp "
+                          "cache: finds bit rot that kept the file time)")
+    kc.add_argument("model", help="the package folder")
+    kc.set_defaults(fn=cmd_check)
+
+    k = command("cache", "list or clear what edgevl keeps in its cache folder")
+    k.add_argument("action", nargs="?", default="list", choices=["list", "clear"], help="what to do")
+    k.set_defaults(fn=cmd_cache)
     return p
 
 

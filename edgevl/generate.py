@@ -2,7 +2,12 @@
 
 ``stream_generate`` yields text pieces that are always complete UTF-8 and never contain a stop
 string; ``generate`` joins them. ``stream_events`` yields the same pieces with token ids, counts
-and the finish reason (the server and the CLI use it).
+and the finish reason (the server and the CLI use it); its last event also carries the boxes the
+answer names (``edgevl.boxes.Box``, in original-image pixels). ``complete`` returns text, boxes
+and counts at once.
+
+Sampling settings left as None come from the checkpoint's ``generation_config.json``
+(``sample.resolve``); ``temperature=0`` means plain greedy.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import EdgevlError
+from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
+
 
 @dataclass
 class Prepared:
@@ -37,6 +44,17 @@ class Event:
     prefill_tokens: int = 0                       # prompt tokens actually computed (cache reuse)
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
+    boxes: list = field(default_factory=list)    # last event only: Box tuples the answer names
+
+
+@dataclass
+class Completion:
+    """A whole answer: ``text``, the ``boxes`` it names, why it ended and the token counts."""
+    text: str
+    boxes: list
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
 
 
 def _image_parts(messages) -> list:
@@ -170,34 +188,48 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     return prep
 
 
-def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                  stop=None, raw: bool = False, max_image_patches: int | None = None,
-                  reuse_cache: bool = True, rescale_coordinates: bool = True,
+def default_max_new_tokens(model) -> int:
+    """The checkpoint's ``max_new_tokens`` (generation_config.json), else 256."""
+    n = model.generation_config.get("max_new_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 256
+
+
+def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, temperature: float | None = None,
+                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                  seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
+                  reuse_cache: bool = True, postprocess: bool = True,
                   allow_special_in_content: bool = False) -> Iterator[Event]:
+    """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
+    the resized image the model saw) and finds no boxes."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(model)
     t0 = time.perf_counter()
     prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches,
                    allow_special_in_content=allow_special_in_content)
-    # architecture-specific post-processing of the generated tokens (e.g. grounding coordinates)
-    rescale = model.arch.output_processor(model, prep.images) if rescale_coordinates else None
+    # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
+    post = model.arch.output_processor(model, prep.images) if postprocess else None
     detok = StreamDecoder(model.tokenizer)
-    gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, temperature=temperature,
-                                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-                                reuse_cache=reuse_cache)
+    gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
+                                reuse_cache=reuse_cache, **settings.kwargs())
     n_prompt, n_gen = len(prep.input_ids), 0
     pending = ""            # text held back because it may start a stop string
+    shown = 0               # characters yielded so far
     t_first = None
     finish = "length"
     hold = max((len(s) for s in stop), default=0) - 1
 
     def stats(text, token, reason=None):
+        nonlocal shown
+        shown += len(text)
         now = time.perf_counter()
         pt = (t_first or now) - t0
         gt = now - (t_first or now)
         return Event(text, token, reason, n_prompt, n_gen, model.last_prefill_tokens,
                      model.last_prefill_tokens / pt if pt > 0 else 0.0,
-                     (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0)
+                     (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
+                     post.boxes(shown) if post and reason else [])
 
     for token in gen:
         if t_first is None:
@@ -206,7 +238,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperat
         if token in model.eos_ids:
             finish = "stop"
             break
-        pending += detok.add(rescale(token) if rescale else token)
+        piece = detok.add(token)
+        pending += post.feed(piece) if post else piece
         if stop:
             hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
             if hit >= 0:
@@ -222,7 +255,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int = 256, temperat
         else:
             out, pending = pending, ""
         yield stats(out, token)
-    tail = pending + detok.flush()
+    tail = detok.flush()
+    tail = pending + (post.feed(tail) + post.flush() if post else tail)
     if stop:
         hit = min((i for i in (tail.find(s) for s in stop) if i >= 0), default=-1)
         if hit >= 0:
@@ -240,3 +274,12 @@ def stream_generate(model, prompt, image=None, **kwargs) -> Iterator[str]:
 def generate(model, prompt, image=None, **kwargs) -> str:
     """Generate a whole answer. ``prompt`` is a string (chat-templated) or a list of messages."""
     return "".join(stream_generate(model, prompt, image=image, **kwargs))
+
+
+def complete(model, prompt, image=None, **kwargs) -> Completion:
+    """Generate a whole answer and return it with the boxes it names (``stream_events`` options)."""
+    text, last = [], None
+    for ev in stream_events(model, prompt, image=image, **kwargs):
+        text.append(ev.text)
+        last = ev
+    return Completion("".join(text), last.boxes, last.finish_reason, last.prompt_tokens, last.generation_tokens)

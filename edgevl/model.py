@@ -38,6 +38,18 @@ def _as_list(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
 
 
+def _read_generation_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise EdgevlError(f"{path} is not valid JSON; fix or delete it (it only sets generation defaults)") from None
+    if not isinstance(cfg, dict):
+        raise EdgevlError(f"{path} must hold a JSON object")
+    return cfg
+
+
 class Model:
     def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True,
                  low_memory: bool = False):
@@ -74,13 +86,9 @@ class Model:
         self.vocab_size = int(e["rows"])
 
         self.eos_ids = set(_as_list(self.config.get("eos_token_id")))
-        gen_cfg = self.path / "generation_config.json"
-        if gen_cfg.is_file():
-            try:
-                gen = json.loads(gen_cfg.read_text())
-            except (ValueError, RecursionError):
-                raise EdgevlError(f"{gen_cfg} is not valid JSON; convert the model again") from None
-            self.eos_ids |= set(_as_list(gen.get("eos_token_id")))
+        # the checkpoint's own generation defaults (sampling, eos), copied into the package
+        self.generation_config = _read_generation_config(self.path / "generation_config.json")
+        self.eos_ids |= set(_as_list(self.generation_config.get("eos_token_id")))
         if not self.eos_ids and self.tokenizer.eos_token:
             tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)
             if tid is not None:

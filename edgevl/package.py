@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import EdgevlError
@@ -409,3 +410,51 @@ def check_package(path) -> tuple[int, int]:
         for sec in info.get("extra", {}).get("sections") or []:
             package_path(path, sec["param"], m, "section file")
     return verify_files(path, m, full=True)
+
+
+# -- the cache folder (``edgevl cache``) ---------------------------------------------------------
+
+@dataclass
+class CacheEntry:
+    path: Path
+    bytes: int
+    what: str
+
+
+def _tree_bytes(p: Path) -> int:
+    if p.is_file() or p.is_symlink():
+        return p.lstat().st_size
+    return sum(f.lstat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def cache_entries() -> list[CacheEntry]:
+    """What edgevl itself wrote into the cache folder; anything else there is never touched (the
+    folder may be one the user chose with EDGEVL_CACHE)."""
+    root = cache_dir()
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        n = p.name
+        if n.startswith("demo-") and p.is_dir():
+            what = "the demo model, converted (edgevl run/chat/serve with no model use it)"
+        elif n == "verified.json" or (n.startswith("verified.tmp") and p.is_file()):
+            what = "checksums of packages already verified (saves re-hashing at load)"
+        elif n.startswith(".demo-") and (".partial-" in n or ".old-" in n):
+            what = "left over from an interrupted demo conversion"
+        else:
+            continue
+        out.append(CacheEntry(p, _tree_bytes(p), what))
+    return out
+
+
+def clear_cache(entries: list[CacheEntry] | None = None) -> int:
+    """Delete edgevl's cache entries; returns the bytes freed."""
+    freed = 0
+    for e in cache_entries() if entries is None else entries:
+        if e.path.is_dir() and not e.path.is_symlink():
+            shutil.rmtree(e.path)
+        else:
+            e.path.unlink(missing_ok=True)
+        freed += e.bytes
+    return freed

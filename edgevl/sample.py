@@ -6,6 +6,7 @@ Order follows transformers' generate: repetition penalty, then temperature, top-
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,3 +72,66 @@ class Sampler:
             p = np.where(mask, p, 0.0)
             p /= p.sum()
         return int(self.rng.choice(p.shape[0], p=p))
+
+
+# -- defaults: the checkpoint's generation_config.json, then what the caller sets -------------------
+
+# What transformers' generate uses for a key a generation_config.json leaves out.
+HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+@dataclass
+class Settings:
+    """Sampling settings in effect, and where each value came from."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    source: dict = field(default_factory=dict)   # key -> "given" | "generation_config.json" | "default"
+
+    def kwargs(self) -> dict:
+        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+
+    def describe(self) -> str:
+        if self.temperature == 0 or self.top_k == 1:
+            head = "greedy"
+            shown = ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
+        else:
+            head = "sampling"
+            shown = list(SAMPLING_KEYS)
+        parts = [f"{k} {getattr(self, k):g} ({self.source.get(k, 'default')})" for k in shown]
+        return head + (": " + ", ".join(parts) if parts else "")
+
+
+def resolve(generation_config: dict | None, temperature=None, top_k=None, top_p=None,
+            repetition_penalty=None) -> Settings:
+    """The settings for one generation: each value given (not None) wins; the rest come from the
+    checkpoint's ``generation_config.json`` read as transformers reads it (``do_sample`` false means
+    greedy; ``repetition_penalty`` applies either way; missing keys take transformers' defaults);
+    without one, greedy. ``temperature=0`` given means plain greedy: the config's values are dropped
+    and only the other values given apply."""
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty}
+    cfg = generation_config or {}
+    edgevl_default = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    use_cfg = bool(generation_config) and not (temperature is not None and temperature == 0)
+    base, source = {}, {}
+    for k in SAMPLING_KEYS:
+        if use_cfg and k in cfg and cfg[k] is not None:
+            base[k], source[k] = cfg[k], "generation_config.json"
+        else:
+            base[k], source[k] = edgevl_default[k], "default"
+    if use_cfg:
+        if not cfg.get("do_sample", HF_DEFAULTS["do_sample"]):
+            base["temperature"], source["temperature"] = 0.0, "generation_config.json"  # do_sample false
+        elif "temperature" not in cfg or cfg["temperature"] is None:
+            base["temperature"], source["temperature"] = HF_DEFAULTS["temperature"], "generation_config.json"
+        if cfg.get("do_sample") and cfg.get("top_k") is None:
+            base["top_k"], source["top_k"] = HF_DEFAULTS["top_k"], "generation_config.json"
+    for k, v in given.items():
+        if v is not None:
+            base[k], source[k] = v, "given"
+    s = Settings(float(base["temperature"]), int(base["top_k"]), float(base["top_p"]),
+                 float(base["repetition_penalty"]), source)
+    Sampler(**s.kwargs())  # bad values fail here, with the one-line message
+    return s

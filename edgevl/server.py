@@ -19,8 +19,12 @@ Design:
 - A client that hangs up is noticed between tokens (and while queued), and its generation stops.
 - Message contents are plain text: special-token text in them does not become control tokens
   (``allow_special_in_content`` restores that).
-- Sampling defaults are edgevl's (greedy, up to the context end), not OpenAI's temperature 1;
-  ``top_k`` and ``repetition_penalty`` are accepted as extensions. ``usage.completion_tokens``
+- Sampling defaults are the model's (its generation_config.json, else greedy; up to the context
+  end), not OpenAI's temperature 1; ``top_k`` and ``repetition_penalty`` are accepted as
+  extensions; ``temperature: 0`` is plain greedy.
+- Model names: the one model answers to any requested name (clients often send a fixed one), as
+  llama-server does, unless ``strict_model``. Boxes the answer names come back as an extra
+  ``boxes`` field of the message (streaming: of the last delta), in original-image pixels. ``usage.completion_tokens``
   counts every generated token, the end-of-text token included.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import ctypes
+import errno
 import hmac
 import io
 import ipaddress
@@ -123,6 +128,11 @@ def _too_many_pixels(param: str) -> HTTPError:
 
 
 def _undecodable(e: Exception, param: str) -> HTTPError:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(e, UnidentifiedImageError):  # its message names a BytesIO object, not the problem
+        return HTTPError(400, "the image data is not an image in a format this server reads; send PNG, JPEG, "
+                         "WebP, BMP, GIF or TIFF", param, "invalid_image")
     why = str(e).splitlines()[0] if str(e) else ""
     return HTTPError(400, f"the image could not be decoded ({type(e).__name__}: {why}); send PNG, JPEG, WebP, BMP, "
                      "GIF or TIFF", param, "invalid_image")
@@ -304,7 +314,7 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
     model = req.get("model")
     if model is not None and not isinstance(model, str):
         raise HTTPError(400, f"model must be a string, got {type(model).__name__}", "model")
-    if model is not None and model not in server.model_ids:
+    if model is not None and server.strict_model and model not in server.model_ids:
         raise HTTPError(404, f"the model {model!r} does not exist; this server runs {server.model_id!r}",
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
@@ -329,8 +339,8 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
-        temperature=_number(req, "temperature", 0.0), top_p=_number(req, "top_p", 1.0),
-        top_k=_number(req, "top_k", 0, int), repetition_penalty=_number(req, "repetition_penalty", 1.0),
+        temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
+        top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches)
     return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
@@ -509,7 +519,7 @@ class Handler(BaseHTTPRequestHandler):
         card = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "edgevl"}
         if model_id is None:
             self._send(200, {"object": "list", "data": [card]})
-        elif unquote(model_id) in s.model_ids:
+        elif not s.strict_model or unquote(model_id) in s.model_ids:
             self._send(200, card)
         else:
             raise HTTPError(404, f"the model {model_id!r} does not exist; this server runs {s.model_id!r}",
@@ -543,8 +553,11 @@ class Handler(BaseHTTPRequestHandler):
             finally:
                 decoded = None  # before the next request may decode its images
         head = self._head("chat.completion")
+        message = {"role": "assistant", "content": "".join(e.text for e in evs)}
+        if evs[-1].boxes:
+            message["boxes"] = [b.as_json() for b in evs[-1].boxes]
         self._send(200, {**head, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+            "index": 0, "message": message,
             "logprobs": None, "finish_reason": evs[-1].finish_reason}], "usage": _usage(evs[-1])})
 
     def _head(self, kind: str) -> dict:
@@ -580,7 +593,7 @@ class Handler(BaseHTTPRequestHandler):
                 traceback.print_exc()
             self._event(HTTPError(500, str(e), code="generation_error").body())
         else:
-            chunk({}, ev.finish_reason)
+            chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, ev.finish_reason)
             if include_usage:
                 self._event({**head, "choices": [], "usage": _usage(ev)})
         self._event(b"[DONE]")
@@ -610,7 +623,7 @@ class EdgevlServer(ThreadingHTTPServer):
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
-                 max_image_patches: int | None = None):
+                 max_image_patches: int | None = None, strict_model: bool = False):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -627,10 +640,21 @@ class EdgevlServer(ThreadingHTTPServer):
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
+        self.strict_model = strict_model
         self.gate = Gate(int(max_queue))
         self.created = int(time.time())
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host, int(port)), Handler)
+        try:
+            super().__init__((host, int(port)), Handler)
+        except OSError as e:
+            where = f"{host}:{port}"
+            if e.errno == errno.EADDRINUSE:
+                raise EdgevlError(f"port {port} on {host} is already in use; stop what uses it or pass "
+                                  "another --port") from None
+            if e.errno == errno.EACCES:
+                raise EdgevlError(f"no permission to listen on {where} (ports below 1024 need privileges); "
+                                  "pass another --port") from None
+            raise EdgevlError(f"cannot listen on {where}: {e.strerror or e}; check --host and --port") from None
 
     @property
     def url(self) -> str:
@@ -668,12 +692,13 @@ def _is_loopback(host: str) -> bool:
 
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
-          allow_special_in_content: bool = False, max_image_patches: int | None = None) -> int:
+          allow_special_in_content: bool = False, max_image_patches: int | None = None,
+          strict_model: bool = False) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
-                          max_image_patches=max_image_patches)
+                          max_image_patches=max_image_patches, strict_model=strict_model)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -59,7 +60,15 @@ class Report:
         vals = [r[2] for r in self.rows if r[0] == section]
         return min(vals) if vals else float("nan")
 
-    def print(self, out=sys.stdout):
+    THRESHOLDS = {"fp32": "fp32: the greedy tokens must be identical to the reference's",
+                  "reduced": "reduced precision: the first greedy token must match and the logits cosine "
+                             "be >= 0.99"}
+
+    def threshold(self) -> str:
+        return self.THRESHOLDS["fp32" if self.dtype == "fp32" else "reduced"]
+
+    def print(self, out=None):
+        out = out or sys.stdout
         if self.processor_max_diff is not None:
             print(f"processor pixel_values max |diff| vs the reference processor: {self.processor_max_diff:.3g}", file=out)
         print(f"{'section':<8} {'tensor':<28} {'cosine':>12} {'max|diff|':>12}", file=out)
@@ -71,7 +80,7 @@ class Report:
         if not self.identical:
             print(f"  ours:      {self.ours}", file=out)
             print(f"  reference: {self.reference}", file=out)
-        print("PASS" if self.ok else "FAIL", file=out)
+        print(f"{'PASS' if self.ok else 'FAIL'} ({self.threshold()})", file=out)
 
 
 def _require_torch():
@@ -84,21 +93,43 @@ def _require_torch():
                           "https://download.pytorch.org/whl/cpu)") from None
 
 
+def source_of(package) -> Path:
+    """The checkpoint folder a package was converted from (recorded in its manifest)."""
+    from .package import read_manifest
+
+    src = (read_manifest(package).get("source") or {}).get("path")
+    if not src or not (Path(src) / "config.json").is_file():
+        raise EdgevlError(f"the checkpoint {package} was converted from ({src or 'unknown'}) is not there any more; "
+                          "pass --reference HF_DIR")
+    return Path(src)
+
+
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
-            max_image_patches=None, threads=None) -> Report:
+            max_image_patches=None, threads=None, log=None) -> Report:
+    """``log`` (a callable taking one line) hears what is being compared and each step."""
     _require_torch()
     from .generate import prepare
     from .model import Model
 
-    model = Model(package, threads=threads, light_mode=False)
-    if image is not None and model.vision is None:
-        raise EdgevlError("--image given but this is a text-only model")
-    ref = model.arch.reference(reference_dir)
-    rep = Report(dtype=model.dtype)
+    log = log or (lambda line: None)
+    reference_dir = Path(reference_dir) if reference_dir else source_of(package)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    steps = 5 if images else 4
+    step = iter(range(1, steps + 1))
+    log(f"[{next(step)}/{steps}] loading the package {package}")
+    model = Model(package, threads=threads, light_mode=False)
+    if images and model.vision is None:
+        raise EdgevlError("--image given but this is a text-only model")
+    rep = Report(dtype=model.dtype)
+    log(f"verify: {model.arch.name} package ({model.dtype}) against {reference_dir} (PyTorch fp32); "
+        f"prompt {prompt!r}" + (f", image {', '.join(str(i) for i in images)}" if images else ", no image")
+        + f", {max_new_tokens} greedy tokens; pass if {rep.threshold()} (layer cosines are shown, not judged)")
+    log(f"[{next(step)}/{steps}] loading the PyTorch reference")
+    ref = model.arch.reference(reference_dir)
     prep = prepare(model, prompt, image=images or None, max_image_patches=max_image_patches)
     ref_images = None
     if images:
+        log(f"[{next(step)}/{steps}] vision tower, layer by layer")
         infos = [model.vision(im, max_image_patches, extract_layers=True)[1] for im in images]
         ref_images = ref.prepare_images(images, infos)
         rep.processor_max_diff = ref.processor_diff(images, infos)
@@ -109,6 +140,7 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
             rep.add("vision", f"{tag}post norm", info["layers"][-1], states[-1])
             rep.add("vision", f"{tag}merger", prep.image_rows[k], merged)
     ids = prep.input_ids
+    log(f"[{next(step)}/{steps}] language model, layer by layer ({len(ids)} prompt tokens)")
     states, ref_logits = ref.text_states(ids, ref_images)
     embeds = model.embed(ids, prep.image_rows)
     rep.add("text", "embeddings", embeds, states[0])
@@ -119,13 +151,16 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         rep.add("text", f"layer {i}", extra[name], states[i + 1])
     rep.add("text", "final norm", hidden, states[-1])
     rep.add("text", "logits", model.logits(hidden), ref_logits)
+    log(f"[{next(step)}/{steps}] {max_new_tokens} greedy tokens, ours and the reference's")
     rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.encoded, reuse_cache=False))
     rep.reference = ref.greedy(ids, max_new_tokens, model.eos_ids, ref_images)
     return rep
 
 
-def verify(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
-           max_image_patches=None, threads=None, out=sys.stdout) -> bool:
-    rep = compare(package, reference_dir, prompt, image, max_new_tokens, max_image_patches, threads)
-    rep.print(out)
+def verify(package, reference_dir=None, prompt: str = "Describe the image in one sentence.", image=None,
+           max_new_tokens: int = 32, max_image_patches=None, threads=None, out=None) -> bool:
+    """Print the comparison (progress on stderr); ``reference_dir`` None: the package's source."""
+    rep = compare(package, reference_dir, prompt, image, max_new_tokens, max_image_patches, threads,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    rep.print(out or sys.stdout)
     return rep.ok

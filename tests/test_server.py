@@ -44,7 +44,7 @@ def pkgs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_server(pkgs):
-    srv, _ = make_server(pkgs[1], api_key=KEY, model_name="tiny")
+    srv, _ = make_server(pkgs[1], api_key=KEY, model_name="tiny", strict_model=True)
     yield srv
     srv.stop()
 
@@ -183,7 +183,8 @@ def test_bad_requests_get_clear_errors_and_the_server_goes_on(pkgs, text_server,
         (text_server, "GET", "/v1/nope", None, {}, 404, "no route"),
         (text_server, "GET", "/v1/chat/completions", None, {}, 405, "takes POST"),
         (vl_server, "POST", "/v1/chat/completions", img("data:image/png;base64,@@not base64@@"), {}, 400, "base64"),
-        (vl_server, "POST", "/v1/chat/completions", img("data:image/png;base64,aGVsbG8="), {}, 400, "decoded"),
+        (vl_server, "POST", "/v1/chat/completions", img("data:image/png;base64,aGVsbG8="), {}, 400,
+         "not an image in a format"),
         (vl_server, "POST", "/v1/chat/completions", img("https://example.com/cat.png"), {}, 400, "not fetched"),
         (vl_server, "POST", "/v1/chat/completions", img("/etc/passwd"), {}, 403, "outside the allowed"),
     ]
@@ -193,9 +194,30 @@ def test_bad_requests_get_clear_errors_and_the_server_goes_on(pkgs, text_server,
         assert got == status, (path, body, got, reply)
         err = reply["error"]
         assert set(err) == {"message", "type", "param", "code"} and words in err["message"], (words, err)
+        assert "<_io." not in err["message"] and " object at 0x" not in err["message"], err
         good(srv, conn=conns[srv])  # the same keep-alive connection carries the next good request
     with pytest.raises(Exception, match="Error code: 403"):  # the openai client sees a clear error too
         client(vl_server).chat.completions.create(model="tiny-vl", **img("/etc/passwd"))
+
+
+def test_any_model_name_unless_strict_and_model_name_sets_the_id(pkgs, vl_server, text_server):
+    """OpenAI clients send fixed names: one model answers to any, unless --strict-model."""
+    r = client(vl_server).chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=2)
+    assert r.choices[0].message.role == "assistant" and r.model == "tiny-vl"
+    status, card, _ = raw(vl_server, "GET", "/v1/models/gpt-4o-mini")
+    assert status == 200 and card["id"] == "tiny-vl"
+    status, body, _ = raw(text_server, "POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": MSGS})
+    assert status == 404 and "'gpt-4o' does not exist; this server runs 'tiny'" in body["error"]["message"]
+    assert [m.id for m in client(text_server).models.list().data] == ["tiny"]  # --model-name
+
+
+def test_busy_port_error_names_the_port(pkgs, vl_server):
+    from edgevl.errors import EdgevlError
+    from edgevl.server import EdgevlServer
+
+    port = vl_server.server_address[1]
+    with pytest.raises(EdgevlError, match=f"port {port} on 127.0.0.1 is already in use.*--port"):
+        EdgevlServer(vl_server.model, "127.0.0.1", port)
 
 
 def test_image_pixel_budget(vl_server, monkeypatch):

@@ -10,7 +10,7 @@ from edgevl.demo.tokenizer import save_tokenizer
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
-from edgevl.models.youtu_vl import CoordinateRescaler, coordinate_tokens, torch_pixel_values
+from edgevl.models.youtu_vl import GroundingProcessor, parse_boxes, torch_pixel_values
 from edgevl.verify import compare
 from helpers import tiny_tokenizer
 
@@ -182,17 +182,16 @@ def test_truncated_jpeg_small_and_huge_images(vl, tmp_path):
 
 
 def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
-    from edgevl.boxes import draw_boxes, parse_boxes
+    from edgevl.boxes import Box, draw_boxes
 
-    _, pk, _, _ = vl["default"]
-    tok = edgevl.load(pk).tokenizer
-    resc = CoordinateRescaler(coordinate_tokens(tok), {"image_size": (50, 100), "resized_size": (64, 128)})
-    x10, y10 = tok.token_to_id("<x_10>"), tok.token_to_id("<y_10>")
-    assert tok.id_to_token(resc(x10)) == "<x_8>"    # 10 * 100/128 = 7.8 -> 8
-    assert tok.id_to_token(resc(y10)) == "<y_8>"    # 10 * 50/64 = 7.8 -> 8
-    assert resc(5) == 5
+    # original 100 wide x 50 high, resized 128 x 64: x * 100/128, y * 50/64
+    p = GroundingProcessor([{"image_size": (50, 100), "resized_size": (64, 128)}])
+    text = p.feed("a <ref>dog</ref><box><x_10><y_1") + p.feed("0><x_127><y_63></box> then <x_") + p.feed("5")
+    assert text == "a <ref>dog</ref><box><x_8><y_8><x_99><y_49></box> then "   # 7.8 -> 8; clamped to 99/49
+    assert p.feed(">.") == "<x_4>." and p.feed(" <y_") == " " and p.flush() == "<y_"  # 3.9 -> 4; cut off: as is
+    assert p.boxes() == [Box("dog", 8, 8, 99, 49, 0)]
     boxes = parse_boxes("a <ref>dog</ref><box><x_4><y_5><x_20><y_30></box> and <box><x_9><y_9><x_1><y_2></box>")
-    assert boxes == [{"box": (4, 5, 20, 30), "label": "dog"}, {"box": (1, 2, 9, 9), "label": None}]
+    assert boxes == [Box("dog", 4, 5, 20, 30, 0), Box("dog", 1, 2, 9, 9, 0)]  # the last label before it
     im = draw_boxes(Image.new("RGB", (64, 64), "white"), boxes)
     assert im.getpixel((4, 15)) != (255, 255, 255) and im.getpixel((40, 50)) == (255, 255, 255)
 

@@ -21,9 +21,9 @@ def demo_checkpoint() -> Path:
     return DEMO_CHECKPOINT
 
 
-def demo_package(progress: bool = False) -> Path:
-    from ..convert import convert
-    from ..package import FORMAT_VERSION, MANIFEST, cache_dir
+def demo_package_path() -> Path:
+    """Where the converted demo package lives (it may not exist yet)."""
+    from ..package import FORMAT_VERSION, cache_dir
 
     ck = demo_checkpoint()
     h = hashlib.sha256()
@@ -33,11 +33,22 @@ def demo_package(progress: bool = False) -> Path:
             h.update(p.read_bytes())
     # keyed by the package format too: a newer edgevl converts the demo again instead of
     # refusing the cached package of an older one
-    out = cache_dir() / f"demo-{h.hexdigest()[:12]}-v{FORMAT_VERSION}"
+    return cache_dir() / f"demo-{h.hexdigest()[:12]}-v{FORMAT_VERSION}"
+
+
+def demo_package(progress: bool = False) -> Path:
+    from ..convert import convert
+    from ..package import MANIFEST
+
+    ck = demo_checkpoint()
+    out = demo_package_path()
     if not (out / MANIFEST).is_file():
         try:
             convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists())
         except EdgevlError:
             if not (out / MANIFEST).is_file():  # another process may have won the race
                 raise
+        except OSError as e:
+            raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
+                              f"({e.strerror or e}); set EDGEVL_CACHE to a writable folder") from None
     return out

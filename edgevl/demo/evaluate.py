@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     if args.n < 1:
         ap.error("--n must be at least 1")
 
+    # the first line comes at once: loading torch and the models takes seconds
+    print(f"[0/{args.n}] evaluating {args.n} scenes (seed {args.seed}); loading the models ...", flush=True)
     import edgevl
     from edgevl.generate import prepare
     from edgevl.models.youtu_vl import configured_max_patches
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
                     same += 1
                 else:
                     mismatches.append((i, ncnn_tokens, ref_tokens))
-            if (i + 1) % 50 == 0:
+            if i == 0 or (i + 1) % 50 == 0:
                 print(f"[{i + 1}/{args.n}] describe {desc_ok / (i + 1):.3f} count {count_ok / (i + 1):.3f}"
                       + (f" parity {same / (i + 1):.3f}" if ref is not None else "")
                       + f"  {time.time() - t0:.0f}s", flush=True)

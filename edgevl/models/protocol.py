@@ -16,7 +16,8 @@ What an architecture decides, in the order data flows:
 - ``rope``: cos/sin tables for those positions, as the decoder graph expects them;
 - ``make_decoder``: the decoder driver (the generic ``runtime.Decoder`` fits any graph whose
   state is declared in the manifest; ``hooks`` lets it run host work between graph passes);
-- ``output_processor``: post-processing of generated tokens (e.g. grounding coordinates);
+- ``output_processor``: post-processing of the generated text, streamed (e.g. grounding
+  coordinates rescaled to the original images), with structured results (:class:`Box` list);
 - ``reference``: the PyTorch model it is verified against (transformers' class where one
   exists), behind the small :class:`Reference` interface ``verify``/``bench``/tests use;
 - ``make_tiny``/``tiny_variants``: random tiny checkpoints with the real layout, for the
@@ -92,8 +93,9 @@ class Architecture:
     def make_vision(self, model, net):
         return None
 
-    def output_processor(self, model, images: list):
-        """None, or a callable mapping each generated token id to the id to show."""
+    def output_processor(self, model, images: list) -> "OutputProcessor | None":
+        """None, or an :class:`OutputProcessor` for one answer to a prompt with these images
+        (their processor infos, in prompt order)."""
         return None
 
     # -- verification ----------------------------------------------------------------------------
@@ -104,6 +106,26 @@ class Architecture:
     def make_tiny(self, folder, variant: str = "default", seed: int = 0, dtype: str = "fp32",
                   train_steps: int = 0) -> Path:
         raise NotImplementedError
+
+
+class OutputProcessor:
+    """Post-processing of one answer's text, streamed, with structured results at the end.
+
+    ``feed`` takes each new piece of decoded text and returns the text to show now (it may hold
+    back the start of a construct it cannot rewrite yet); ``flush`` returns what is held back at
+    the end. ``boxes(shown)`` lists the regions of the prompt's images the answer names, as
+    :class:`edgevl.boxes.Box` tuples in original-image pixels, for the boxes that lie within the
+    first ``shown`` characters of the text returned (a stop string may cut the answer short).
+    """
+
+    def feed(self, text: str) -> str:
+        return text
+
+    def flush(self) -> str:
+        return ""
+
+    def boxes(self, shown: int | None = None) -> list:
+        return []
 
 
 class Reference:

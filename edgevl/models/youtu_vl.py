@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from .. import ncnn_graph as G
+from ..boxes import Box
 from ..errors import EdgevlError
 from ..processing import siglip2
 from ..runtime import Net
 from . import youtu
 from .youtu import YOUTU_VL_TEMPLATE
 from .base import Ctx, GraphInfo, config_args, heads_first, heads_last, save_graph, storage_dtype
-from .protocol import Reference, torch_dtype
+from .protocol import OutputProcessor, Reference, torch_dtype
 
 PAD_KEY_BIAS = -1e9  # added to q.k of padded keys (times the softmax scale): exp() underflows to 0
 
@@ -301,39 +302,111 @@ class VisionEncoder:
 
 
 # ---------------------------------------------------------------------------------------------
-# output: grounding coordinates
+# output: grounding coordinates (spec §10.3)
+#
+# The model writes coordinates as tokens ``<x_i>``/``<y_i>`` in pixels of the *resized* image;
+# the reference ``generate(..., img_input=...)`` rescales them to the original image. We rewrite
+# them in the streamed text instead of mapping token ids: the numbers are pixels of the original
+# image, clamped to that image (not to the 2048 coordinate tokens, nor to a small vocabulary's).
+#
+# Which image a coordinate refers to: the reference passes one image, the last one of the
+# conversation (ADP demo ``process_input``), so by default every coordinate is in the prompt's
+# last image. With several images the answer can say which it means: the last mention before a
+# coordinate of "image 2" / "picture 2" / "photo #2" / "the second image" (1-based, prompt order)
+# assigns it to that image; mentions of images the prompt does not have are ignored.
 
-COORD_RE = re.compile(r"^<([xy])_(\d+)>$")
+COORD_RE = re.compile(r"<([xy])_(\d+)>")
+PARTIAL_COORD_RE = re.compile(r"<(?:[xy](?:_\d*)?)?$")           # text that may grow into one
+BOX_RE = re.compile(r"<box>\s*<x_(\d+)>\s*<y_(\d+)>\s*<x_(\d+)>\s*<y_(\d+)>\s*</box>")
+LABEL_RE = re.compile(r"<(ref|label)>(.*?)</\1>", re.S)          # as the ADP demo's vis.py
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+MENTION_RE = re.compile(r"\b(?:image|picture|photo|img)\s*#?\s*(\d+)\b|\b(" + "|".join(ORDINALS) +
+                        r")\s+(?:image|picture|photo)\b", re.I)
+MENTION_LOOKBACK = 32  # characters re-scanned for a mention split across streamed pieces
 
 
-class CoordinateRescaler:
-    """Maps ``<x_i>``/``<y_i>`` tokens from resized-image pixels to original-image pixels (spec §10.3)."""
+class GroundingProcessor(OutputProcessor):
+    """Rescales ``<x_i>``/``<y_i>`` in the answer to original-image pixels and collects
+    ``<box>`` answers (label: the last ``<ref>``/``<label>`` before the box) as Box tuples."""
 
-    def __init__(self, coords: dict, image_info: dict):
-        self.map = {}
-        if not coords:
+    def __init__(self, images: list[dict]):
+        # (original (h, w), resized (h, w)) per image
+        self.sizes = [(tuple(i["image_size"]), tuple(i["resized_size"])) for i in images]
+        self.text = ""          # rewritten text returned so far
+        self.pending = ""       # held back: may be the start of a coordinate token
+        self.mentions: list[tuple[int, int]] = []   # (end offset in text, image index)
+        self._mention_scan = 0
+        self._found: list[tuple[int, Box]] = []      # (end offset, box)
+        self._box_scan = 0
+
+    def image_at(self, offset: int) -> int:
+        """The image a coordinate at ``offset`` of the text refers to (module comment)."""
+        for end, k in reversed(self.mentions):
+            if end <= offset:
+                return k
+        return len(self.sizes) - 1
+
+    def _scan_mentions(self, upto: int) -> None:
+        if len(self.sizes) < 2:
             return
-        top = {ax: max(i for a, i in coords if a == ax) for ax in ("x", "y") if any(a == ax for a, _ in coords)}
-        (oh, ow), (rh, rw) = image_info["image_size"], image_info["resized_size"]
-        ratio = {"x": ow / rw, "y": oh / rh}
-        for (ax, i), tid in coords.items():
-            j = min(max(round(i * ratio[ax]), 0), top[ax])  # Python round: half to even, as torch
-            self.map[tid] = coords.get((ax, j), tid)
+        start = max(self._mention_scan, upto - MENTION_LOOKBACK, 0)
+        for m in MENTION_RE.finditer(self.text, start, upto):
+            k = int(m.group(1)) - 1 if m.group(1) else ORDINALS.index(m.group(2).lower())
+            if 0 <= k < len(self.sizes) and (not self.mentions or self.mentions[-1][0] < m.end()):
+                self.mentions.append((m.end(), k))
+        self._mention_scan = max(self._mention_scan, upto - MENTION_LOOKBACK)
 
-    def __call__(self, token: int) -> int:
-        return self.map.get(token, token)
+    def rescale(self, axis: str, value: int, image: int) -> int:
+        (oh, ow), (rh, rw) = self.sizes[image]
+        orig, resized = (ow, rw) if axis == "x" else (oh, rh)
+        return min(max(round(value * orig / resized), 0), orig - 1)  # round half to even, as torch
+
+    def feed(self, text: str) -> str:
+        s = self.pending + text
+        m = PARTIAL_COORD_RE.search(s)
+        cut = m.start() if m else len(s)
+        s, self.pending = s[:cut], s[cut:]
+        return self._release(s)
+
+    def flush(self) -> str:
+        s, self.pending = self.pending, ""
+        return self._release(s)
+
+    def _append(self, s: str) -> None:
+        self.text += s
+        self._scan_mentions(len(self.text))
+
+    def _release(self, s: str) -> str:
+        base, last = len(self.text), 0
+        for m in COORD_RE.finditer(s):
+            self._append(s[last:m.start()])
+            axis, k = m.group(1), self.image_at(len(self.text))
+            self._append(f"<{axis}_{self.rescale(axis, int(m.group(2)), k)}>")
+            last = m.end()
+        self._append(s[last:])
+        for b in BOX_RE.finditer(self.text, self._box_scan):
+            labels = [lm.group(2).strip() for lm in LABEL_RE.finditer(self.text, 0, b.start())]
+            x1, y1, x2, y2 = (int(v) for v in b.groups())
+            self._found.append((b.end(), Box.of(labels[-1] if labels else None, x1, y1, x2, y2,
+                                                self.image_at(b.start()))))
+            self._box_scan = b.end()
+        return self.text[base:]
+
+    def boxes(self, shown: int | None = None) -> list:
+        return [b for end, b in self._found if shown is None or end <= shown]
 
 
-def coordinate_tokens(tokenizer) -> dict:
-    """{(axis, value): token id} of the vocabulary's coordinate tokens (scanned once per tokenizer)."""
-    cached = getattr(tokenizer, "_coordinate_tokens", None)
-    if cached is None:
-        cached = {}
-        for t, tid in tokenizer.tok.get_vocab(with_added_tokens=True).items():
-            if t[:3] in ("<x_", "<y_") and (mm := COORD_RE.match(t)):
-                cached[(mm.group(1), int(mm.group(2)))] = tid
-        tokenizer._coordinate_tokens = cached
-    return cached
+def parse_boxes(text: str, n_images: int = 1) -> list:
+    """The boxes of an answer whose coordinates are already pixels (the images' sizes unknown):
+    labels and image assignment as ``GroundingProcessor``, coordinates as written."""
+    class _Identity(GroundingProcessor):
+        def rescale(self, axis, value, image):
+            return value
+
+    p = _Identity([{"image_size": (1, 1), "resized_size": (1, 1)}] * max(1, n_images))
+    p.feed(text)
+    p.flush()
+    return p.boxes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,12 +530,9 @@ class YoutuVL(youtu.Youtu):
         return VisionEncoder(net, model.manifest["graphs"]["vision"])
 
     def output_processor(self, model, images):
-        # coordinates refer to the (single) image's resized size; with several images the
-        # reference does not say which image a box is in, so tokens are left as generated
-        if len(images) != 1 or images[0] is None:
+        if not images or any(i is None for i in images):  # text-only, or bare rows without sizes
             return None
-        coords = coordinate_tokens(model.tokenizer)
-        return CoordinateRescaler(coords, images[0]) if coords else None
+        return GroundingProcessor(images)
 
     def reference(self, ref_dir, dtype="fp32"):
         from ..reference.youtu_vl import YoutuVLForConditionalGeneration

@@ -1,0 +1,140 @@
+"""`edgevl chat` in a real pseudo-terminal: Ctrl-C at the prompt keeps the conversation, a second
+one leaves; /reset keeps an attached image; `--image demo` and `/image demo` work."""
+
+import json
+import os
+import pty
+import select
+import signal
+import sys
+import time
+
+import pytest
+
+from edgevl.demo import demo_package
+
+
+class Terminal:
+    """A child process on a pseudo-terminal (its stdin, stdout and stderr), read with timeouts."""
+
+    def __init__(self, argv, cwd, env):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal, Ctrl-C sends it SIGINT
+            try:
+                os.chdir(cwd)
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.out = ""
+
+    def read_until(self, text, timeout=120.0) -> str:
+        end = time.monotonic() + timeout
+        while text not in self.out:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {text!r} within {timeout} s; the terminal shows:\n{self.out}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 4096)
+                except OSError:  # the child closed the terminal (it exited)
+                    raise AssertionError(f"the chat exited while waiting for {text!r}:\n{self.out}") from None
+                if not chunk:
+                    raise AssertionError(f"the chat exited while waiting for {text!r}:\n{self.out}")
+                self.out += chunk.decode("utf-8", "replace")
+        i = self.out.index(text) + len(text)
+        seen, self.out = self.out[:i], self.out[i:]
+        return seen
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def wait(self, timeout=30.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:  # keep draining so the child never blocks on a full terminal
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    self.out += os.read(self.fd, 4096).decode("utf-8", "replace")
+            except OSError:
+                pass
+        return None
+
+    def close(self):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)
+
+
+@pytest.fixture()
+def chat(tmp_path):
+    demo_package()  # converted once, outside the timed terminal session
+    env = dict(os.environ, TERM="dumb", PYTHONPATH=os.pathsep.join(
+        [str(__import__("pathlib").Path(__file__).parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    terms = []
+
+    def start(*args):
+        t = Terminal([sys.executable, "-m", "edgevl.cli", "chat", *args], tmp_path, env)
+        terms.append(t)
+        return t
+
+    yield start
+    for t in terms:
+        t.close()
+
+
+PROMPT = "\n> "
+
+
+def test_ctrl_c_at_the_prompt_keeps_the_conversation_and_twice_leaves(chat, tmp_path):
+    t = chat("--image", "demo", "--seed", "7")
+    t.read_until("a random demo scene, saved to demo_scene.png")
+    t.read_until("> ")
+    assert (tmp_path / "demo_scene.png").is_file()
+    t.send("How many shapes are there?\r")
+    answer = t.read_until(PROMPT)
+    assert "shapes are there?" in answer
+    t.send("half a line")
+    t.send("\x03")                                   # Ctrl-C while typing: the line goes, the chat stays
+    notice = t.read_until(PROMPT)
+    assert "conversation is kept" in notice and "Ctrl-C again within 2 s" in notice, notice
+    t.send("/save t.json\r")
+    t.read_until("transcript saved")
+    t.read_until("> ")
+    msgs = json.loads((tmp_path / "t.json").read_text())["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert msgs[0]["content"][-1]["text"] == "How many shapes are there?"
+    assert msgs[1]["content"].strip(), msgs  # the first answer is still there
+    assert "half a line" not in json.dumps(msgs)
+    t.send("\x03")
+    t.read_until("Ctrl-C again")
+    t.read_until("> ")
+    t.send("\x03")                                   # the second Ctrl-C within 2 s leaves
+    assert t.wait() == 0, t.out
+
+
+def test_reset_keeps_an_attached_image_and_image_demo_works(chat, tmp_path):
+    t = chat()
+    t.read_until("> ")
+    t.send("/image demo\r")
+    t.read_until("a random demo scene, saved to demo_scene.png")
+    t.read_until("> ")
+    t.send("/reset\r")
+    said = t.read_until("> ")
+    assert "the 1 attached image(s) stay for your next message" in said, said
+    t.send("What color is the background?\r")
+    t.read_until(PROMPT)
+    t.send("/image demo\r")                          # a second scene gets its own file
+    t.read_until("saved to demo_scene-2.png")
+    t.read_until("> ")
+    t.send("/save t.json\r")
+    t.read_until("transcript saved")
+    msgs = json.loads((tmp_path / "t.json").read_text())["messages"]
+    assert msgs[0]["content"][0] == {"type": "image", "image": "demo_scene.png"}, msgs  # kept by /reset
+    t.send("/quit\r")
+    assert t.wait() == 0, t.out
