@@ -402,7 +402,10 @@ def bench_cli(a) -> int:
     else:
         read_manifest(target)  # raises the clear error
     for extra in getattr(a, "extra_model", None) or []:
-        systems[label(read_manifest(extra))] = ("edgevl", {"model": str(extra)})
+        name = label(read_manifest(extra))
+        if name in systems:  # two packages of the same dtype and options: tell them apart by folder
+            name = f"{name} ({Path(extra).name})"
+        systems[name] = ("edgevl", {"model": str(extra)})
     if getattr(a, "low_memory", False):
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))

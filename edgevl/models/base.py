@@ -182,8 +182,8 @@ def kv_state(i: int, floats_per_token: int) -> dict:
 # one row; 79 / 54 / 71 ms at 128 rows. Int8 everywhere lost too much on the tiny test models
 # (top-1 176-187 of 192 teacher-forced tokens, mean KL 2.6-4.2e-3), the attention projections
 # being the sensitive part, so an architecture may keep some Gemms in bf16 (``weight_ctx``,
-# ``float_layers``): Youtu keeps its attention projections, which measured more accurate than the
-# all-block q8 it replaces (youtu.py).
+# ``float_layers``): Youtu keeps most attention projections, which measured more accurate than
+# the all-block q8 it replaces (youtu.py: q8_keeps_bf16).
 Q8_QUANT = G.INT8
 
 
