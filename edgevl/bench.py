@@ -206,7 +206,8 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
         except (IndexError, ValueError, KeyError, TypeError):
             err = (r.stderr.strip().splitlines() or ["?"])[-1]
         what = {"torch": f"the PyTorch reference ({args.get('reference')})", "edgevl": f"edgevl ({args.get('model')})",
-                "llamacpp": f"llama.cpp ({args.get('gguf')})"}.get(kind, kind)
+                "llamacpp": f"llama.cpp ({args.get('gguf')})", "edgevl-image": f"edgevl ({args.get('model')})",
+                "llamacpp-image": f"llama.cpp mtmd ({args.get('mmproj')})"}.get(kind, kind)
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", prefix=f"edgevl-bench-{kind}-", suffix=".log", delete=False) as f:

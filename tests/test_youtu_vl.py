@@ -235,6 +235,24 @@ def test_vision_graph_feeds_real_rows_only(vl):
     assert [feeds[n].shape[0] - 1 for n in names["window_starts"]][1:] == [lay.rows - 1] * 3
 
 
+def test_package_with_the_padded_window_layout_is_refused(vl, tmp_path):
+    """Packages converted before the packed window layout fed a key-bias input instead."""
+    import json
+    import shutil
+
+    _, pk, _, _ = vl["custom_full"]
+    old = tmp_path / "old"
+    shutil.copytree(pk, old)
+    m = json.loads((old / "manifest.json").read_text())
+    inputs = m["graphs"]["vision"]["inputs"]
+    for k in ("window_shapes", "window_starts"):
+        del inputs[k]
+    inputs["kbias"] = "kbias"
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EdgevlError, match="older window layout; convert the model again"):
+        edgevl.load(old)
+
+
 def test_low_memory_mode_matches_resident(vl):
     _, pk, _, _ = vl["custom_full"]
     img = image(120, 90, seed=4)
