@@ -197,14 +197,15 @@ def test_small_expert_cache_gives_identical_outputs_and_bounded_memory(tmp_path)
     got = workload(small, layers, H, E, k, 40, seed=5)
     held = moe._heap_bytes() - before
     s = small.stats()
-    small.close()
     assert all(np.array_equal(a, b) for a, b in zip(got, want)), "tokens must not depend on the cache size"
     assert 0 < s["hit_rate"] < 1 and s["evictions"] > 0
+    assert f"{100 * s['hit_rate']:.1f} % hit rate" in small.summary() and "MB budget" in small.summary()
     assert s["peak_resident_bytes"] <= s["budget_bytes"]
     # what ncnn really holds for the resident experts stays within the budget (+15 %)
     assert held <= 1.15 * s["budget_bytes"] + (1 << 20), f"{held / 2**20:.1f} MB held for a {budget_mb:.1f} MB budget"
     assert held >= 0.5 * s["resident_bytes"], "the heap measure must see the resident experts"
     assert spec["expert_bytes"] <= s["expert_cost_bytes"] < 1.3 * spec["expert_bytes"]
+    small.close()
 
     # cache 0: nothing kept, still the same outputs
     none = moe.ExpertStore(tmp_path, spec, cache_mb=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import ncnn
@@ -293,10 +294,12 @@ class ExpertWriter:
         for e, (gate_up, down) in enumerate(experts):
             name = f"l{layer}.e{e}"
             x = g.input(f"{name}.x")
+            before = len(g.weight_offsets)
             emit_expert(g, x, gate_up, down, self.inter, self.dtype, name)
-            s, _ = g.weight_offsets[f"{name}.gate_up"]
-            o, n = g.weight_offsets[f"{name}.down"]
-            size = o + n - s
+            # the expert's bytes: every weight its layers wrote (written back to back)
+            new = list(islice(reversed(g.weight_offsets.values()), len(g.weight_offsets) - before))
+            s, end = min(o for o, _ in new), max(o + n for o, n in new)
+            size = end - s
             if self._expert_bytes is None:
                 self._expert_bytes = size
             if size != self._expert_bytes or (start is not None and s != start + e * size):
@@ -436,27 +439,34 @@ class ExpertStore:
                     return
                 self.net(layer, e)
 
-    def run(self, layer: int, e: int, x: np.ndarray) -> np.ndarray:
-        """Expert ``e`` of ``layer`` on rows x [n, H] -> [n, H]."""
+    def run(self, layer: int, e: int, x) -> np.ndarray:
+        """Expert ``e`` of ``layer`` on rows x [n, H] (an array or an input Mat) -> [n, H]."""
         ex = self.net(layer, e).create_extractor()
-        ex.input("x", to_mat(x))
+        ex.input("x", x if isinstance(x, ncnn.Mat) else to_mat(x))
         m = ncnn.Mat()
         if ex.extract("y", m) != 0:
             raise RuntimeError(f"ncnn failed to run expert {e} of layer {layer}")
-        return from_mat(m).reshape(len(x), self.hidden)
+        return from_mat(m).reshape(-1, self.hidden)  # a copy: m's buffer returns to the pool
 
     def compute(self, layer: int, x: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Σ_k weights[:, k] · expert_{idx[:, k]}(x) per row; each chosen expert runs once on all
-        the rows that chose it."""
+        the rows that chose it, experts in ascending order (transformers' summation order)."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1, self.hidden)
-        y = np.zeros_like(x)
         try:
+            if len(x) == 1:  # decode: the chosen experts all read the one row, fed once
+                xm = to_mat(x)
+                y = np.zeros_like(x)
+                order = np.argsort(idx[0])
+                for e, w in zip(idx[0][order].tolist(), weights[0][order].tolist()):
+                    y += self.run(layer, e, xm) * w
+                return y
+            y = np.zeros_like(x)
             for e, rows, w in group_by_expert(idx, weights):
                 y[rows] += self.run(layer, e, x[rows]) * w[:, None]
+            return y
         finally:
             self._blob_pool.clear()
             self._work_pool.clear()
-        return y
 
     def stats(self) -> dict:
         calls = self.hits + self.misses
@@ -464,6 +474,13 @@ class ExpertStore:
                 "hit_rate": self.hits / calls if calls else 0.0, "resident_bytes": self.resident,
                 "peak_resident_bytes": self.peak_resident, "budget_bytes": self.budget,
                 "expert_bytes": self.expert_bytes, "expert_cost_bytes": self.cost}
+
+    def summary(self) -> str:
+        """One line for users: hit rate and resident memory against the budget."""
+        s = self.stats()
+        budget = "no limit" if self.budget is None else f"{self.budget / 2**20:.0f} MB budget"
+        return (f"experts: {s['hits']} hits, {s['misses']} loads ({100 * s['hit_rate']:.1f} % hit rate), "
+                f"{s['peak_resident_bytes'] / 2**20:.0f} MB resident at most ({budget})")
 
 
 def _heap_bytes() -> int:
