@@ -2,7 +2,6 @@
 hook against transformers' Qwen3.5-MoE block and the Youtu MoE reference's block; the on-demand
 expert cache (identical outputs, hit rate, resident bytes and process peak RSS)."""
 
-import functools
 import json
 import subprocess
 import sys
@@ -20,7 +19,12 @@ from edgevl.models import base, moe
 from edgevl.weights import Checkpoint
 from moe_helpers import workload, write_random_package
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # per test: a global switch would break later tests that train
+        yield
 
 
 def moe_block_decoder(tmp: Path, ckpt, prefix: str, hidden: int, num_experts: int, shared: dict | None,
@@ -55,10 +59,8 @@ def run_rows(dec, x):
 QH, QI, QE, QK, QSI = 48, 40, 12, 3, 56
 
 
-@functools.lru_cache(maxsize=1)
-def qwen_moe_checkpoint():
-    import tempfile
-
+@pytest.fixture(scope="module")
+def qwen_moe(tmp_path_factory):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     from edgevl.testing import init_random
@@ -69,13 +71,13 @@ def qwen_moe_checkpoint():
                                moe_intermediate_size=QI, shared_expert_intermediate_size=QSI,
                                layer_types=["full_attention"])
     model = init_random(Qwen3_5MoeForCausalLM(cfg).eval(), 0, 0.15)
-    folder = Path(tempfile.mkdtemp(prefix="qwen35moe-"))
+    folder = tmp_path_factory.mktemp("qwen35moe")
     model.save_pretrained(folder)
     return model, folder
 
 
-def qwen_block(tmp, dtype="fp32", cache_mb=None):
-    model, folder = qwen_moe_checkpoint()
+def qwen_block(qwen_moe, tmp, dtype="fp32", cache_mb=None):
+    model, folder = qwen_moe
     ckpt = Checkpoint(folder)
     p = "model.layers.0.mlp"
     experts = [moe.split_expert(ckpt, f"{p}.experts.{e}", QH, QI) for e in range(QE)]
@@ -85,8 +87,8 @@ def qwen_block(tmp, dtype="fp32", cache_mb=None):
     return model.model.layers[0].mlp, dec, store
 
 
-def test_qwen3_5_moe_block_matches_transformers_fp32(tmp_path):
-    block, dec, store = qwen_block(tmp_path)
+def test_qwen3_5_moe_block_matches_transformers_fp32(qwen_moe, tmp_path):
+    block, dec, store = qwen_block(qwen_moe, tmp_path)
     rng = np.random.default_rng(1)
     for n in (37, 1, 1, 2):                                       # prefill rows, then single rows
         x = rng.standard_normal((n, QH)).astype(np.float32)
@@ -97,8 +99,8 @@ def test_qwen3_5_moe_block_matches_transformers_fp32(tmp_path):
     assert store.misses > 0 and store.hits > 0
 
 
-def test_qwen3_5_moe_block_q8_experts(tmp_path):
-    block, dec, _ = qwen_block(tmp_path, "q8")
+def test_qwen3_5_moe_block_q8_experts(qwen_moe, tmp_path):
+    block, dec, _ = qwen_block(qwen_moe, tmp_path, "q8")
     x = np.random.default_rng(2).standard_normal((29, QH)).astype(np.float32)
     want = block(torch.from_numpy(x)[None])[0].numpy()
     got = run_rows(dec, x)
@@ -106,8 +108,8 @@ def test_qwen3_5_moe_block_q8_experts(tmp_path):
     assert rel < 0.03, f"q8 experts (bf16 router/shared) relative L2 error {rel:.3f}"
 
 
-def test_softmax_routing_matches_transformers_router():
-    model, _ = qwen_moe_checkpoint()
+def test_softmax_routing_matches_transformers_router(qwen_moe):
+    model, _ = qwen_moe
     router = model.model.layers[0].mlp.gate
     x = torch.randn(20, QH, generator=torch.Generator().manual_seed(3))
     logits, w, idx = router(x)
@@ -128,21 +130,13 @@ def test_group_by_expert():
 # -- Youtu MoE (against the reference) -------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def youtu_moe_checkpoint():
-    import tempfile
-
+def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
     from edgevl.reference import youtu_moe as R
 
     cfg = R.make_config()
     model = R.make_random(cfg, 0)
-    folder = Path(tempfile.mkdtemp(prefix="youtu-moe-"))
+    folder = tmp_path / "ckpt"
     model.save_pretrained(folder)
-    return cfg, model, folder
-
-
-def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
-    cfg, model, folder = youtu_moe_checkpoint()
     ckpt = Checkpoint(folder)
     H, E, I, k = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_token"]
     layer = 2

@@ -12,7 +12,12 @@ import torch
 from edgevl.models import moe
 from edgevl.reference import youtu_moe as R
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # per test: a global switch would break later tests that train
+        yield
 
 
 @functools.lru_cache(maxsize=2)
