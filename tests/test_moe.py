@@ -256,3 +256,35 @@ def test_peak_rss_stays_near_the_expert_budget(tmp_path):
         f"with none; {total / 2**20:.0f} MB of experts)"
     assert full["grown"] > 0.9 * total                        # the same run without a cache holds them all
     assert 0 < small["stats"]["hit_rate"] < full["stats"]["hit_rate"]
+
+
+def test_expert_sources_read_the_right_rows(tmp_path):
+    """Fused [E, 2I, H] / [E, H, I] tensors (bf16 on disk) and per-expert Linear weights give the
+    same (gate_up, down) matrices the experts compute with."""
+    from safetensors.torch import save_file
+
+    E, H, I = 5, 12, 7
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
+    down = torch.randn(E, H, I, generator=g).to(torch.bfloat16)
+    tensors = {"m.experts.gate_up_proj": gate_up, "m.experts.down_proj": down}
+    for e in range(E):
+        tensors[f"s.experts.{e}.gate_proj.weight"] = gate_up[e, :I].clone()
+        tensors[f"s.experts.{e}.up_proj.weight"] = gate_up[e, I:].clone()
+        tensors[f"s.experts.{e}.down_proj.weight"] = down[e].clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = Checkpoint(tmp_path)
+    seen = []
+    for e in range(E):
+        gu, dn = moe.fused_expert(ckpt, "m.experts.gate_up_proj", "m.experts.down_proj", e, H, I, E, seen.append)
+        sgu, sdn = moe.split_expert(ckpt, f"s.experts.{e}", H, I)
+        assert gu.shape == sgu.shape == (2 * I, H) and dn.shape == sdn.shape == (H, I)
+        want_gu, want_dn = gate_up[e].float().numpy(), down[e].float().numpy()
+        assert np.array_equal(gu.read_rows(0, 2 * I), want_gu) and np.array_equal(dn.read_rows(0, H), want_dn)
+        assert np.array_equal(gu.read_rows(3, I + 2), want_gu[3:I + 2])     # across gate/up
+        assert np.array_equal(sgu.read_rows(3, I + 2), want_gu[3:I + 2])
+        assert np.array_equal(sdn.read_rows(0, H), want_dn)
+    assert {t.name for t in seen} == {"m.experts.gate_up_proj", "m.experts.down_proj"}
+    with pytest.raises(EdgevlError, match="has shape"):
+        moe.fused_expert(ckpt, "m.experts.gate_up_proj", "m.experts.down_proj", 0, H, I + 1, E)
