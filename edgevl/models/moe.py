@@ -35,7 +35,7 @@ from .. import ncnn_graph as G
 from ..errors import EdgevlError
 from ..runtime import _options, from_mat, to_mat
 from ..weights import _STORAGE, _to_f32
-from .base import Ctx, Q8_BLOCK, swiglu_mlp
+from .base import Q8_QUANT, Ctx, swiglu_mlp
 
 # ---------------------------------------------------------------------------------------------
 # routing (host side)
@@ -185,7 +185,7 @@ def emit_expert(g: G.Graph, x: str, gate_up, down, inter: int, dtype: str, name:
                 out: str | None = None) -> str:
     """One routed expert: down(silu(gate x) * up x) with gate and up as ONE Gemm (rows
     [gate; up]), so x is read once."""
-    quant = (8, Q8_BLOCK) if dtype == "q8" else None
+    quant = Q8_QUANT if dtype == "q8" else None
     store = "bf16" if dtype == "q8" else dtype
     p = f"{name}." if name else ""
     h = G.gemm(g, x, gate_up, store, quant=quant, name=f"{p}gate_up")
