@@ -4,7 +4,7 @@ The tiny parity models have dot products of at most a few hundred terms; ncnn's 
 accumulates in fp16, so its error grows with the width. This builds two random decoder layers
 of Youtu-LLM-2B's shape (hidden 2048, FFN 6144, 16 heads, q_lora 1536, kv_lora 512) and
 compares the logits of 64 teacher-forced positions with x86 fp32. Run by
-``scripts/check-aarch64.sh --fp16-wide`` (about 10 minutes of emulation on one core).
+``scripts/check-aarch64.sh --fp16-wide`` (about 6 minutes of CPU).
 
     host WORK          build, convert (fp32, fp16, bf16), x86 logits -> WORK/wide-x86.npz
     target WORK LABEL  (emulated aarch64) fp32 and fp16 logits -> WORK/wide-LABEL.npz

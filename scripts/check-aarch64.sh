@@ -19,7 +19,7 @@
 # KEEP_WORK=1 (keep the work folder for inspection).
 #
 # scripts/check-aarch64.sh --fp16-wide: instead of the check, the fp16 accuracy measurement at
-# real layer widths that README "ARM boards" quotes (scripts/aarch64_fp16_wide.py; ~10 min).
+# real layer widths that README "ARM boards" quotes (scripts/aarch64_fp16_wide.py; ~6 min of CPU).
 set -euo pipefail
 FP16_WIDE=0
 case "${1:-}" in
