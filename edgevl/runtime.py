@@ -12,6 +12,7 @@ KV cache is linear (branching from a prefix means re-prefilling).
 from __future__ import annotations
 
 import os
+import platform
 
 import ncnn
 import numpy as np
@@ -67,11 +68,16 @@ def from_mat(m: "ncnn.Mat") -> np.ndarray:
 
 def _options(opt, threads: int, dtype: str) -> None:
     opt.num_threads = int(threads)  # before load: Gemm keeps the load-time value
-    opt.use_fp16_storage = False
-    opt.use_fp16_packed = False
-    opt.use_fp16_arithmetic = False
-    # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact. fp16
-    # packages keep fp16 accuracy: on x86 ncnn widens them to fp32 in memory.
+    # fp16 packages on 64-bit ARM keep weights and activations in fp16 (half the memory and
+    # bandwidth; the conversion is base ARMv8), and compute in fp16 where the CPU can (ARMv8.2
+    # asimdhp: Cortex-A55/A76, RK3568/RK3588, Pi 5) — accuracy measured in README "ARM boards".
+    # On x86 ncnn widens them to fp32. Everything else stays off: ncnn's own defaults would run
+    # fp32 packages in fp16 on ARM.
+    fp16 = dtype == "fp16" and platform.machine().lower() in ("aarch64", "arm64")
+    opt.use_fp16_storage = fp16
+    opt.use_fp16_packed = fp16
+    opt.use_fp16_arithmetic = fp16 and bool(getattr(ncnn, "cpu_support_arm_asimdhp", lambda: 0)())
+    # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact.
     opt.use_bf16_storage = dtype == "bf16"
     opt.use_bf16_packed = dtype == "bf16"
 
