@@ -7,9 +7,10 @@
 
 __version__ = "0.1.0"
 
+from .batch import batch
 from .convert import convert
 from .errors import EdgevlError
 from .generate import generate, stream_events, stream_generate
 from .model import Model, load
 
-__all__ = ["load", "generate", "stream_generate", "stream_events", "convert", "Model", "EdgevlError"]
+__all__ = ["load", "generate", "stream_generate", "stream_events", "convert", "batch", "Model", "EdgevlError"]

@@ -6,8 +6,10 @@
     edgevl chat MODEL [--image PATH]
     edgevl serve MODEL [--host 127.0.0.1] [--port 8080]
     edgevl bench MODEL [--compare torch,llamacpp]
+    edgevl batch [MODEL] --input SRC --prompt "..." --output OUT.jsonl|.parquet [--workers N] [--ray [ADDRESS]]
 
-Every user error prints one line ``error: ...`` and exits with status 2.
+Every user error prints one line ``error: ...`` and exits with status 2 (``batch``: 1 when some
+rows failed; they carry an error field).
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ def cmd_bench(a) -> int:
     return bench_cli(a)
 
 
+def cmd_batch(a) -> int:
+    from .batch import batch_cli
+
+    return batch_cli(a, resolve_model(a.model))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .convert import DEFAULT_KV_MODE, KV_MODES
 
@@ -217,6 +225,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
     b.add_argument("--low-memory", action="store_true", help="also run edgevl in low-memory mode")
     b.set_defaults(fn=cmd_bench)
+
+    bt = sub.add_parser("batch", help="answer a prompt over a folder or table of images (resumable; local "
+                                      "worker processes or Ray)")
+    bt.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
+    bt.add_argument("--input", required=True, metavar="SRC",
+                    help="a folder of images, or a .jsonl/.csv/.parquet file with an image column")
+    bt.add_argument("--prompt", help="the prompt for every row (a prompt column overrides it per row)")
+    bt.add_argument("--output", required=True, metavar="OUT",
+                    help="results, .jsonl or .parquet; rows already there are skipped")
+    bt.add_argument("--workers", type=int, default=1, help="local worker processes, or Ray actors with --ray")
+    bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray)")
+    bt.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    bt.add_argument("--retry-errors", action="store_true", help="run rows that failed last time again")
+    bt.add_argument("--image-column", default="image")
+    bt.add_argument("--prompt-column", default="prompt")
+    bt.add_argument("--id-column", default="id", help="row ids (default: the image path as written)")
+    bt.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_sampling_args(bt)
+    add_model_args(bt)
+    bt.set_defaults(fn=cmd_batch)
     return p
 
 
