@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown")
     ap.add_argument("--json")
+    ap.add_argument("--only", default="", help="run only the configurations whose name contains this")
     a = ap.parse_args(argv)
+    configs = {k: v for k, v in CONFIGS.items() if a.only in k}
 
     from edgevl.demo import demo_package
     from edgevl.demo.scenes import make_scene
@@ -67,10 +70,10 @@ def main(argv=None) -> int:
     folder.mkdir()
     for i in range(a.n):
         make_scene(70000 + i).image.save(folder / f"scene_{i:04d}.png")
-    results = {name: [] for name in CONFIGS}
+    results = {name: [] for name in configs}
     for r in range(a.repeats):
-        for name, extra in CONFIGS.items():
-            out = tmp / f"out-{r}-{len(results[name])}-{extra[1]}{'-ray' if '--ray' in extra else ''}.jsonl"
+        for ci, (name, extra) in enumerate(configs.items()):
+            out = tmp / f"out-{r}-{ci}.jsonl"
             res = one_run(folder, out, a.n, extra)
             results[name].append(res)
             print(f"{name}: {res['end_to_end']:.2f} img/s end-to-end, {res['steady']:.2f} steady, "
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
         loads = [x["load"] for x in rs]
         lines.append(f"| {name} | {med['end_to_end']:.1f} | {med['steady']:.1f} | {med['wall_s']:.1f} | "
                      f"{min(loads):.1f}–{max(loads):.1f} |")
+    shutil.rmtree(tmp, ignore_errors=True)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.markdown:

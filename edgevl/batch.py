@@ -357,6 +357,7 @@ class Sink:
         self.rows: dict[str, dict] = {}
         if self.parquet and self.path.exists():
             self.rows.update((r["id"], r) for r in read_parquet_rows(self.path))
+        self._dirty = self.journal.exists()  # Parquet: rows not yet in the Parquet file
         journal_rows, end = _read_rows_jsonl(self.journal, strict=True)
         self.torn_bytes = (self.journal.stat().st_size - end) if self.journal.exists() else 0
         self._file_order = [r["id"] for r in journal_rows]
@@ -371,6 +372,7 @@ class Sink:
             bad = [k for k, r in self.rows.items() if r.get("error")]
             for k in bad:
                 del self.rows[k]
+            self._dirty |= bool(bad)
             if bad and not self.parquet:
                 self._rewrite(list(self.rows))
 
@@ -387,6 +389,7 @@ class Sink:
         if new:
             _append(self.fd, b"".join(_line(r) for r in new))
             self._file_order += [r["id"] for r in new]
+            self._dirty = True
         return len(new)
 
     def merge_shards(self) -> int:
@@ -415,9 +418,10 @@ class Sink:
         """Input order for the final file: JSONL rewritten by rename when needed, Parquet written."""
         ids = self._ordered(order)
         if self.parquet:
-            pa, pq = _pyarrow()
-            table = pa.Table.from_pylist([self.rows[k] for k in ids], schema=_row_schema(pa))
-            _write_atomic(self.path, lambda f: pq.write_table(table, f))
+            if self._dirty or not self.path.exists():
+                pa, pq = _pyarrow()
+                table = pa.Table.from_pylist([self.rows[k] for k in ids], schema=_row_schema(pa))
+                _write_atomic(self.path, lambda f: pq.write_table(table, f))
             with contextlib.suppress(FileNotFoundError):
                 self.journal.unlink()
             _fsync_dir(self.path.parent)
@@ -536,6 +540,10 @@ def _exit_text(code) -> str:
 def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
     """Local worker processes, each loading the package once; a crashed worker fails only its row."""
     ctx = mp.get_context("spawn")  # never fork a process that has ncnn/OpenMP threads
+    # Two rows in flight per worker, so a worker never waits for this process to hand it the next
+    # one (it may be slow to get a core on a busy machine). Not with PIL images: a big pickled image
+    # and a big answer could fill both directions of the pipe at once.
+    depth = 2 if all(isinstance(it["source"], (str, type(None))) for it in todo) else 1
 
     def start():
         parent, child = ctx.Pipe()
@@ -543,16 +551,16 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                         name="edgevl-batch-worker")
         p.start()
         child.close()  # so the parent sees EOF when the worker dies
-        return {"proc": p, "conn": parent, "item": None, "ready": False}
+        return {"proc": p, "conn": parent, "items": deque(), "ready": False}
 
     queue = deque(todo)
     slots = [start() for _ in range(min(workers, len(todo)))]
     try:
-        while queue or any(s["item"] is not None for s in slots):
+        while queue or any(s["items"] for s in slots):
             for s in slots:
-                if s["ready"] and s["item"] is None and queue:
-                    s["item"] = queue.popleft()
-                    s["conn"].send(s["item"])
+                while s["ready"] and len(s["items"]) < depth and queue:
+                    s["items"].append(queue.popleft())
+                    s["conn"].send(s["items"][-1])
             by_conn = {id(s["conn"]): s for s in slots}
             for conn in mp_wait([s["conn"] for s in slots]):
                 s = by_conn[id(conn)]
@@ -563,10 +571,10 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                     why = _exit_text(s["proc"].exitcode)
                     if not s["ready"]:
                         raise EdgevlError(f"a batch worker process died while loading the model ({why})") from None
-                    item, s["item"] = s["item"], None
-                    if item is not None:
-                        row = empty_row(item)
+                    if s["items"]:
+                        row = empty_row(s["items"].popleft())
                         row["error"] = f"the worker process died on this row ({why})"
+                        queue.extendleft(reversed(s["items"]))  # sent but not started: run elsewhere
                         yield row
                     conn.close()
                     s.update(start())
@@ -576,7 +584,7 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                 if kind == "ready":
                     s["ready"] = True
                 else:
-                    s["item"] = None
+                    s["items"].popleft()
                     yield payload
     finally:
         for s in slots:
@@ -630,12 +638,16 @@ class RayWorker:
 
 
 @contextlib.contextmanager
-def _loopback_only(ray):
+def _loopback_only():
     """A Ray that edgevl starts itself serves this machine only: its servers bind to 127.0.0.1.
 
-    Ray on Linux swaps 127.0.0.1 for the machine's address unless clusters are switched off
-    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the setting Ray uses on laptops)."""
-    consts = sys.modules.get("ray._private.ray_constants")
+    Ray on Linux swaps 127.0.0.1 for the machine's address unless clusters are switched off, the
+    setting it uses on laptops (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0). Switched off only while the
+    local Ray starts, so that the same process can still join a real cluster later."""
+    try:
+        from ray._private import ray_constants as consts
+    except ImportError:  # another Ray layout: the environment variable alone
+        consts = None
     old_env = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     old_const = getattr(consts, "ENABLE_RAY_CLUSTER", None)
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -648,13 +660,11 @@ def _loopback_only(ray):
             os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         else:
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old_env
-        if consts is not None and old_const is not None:
+        if consts is not None:
             consts.ENABLE_RAY_CLUSTER = old_const
 
 
-def _import_ray(local: bool):
-    if local and "ray" not in sys.modules:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read once, at import
+def _import_ray():
     try:
         import ray
         import ray.data  # noqa: F401
@@ -665,7 +675,7 @@ def _import_ray(local: bool):
 
 def _run_ray(settings: dict, todo: list[dict], workers: int, address: str | None, sink) -> Iterator[dict]:
     local = address in (None, "", "local")
-    ray = _import_ray(local)
+    ray = _import_ray()
     for it in todo:
         if not isinstance(it["source"], str) and it["error"] is None:
             raise EdgevlError("with Ray, images must be file paths (the actors read them), not PIL images")
@@ -673,7 +683,7 @@ def _run_ray(settings: dict, todo: list[dict], workers: int, address: str | None
     if not ray.is_initialized():
         try:
             if local:
-                with _loopback_only(ray):
+                with _loopback_only():
                     ray.init(address="local", num_cpus=max(_physical_cores(), workers * settings["threads"]),
                              include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
                              logging_level=logging.ERROR)

@@ -265,6 +265,9 @@ def test_parquet_input_and_output_resume(pkg, scenes, reference, tmp_path):
                                                                    ("label", pa.string())]))
     assert_complete(table.to_pylist(), reference)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["in.parquet", "out.parquet"]  # no journal, no lock
+    mtime = out.stat().st_mtime_ns
+    assert list(edgevl.batch(pkg, src, PROMPT, output=out)) == []  # all done: nothing run or rewritten
+    assert out.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 2
 
 
 def _listening_ports_of(pids):
@@ -388,3 +391,34 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.parquet")],
                     "pip install 'edgevl[parquet]'")
+
+
+def test_default_threads_keep_threads_times_workers_within_the_cores(pkg, scenes, monkeypatch):
+    from edgevl.batch import BatchJob, _physical_cores
+
+    monkeypatch.delenv("EDGEVL_THREADS", raising=False)
+    cores = _physical_cores()
+    for workers in (1, 2, cores, cores + 1):
+        job = BatchJob(pkg, scenes[0], PROMPT, workers=workers)
+        assert job.threads == max(1, cores // workers)
+        assert job.oversubscribed() == (workers > cores)  # the CLI then prints a warning
+    assert BatchJob(pkg, scenes[0], PROMPT, workers=1, threads=cores + 1).oversubscribed()
+    monkeypatch.setenv("EDGEVL_THREADS", "3")
+    assert BatchJob(pkg, scenes[0], PROMPT, workers=2).threads == 3  # the user's own setting wins
+
+
+def test_a_crashed_worker_fails_only_its_row(pkg, scenes, reference, tmp_path):
+    folder, _ = scenes
+    out = tmp_path / "out.jsonl"
+    gen = edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1)
+    rows = [next(gen)]
+    spawned = [p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(spawned) == 2
+    os.kill(spawned[0], signal.SIGKILL)
+    rows += list(gen)  # the job goes on with a replacement worker
+    assert len(rows) == N and len({r["id"] for r in rows}) == N
+    died = [r for r in rows if r["error"]]
+    assert len(died) <= 1 and all("worker process died on this row (killed by signal 9)" in r["error"] for r in died)
+    assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
+    list(edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1, retry_errors=True))
+    assert_complete(read_jsonl(out), reference)
