@@ -312,7 +312,8 @@ def test_ray_local_on_loopback_gives_the_same_answers(pkg, scenes, reference, tm
 
     folder, _ = scenes
     out = tmp_path / "out.parquet"
-    gen = edgevl.batch(pkg, folder, PROMPT, output=out, ray=True, workers=2, threads=1)
+    # one actor: the two-actor run is the next test's; this one is about the Ray that edgevl starts
+    gen = edgevl.batch(pkg, folder, PROMPT, output=out, ray=True, workers=1, threads=1)
     rows = [next(gen)]
     assert ray.is_initialized()
     ports = _listening_ports_of(_descendants(os.getpid()) + [os.getpid()])
@@ -422,3 +423,34 @@ def test_a_crashed_worker_fails_only_its_row(pkg, scenes, reference, tmp_path):
     assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
     list(edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1, retry_errors=True))
     assert_complete(read_jsonl(out), reference)
+
+
+def test_ray_address_of_a_running_cluster(pkg, scenes, reference, tmp_path):
+    """`--ray ADDRESS` joins a Ray the test started itself (loopback only) and leaves it running."""
+    folder, _ = scenes
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # Ray's own switch for a loopback-only node
+               RAY_AUTH_MODE="token")  # the head's token (~/.ray/auth_token) lets the driver in
+    head = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, "
+         "_node_ip_address='127.0.0.1', logging_level='ERROR'); "
+         "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = head.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), address
+        out = tmp_path / "out.jsonl"
+        p = subprocess.run([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder), "--prompt",
+                            PROMPT, "--output", str(out), "--ray", address, "--workers", "2", "--threads", "1"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr
+        assert f"2 actor(s) x 1 thread(s), Ray ({address})" in p.stderr
+        assert_complete(read_jsonl(out), reference)
+        assert head.poll() is None  # a cluster it did not start is left alone
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
