@@ -51,10 +51,15 @@ INSTALL_RAY = "--ray needs Ray Data: pip install 'edgevl[ray]'"
 # One row: the only place that calls the model
 
 
-def extract_boxes(answer: str) -> list[dict]:
-    """Structured boxes of a grounding answer, ``[{"box": [x1, y1, x2, y2], "label": str | None}]``.
+def extract_boxes(answer: str, event=None) -> list[dict]:
+    """Structured boxes of an answer, ``[{"box": [x1, y1, x2, y2], "label": str | None}]`` in
+    original-image pixels.
 
-    Kept in one function so that it can switch to the API's own structured boxes."""
+    The one place that knows where boxes come from: the generation's own (Box tuples on the last
+    event, where generation provides them), else the ``<box>`` tokens of the text."""
+    boxes = getattr(event, "boxes", None)
+    if boxes is not None:
+        return [{"box": [int(v) for v in b.xyxy], "label": b.label} for b in boxes]
     from .boxes import parse_boxes
 
     return [{"box": [int(v) for v in b["box"]], "label": b["label"]} for b in parse_boxes(answer)]
@@ -80,7 +85,7 @@ def process_row(model, item: dict, options: dict) -> dict:
                 text.append(ev.text)
                 last = ev
             answer = "".join(text)
-            row.update(answer=answer, boxes=extract_boxes(answer), tokens_in=last.prompt_tokens,
+            row.update(answer=answer, boxes=extract_boxes(answer, last), tokens_in=last.prompt_tokens,
                        tokens_out=last.generation_tokens, finish_reason=last.finish_reason)
         except EdgevlError as e:
             row["error"] = str(e)
@@ -754,8 +759,9 @@ class BatchJob:
         if int(threads) < 1:
             raise EdgevlError(f"threads must be >= 1, got {threads}")
         self.threads = int(threads)
-        Sampler(sampling.get("temperature", 0.0), sampling.get("top_k", 0), sampling.get("top_p", 1.0),
-                sampling.get("repetition_penalty", 1.0))  # a bad value fails now, not on every row
+        given = lambda k, default: default if sampling.get(k) is None else sampling[k]  # noqa: E731 - None: default
+        Sampler(given("temperature", 0.0), given("top_k", 0), given("top_p", 1.0),
+                given("repetition_penalty", 1.0))  # a bad value fails now, not on every row
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
                          "options": dict(sampling, max_image_patches=max_image_patches)}
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column)
