@@ -151,7 +151,7 @@ def cmd_bench(a) -> int:
 def cmd_batch(a) -> int:
     from .batch import batch_cli
 
-    return batch_cli(a, resolve_model(a.model))
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,17 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
     bt.add_argument("--input", required=True, metavar="SRC",
                     help="a folder of images, or a .jsonl/.csv/.parquet file with an image column")
-    bt.add_argument("--prompt", help="the prompt for every row (a prompt column overrides it per row)")
+    bt.add_argument("--prompt", help="the prompt for every row; a prompt column overrides it per row (default: "
+                                     "none; needed unless the table has a prompt column)")
     bt.add_argument("--output", required=True, metavar="OUT",
                     help="results, .jsonl or .parquet; rows already there are skipped")
-    bt.add_argument("--workers", type=int, default=1, help="local worker processes, or Ray actors with --ray")
+    bt.add_argument("--workers", type=int, default=1,
+                    help="local worker processes, or Ray actors with --ray (default: 1)")
     bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                    help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray)")
+                    help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray; "
+                         "default: no Ray)")
     bt.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
     bt.add_argument("--retry-errors", action="store_true", help="run rows that failed last time again")
-    bt.add_argument("--image-column", default="image")
-    bt.add_argument("--prompt-column", default="prompt")
-    bt.add_argument("--id-column", default="id", help="row ids (default: the image path as written)")
+    bt.add_argument("--image-column", default="image", help="a table's image path column (default: image)")
+    bt.add_argument("--prompt-column", default="prompt", help="a table's per-row prompt column (default: prompt)")
+    bt.add_argument("--id-column", default="id",
+                    help="a table's row id column (default: id; without it the image path as written)")
     bt.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sampling_args(bt)
     add_model_args(bt)
