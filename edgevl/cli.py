@@ -8,9 +8,11 @@
     edgevl bench [MODEL] [--compare torch,llamacpp]
     edgevl cache [list|clear]
     edgevl check MODEL
+    edgevl batch [MODEL] --input SRC --prompt "..." --output OUT.jsonl|.parquet [--workers N] [--ray [ADDRESS]]
 
 MODEL is a package folder; left out (or ``demo``) it is the shipped demo model. Every user
-error prints one line ``error: ...`` and exits with status 2.
+error prints one line ``error: ...`` and exits with status 2 (``batch``: 1 when some rows failed;
+they carry an error field).
 """
 
 from __future__ import annotations
@@ -280,6 +282,10 @@ def _convert_options() -> dict:
         for name, opt in arch.options.items():
             out.setdefault(name, (opt, []))[1].append(arch.name)
     return out
+def cmd_batch(a) -> int:
+    from .batch import batch_cli
+
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,6 +388,30 @@ def build_parser() -> argparse.ArgumentParser:
     k = command("cache", "list or clear what edgevl keeps in its cache folder")
     k.add_argument("action", nargs="?", default="list", choices=["list", "clear"], help="what to do")
     k.set_defaults(fn=cmd_cache)
+    bt = command("batch", "answer a prompt over a folder or table of images (resumable; local worker processes "
+                          "or Ray)")
+    bt.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
+    bt.add_argument("--input", required=True, metavar="SRC",
+                    help="a folder of images, or a .jsonl/.csv/.parquet file with an image column")
+    bt.add_argument("--prompt", help="the prompt for every row; a prompt column overrides it per row (default: "
+                                     "none; needed unless the table has a prompt column)")
+    bt.add_argument("--output", required=True, metavar="OUT",
+                    help="results, .jsonl or .parquet; rows already there are skipped")
+    bt.add_argument("--workers", type=int, default=1,
+                    help="local worker processes, or Ray actors with --ray (default: 1)")
+    bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray; "
+                         "default: no Ray)")
+    bt.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    bt.add_argument("--retry-errors", action="store_true", help="run rows that failed last time again")
+    bt.add_argument("--image-column", default="image", help="a table's image path column (default: image)")
+    bt.add_argument("--prompt-column", default="prompt", help="a table's per-row prompt column (default: prompt)")
+    bt.add_argument("--id-column", default="id",
+                    help="a table's row id column (default: id; without it the image path as written)")
+    bt.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_sampling_args(bt)
+    add_model_args(bt)
+    bt.set_defaults(fn=cmd_batch)
     return p
 
 
