@@ -423,3 +423,93 @@ def memory_data(g: Graph, arr: np.ndarray, dtype: str = "fp32", name: str | None
     params[21] = 0  # tagged: lets bf16/fp16 constants shrink on disk
     return g.layer("MemoryData", [], params, [Tagged(arr.reshape(arr.shape[0] if arr.ndim > 1 else 1, -1),
                                                      dtype)], name=name)
+
+
+# (The wrappers below match the model-protocol branch's signatures, plus the few the recurrent
+# layers add: matmul, crop_last, conv_dw1d, bnll, cumsum.)
+
+
+def binary_scalar(g: Graph, x: str, op: str, value: float, name: str | None = None,
+                  out: str | None = None) -> str:
+    """x (op) a constant scalar."""
+    code = {"add": 0, "sub": 1, "mul": 2, "div": 3, "max": 4, "min": 5, "pow": 6, "rsub": 7}[op]
+    return g.layer("BinaryOp", [x], {0: code, 1: 1, 2: float(value)}, outputs=[out] if out else 1, name=name)
+
+
+UNARY_OPS = {"abs": 0, "neg": 1, "floor": 2, "ceil": 3, "square": 4, "sqrt": 5, "rsqrt": 6, "exp": 7,
+             "log": 8, "sin": 9, "cos": 10, "tan": 11, "asin": 12, "acos": 13, "atan": 14,
+             "reciprocal": 15, "tanh": 16, "log10": 17, "round": 18, "trunc": 19}
+
+
+def unary(g: Graph, x: str, op: str, name: str | None = None, out: str | None = None) -> str:
+    return g.layer("UnaryOp", [x], {0: UNARY_OPS[op]}, outputs=[out] if out else 1, name=name)
+
+
+def swish(g: Graph, x: str, name: str | None = None, out: str | None = None) -> str:
+    """SiLU: x * sigmoid(x)."""
+    return g.layer("Swish", [x], outputs=[out] if out else 1, name=name)
+
+
+def sigmoid(g: Graph, x: str, name: str | None = None, out: str | None = None) -> str:
+    return g.layer("Sigmoid", [x], outputs=[out] if out else 1, name=name)
+
+
+def gelu(g: Graph, x: str, tanh: bool, name: str | None = None, out: str | None = None) -> str:
+    """GELU: exact erf form, or torch's tanh approximation (``gelu_pytorch_tanh``)."""
+    return g.layer("GELU", [x], {0: 1 if tanh else 0}, outputs=[out] if out else 1, name=name)
+
+
+def rotary(g: Graph, x: str, cos: str, sin: str, interleaved: bool, name: str | None = None) -> str:
+    """RotaryEmbed over the whole last axis: x (c=heads, h=seq, w=dim), cos/sin (h=seq, w=dim/2).
+
+    ``interleaved=False`` equals HF's rotate_half; ``True`` rotates adjacent pairs in place (HF's
+    interleaved form writes the result as cat(even', odd') — same scores, other layout)."""
+    return g.layer("RotaryEmbed", [x, cos, sin], {0: 1 if interleaved else 0}, name=name)
+
+
+def tile(g: Graph, x: str, repeats: Sequence[int], name: str | None = None) -> str:
+    """Repeat whole blocks along (c, h, w) — [h0, h1, h0, h1], not repeat_interleave."""
+    return g.layer("Tile", [x], {2: [int(r) for r in repeats]}, name=name)
+
+
+def sdpa(g: Graph, q: str, k: str, v: str, mask: str | None = None, scale: float = 0.0,
+         cache: Sequence[str] | None = None, cache_out: Sequence[str] | None = None,
+         name: str | None = None, out: str | None = None):
+    """Scaled dot-product attention: q (c=heads, h=seq, w=d), k/v (c=kv_heads, ...) — GQA native.
+
+    ``mask`` is additive (w=past+seq, h=seq). With ``cache=(past_k, past_v)`` and
+    ``cache_out=(k_all, v_all)`` SDPA appends to the KV cache itself and returns
+    ``(o, k_all, v_all)``; otherwise ``o``. ``scale`` 0 means 1/sqrt(d)."""
+    inputs = [q, k, v] + ([mask] if mask else [])
+    params = {5: 1 if mask else 0, 6: float(scale), 7: 1 if cache else 0}
+    if cache:
+        outs = [out or g._new_blob(), *cache_out]
+        return g.layer("SDPA", inputs + list(cache), params, outputs=outs, name=name)
+    return g.layer("SDPA", inputs, params, outputs=[out] if out else 1, name=name)
+
+
+def matmul(g: Graph, a: str, b: str, name: str | None = None, out: str | None = None) -> str:
+    """Batched a @ b over the last two axes (3-D: per channel), both operands blobs."""
+    return g.layer("MatMul", [a, b], outputs=[out] if out else 1, name=name)
+
+
+def crop_last(g: Graph, x: str, n: int, axis: int, name: str | None = None, out: str | None = None) -> str:
+    """The last ``n`` entries along ``axis`` (negative: from the last axis), whatever the size."""
+    return g.layer("Crop", [x], {9: [-int(n)], 10: [2 ** 31 - 1], 11: [int(axis)]},
+                   outputs=[out] if out else 1, name=name)
+
+
+def conv_dw1d(g: Graph, x: str, weight: np.ndarray, name: str | None = None, out: str | None = None) -> str:
+    """Depthwise 1-D convolution, no padding or bias: x (h=channels, w=time), weight [channels, k]."""
+    ch, k = (int(s) for s in weight.shape)
+    return g.layer("ConvolutionDepthWise1D", [x], {0: ch, 1: k, 2: 1, 3: 1, 4: 0, 5: 0, 6: ch * k, 7: ch},
+                   [Tagged(np.ascontiguousarray(weight, np.float32))], outputs=[out] if out else 1, name=name)
+
+
+def bnll(g: Graph, x: str, name: str | None = None, out: str | None = None) -> str:
+    """softplus log(1 + e^x) in the overflow-safe form (ncnn's Softplus overflows above ~88)."""
+    return g.layer("BNLL", [x], outputs=[out] if out else 1, name=name)
+
+
+def cumsum(g: Graph, x: str, axis: int, name: str | None = None, out: str | None = None) -> str:
+    return g.layer("CumulativeSum", [x], {0: int(axis)}, outputs=[out] if out else 1, name=name)
