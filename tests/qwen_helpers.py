@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers import CORPUS, init_random, train_briefly
+from helpers import CORPUS, init_random
 
 DATA = Path(__file__).parent / "data"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -115,6 +115,31 @@ def _init_gdn(model, seed: int):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
+def train_chat(model, tok, steps: int, seed: int = 0, lr: float = 1e-2):
+    """A few Adam steps on chat-formatted CORPUS turns (user: a sentence; assistant: the next one):
+    peaked, trained-like logits on the prompts the tests render (random nets are flat, and a model
+    trained on plain text stays flat after the template's tokens)."""
+    import torch
+
+    sents = CORPUS[: len(CORPUS) // 4]
+    ids = []
+    for i, s in enumerate(sents):
+        ids += tok.encode(f"<|im_start|>user\n{s}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                          f"{sents[(i + 1) % len(sents)]}<|im_end|>\n").ids
+    data = torch.tensor(ids)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
+        x = torch.stack([data[s:s + 65] for s in starts])
+        loss = model(x[:, :-1], labels=x[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def make_qwen3_5(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.15, train_steps: int = 0,
                  vision: dict | None = None, tie_word_embeddings: bool = True, **text_overrides) -> Path:
     """A random (or briefly trained) Qwen3_5ForConditionalGeneration; overrides are text_config
@@ -135,7 +160,7 @@ def make_qwen3_5(folder, seed: int = 0, dtype: str = "fp32", init_scale: float =
     model = init_random(Qwen3_5ForConditionalGeneration(cfg).eval(), seed, init_scale)
     _init_gdn(model, seed)
     if train_steps:
-        model = train_briefly(model, tok, train_steps, seed)
+        model = train_chat(model, tok, train_steps, seed)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(folder)
@@ -183,10 +208,14 @@ def hf_greedy(model, enc, n: int) -> list[int]:
     import torch
 
     gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = None  # no early stop, and no eos suppression either
+    # no early stop and no eos suppression: an eos id no model can produce (None falls back to
+    # the config's eos, an empty list fails inside generate)
+    gc.eos_token_id = [10 ** 9]
     with torch.no_grad():
         out = model.generate(**enc, generation_config=gc, max_new_tokens=n, do_sample=False, num_beams=1)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+    toks = out[0, enc["input_ids"].shape[1]:].tolist()
+    assert len(toks) == n, f"transformers stopped after {len(toks)} of {n} tokens"
+    return toks
 
 
 def cosine(a, b) -> float:

@@ -83,6 +83,7 @@ def test_fp32_greedy_token_exact(models, name, prompt):
             int(g.prod()) // 4 for g in enc["image_grid_thw"])
     ours = ours_m.greedy(ids, N_NEW, images)
     theirs = hf_greedy(ref, enc, N_NEW)
+    assert len(ours) == len(theirs) == N_NEW
     first = _first_diff(ours, theirs)
     assert first is None, f"{name}/{prompt}: first differing token at {first}: ours {ours[first]} vs {theirs[first]}"
 
@@ -162,6 +163,16 @@ def test_prefix_reuse_by_snapshot(models):
     fresh = ours_m.greedy(ids2, 24, [img])
     assert reused == fresh, f"first differing token at {_first_diff(reused, fresh)}"
     assert fresh == hf_greedy(ref, enc2, 24)
+
+
+def test_light_mode_off_gives_the_same_tokens(models):
+    """The driver extracts each recurrent layer's blobs before their consumers run (light mode
+    frees consumed blobs); with light mode off nothing is freed: same tokens either way."""
+    ck, pk = models["hvhk-untied-i2-hd128"]
+    msgs, images = PROMPTS["two-images"]
+    ids, _ = hf_inputs(_load(models, "hvhk-untied-i2-hd128")[2], msgs, images)
+    assert Runner(pk, light_mode=False).greedy(ids, 16, images) == _load(models, "hvhk-untied-i2-hd128")[0].greedy(
+        ids, 16, images)
 
 
 def test_cache_rules(models):
