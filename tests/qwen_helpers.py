@@ -253,6 +253,7 @@ class Runner:
     """Embedding + vision + decoder driver + lm_head of a converted package, and a greedy loop."""
 
     def __init__(self, pk, threads: int = 1, light_mode: bool = True):
+        from edgevl.models import gated_delta as gd
         from edgevl.models import qwen3_5 as q
         from edgevl.runtime import Embedding, LMHead, Net
 
@@ -265,8 +266,8 @@ class Runner:
         def net(name, dtype=dt, light=True):
             return Net(str(pk / f"{name}.param"), str(pk / f"{name}.bin"), threads, dtype, light)
 
-        self.decoder = q.Decoder(net("decoder", light=light_mode), gr["decoder"], net("gdn_step", "fp32"),
-                                 net("gdn_chunk", "fp32"), gr["gdn_step"], gr["gdn_chunk"])
+        core = gd.DeltaRuleCore.open(pk, gr["gdn_step"], gr["gdn_chunk"], threads)
+        self.decoder = q.Decoder(net("decoder", light=light_mode), gr["decoder"], core)
         self.head = LMHead(net("lm_head"), gr["lm_head"])
         e = m["embedding"]
         self.embedding = Embedding(str(pk / e["file"]), e["segments"], e["rows"], e["dim"], e["dtype"])

@@ -8,7 +8,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delt
                                                           torch_recurrent_gated_delta_rule)
 
 from edgevl.models import gated_delta as gd
-from edgevl.runtime import Net, from_mat, to_mat
+from edgevl.runtime import from_mat, to_mat
 
 
 @pytest.fixture(scope="module", params=[(2, 4, 16, 24), (2, 2, 32, 32)], ids=["Hv=2Hk", "Hv=Hk"])
@@ -19,8 +19,8 @@ def core(request, tmp_path_factory):
     nets = {}
     for name, rows in (("step", 1), ("chunk", gd.CHUNK)):
         info = gd.build_core_net(root / f"{name}.param", root / f"{name}.bin", d, rows)
-        nets[name] = (Net(str(root / f"{name}.param"), str(root / f"{name}.bin"), 1, "fp32"), info)
-    return gd.DeltaRuleCore(nets["step"][0], nets["chunk"][0], nets["step"][1], nets["chunk"][1]), d
+        nets[name] = info
+    return gd.DeltaRuleCore.open(root, nets["step"], nets["chunk"], 1), d
 
 
 def _inputs(d, seq, seed, similar=False):

@@ -549,9 +549,8 @@ class Decoder:
     gate logits, runs the fp32 core (step net for S = 1, chunk net otherwise) and feeds the core
     output back by name, then extracts the final hidden state, the new K/V and conv windows."""
 
-    def __init__(self, net, info: dict, step_net, chunk_net, step_info: dict, chunk_info: dict):
-        self.net, self.info = net, info
-        self.core = gd.DeltaRuleCore(step_net, chunk_net, step_info, chunk_info)
+    def __init__(self, net, info: dict, core: gd.DeltaRuleCore):
+        self.net, self.info, self.core = net, info, core
         ex = info["extra"]
         self.rope = ex["rope"]
         self.states = {s["layer"]: s for s in ex["state"]}
