@@ -175,6 +175,18 @@ def test_light_mode_off_gives_the_same_tokens(models):
         ids, 16, images)
 
 
+def test_image_patch_budget(models):
+    ours_m, _, _ = _load(models, "hv2hk-tied-i4-hd64")
+    img = image(640, 480, 9)
+    rows, info = ours_m.vision(img)
+    small, sinfo = ours_m.vision(img, max_image_patches=64)
+    _, gh, gw = sinfo["grid_thw"]
+    assert gh * gw <= 64 < info["grid_thw"][1] * info["grid_thw"][2]
+    assert small.shape == (gh * gw // 4, rows.shape[1])
+    with pytest.raises(EdgevlError, match="max_image_patches must be at least 4"):
+        ours_m.vision(img, max_image_patches=2)
+
+
 def test_cache_rules(models):
     ours_m, _, _ = _load(models, "hv2hk-tied-i4-hd64")
     ids = list(range(20, 40))

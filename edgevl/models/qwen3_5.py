@@ -639,10 +639,20 @@ class VisionEncoder:
             raise EdgevlError("preprocessor_config.json's patch/merge/temporal sizes differ from the vision "
                               "tower's; the checkpoint files do not belong together")
 
-    def preprocess(self, image) -> dict:
+    def preprocess(self, image, max_image_patches: int | None = None) -> dict:
+        """``max_image_patches`` caps the patch count below the checkpoint's max_pixels."""
+        from dataclasses import replace
+
         from ..processing import qwen_vl
 
-        return qwen_vl.preprocess(image, self.cfg)
+        cfg = self.cfg
+        if max_image_patches is not None:
+            cap = int(max_image_patches) * cfg.patch_size ** 2
+            if cap < cfg.factor ** 2:
+                raise EdgevlError(f"max_image_patches must be at least {cfg.merge_size ** 2} (one merged token), "
+                                  f"got {max_image_patches}")
+            cfg = replace(cfg, max_pixels=min(cfg.max_pixels, cap), min_pixels=min(cfg.min_pixels, cap))
+        return qwen_vl.preprocess(image, cfg)
 
     def inputs(self, pre: dict) -> dict:
         v = self.v
@@ -652,8 +662,8 @@ class VisionEncoder:
         return {names["pixel_values"]: pre["pixel_values"], names["pos"]: vision_pos_embed(
                     self.pos_table, gh, gw, v.spatial_merge_size), names["cos"]: cos, names["sin"]: sin}
 
-    def __call__(self, image, extract_layers: bool = False):
-        pre = self.preprocess(image)
+    def __call__(self, image, max_image_patches: int | None = None, extract_layers: bool = False):
+        pre = self.preprocess(image, max_image_patches)
         outs = self.info["outputs"]
         names = (outs["layers"] if extract_layers else []) + [outs["merged"]]
         res = self.net.run(self.inputs(pre), names)
