@@ -15,12 +15,13 @@ qwen3_5_and_youtu_moe.md §1.3 and §3. The work is split three ways:
   (measured: 0.4 % per update), which would compound over a conversation.
 - **On the host**, :class:`DeltaRuleCore` runs a core net between two passes of the decoder
   graph: the decoder driver extracts a layer's conv output and gate logits, runs the core, and
-  feeds the core's output back into the same extractor by blob name (ncnn then skips the blob's
-  producer — the decoder graph holds a placeholder input there).
+  feeds the core's output into the same extractor (the decoder graph has a placeholder input
+  blob there), so one extractor and one copy of the weights serve prefill and decode.
 
-Kimi-style KDA (per-channel decay, sigmoid output gate) reuses the conv, the l2norm, the gated
-norm and the step with ``per_channel_decay``; its chunked form is not practical in ncnn
-(spec §3.1), so it would prefill with the step net.
+Kimi-style KDA (per-channel decay, sigmoid output gate) can reuse the conv, the l2norm, the gated
+norm (``gate_act="sigmoid"``) and :func:`emit_delta_step` (a decay of shape (c=H, h=Dk, w=1)
+broadcasts the same way); its chunked form is not practical in ncnn (spec §3.1), so it would
+prefill with the step net or a per-channel variant of the chunk net.
 """
 
 from __future__ import annotations
