@@ -202,6 +202,34 @@ def test_cache_rules(models):
         cache.restore(snap)
 
 
+def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from edgevl.weights import Checkpoint
+
+    ck, _ = models["hd256-i3"]
+    bad = tmp_path / "ck"
+    shutil.copytree(ck, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "pk").mkdir()
+    parts = q.convert(Checkpoint(bad), tmp_path / "pk", "fp32", lambda t: None)
+    assert parts["mtp"]["tensors"] == 1 and "mtp.fc.weight" not in json.dumps(parts["graphs"])
+    cfg = json.loads((bad / "config.json").read_text())
+    for change, msg in ((lambda c: c["text_config"].update(layer_types=["linear_attention"] * 2), "layer_types"),
+                        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[8, 8, 8]), "mrope_section"),
+                        (lambda c: c["text_config"].update(linear_num_key_heads=2, linear_num_value_heads=3), "multiple of key heads"),
+                        (lambda c: c.pop("text_config"), "needs a text_config")):
+        c = json.loads(json.dumps(cfg))
+        change(c)
+        with pytest.raises(EdgevlError, match=msg):
+            q.TextArgs.from_config(c)
+
+
 def test_positions_errors():
     with pytest.raises(EdgevlError, match="image tokens but the image gives"):
         q.rope_positions([1, 5, 5, 5, 2], [(1, 4, 4)], 5, 2)

@@ -488,10 +488,14 @@ class HybridCache:
     :meth:`restore` a :class:`Snapshot` taken at the prefix instead)."""
 
     def __init__(self, attention: list[int], recurrent: list[int], conv_shape, matrix_shape):
-        from ..runtime import to_mat
-
         self.attention, self.recurrent = list(attention), list(recurrent)
         self._conv_shape, self._matrix_shape = tuple(conv_shape), tuple(matrix_shape)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty: no K/V, zero conv windows and matrices."""
+        from ..runtime import to_mat
+
         self.kv = {i: None for i in self.attention}
         self.conv = {i: to_mat(np.zeros(self._conv_shape, np.float32)) for i in self.recurrent}
         self.matrix = {i: to_mat(np.zeros(self._matrix_shape, np.float32)) for i in self.recurrent}
@@ -514,9 +518,9 @@ class HybridCache:
         tokens before snap.length are unchanged since the snapshot was taken."""
         from ..runtime import to_mat
 
-        if snap.length > self.length:
+        if snap.length > self.length or set(snap.conv) != set(self.recurrent):
             raise EdgevlError(f"cannot restore a snapshot at {snap.length} tokens into a cache holding "
-                              f"{self.length}; the snapshot belongs to another conversation")
+                              f"{self.length}; the snapshot belongs to another conversation or model")
         self._truncate_kv(snap.length)
         self.conv = {i: to_mat(a) for i, a in snap.conv.items()}
         self.matrix = {i: to_mat(a) for i, a in snap.matrix.items()}
@@ -528,7 +532,7 @@ class HybridCache:
             return
         if n != 0 and self.recurrent:
             raise EdgevlError("a recurrent cache cannot be truncated; restore a snapshot taken at the prefix")
-        self.__init__(self.attention, self.recurrent, self._conv_shape, self._matrix_shape)
+        self.reset()
 
     def _truncate_kv(self, n: int) -> None:
         for i, pair in self.kv.items():
