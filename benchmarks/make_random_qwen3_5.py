@@ -17,8 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 TEXT = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
             num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
             linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -39,10 +37,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
+    from random_weights import param_count, write_shards
 
     text = dict(TEXT)
     if a.layers:
@@ -52,46 +50,23 @@ def main(argv=None) -> int:
         model = Qwen3_5ForConditionalGeneration(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes.pop("lm_head.weight", None)   # tied
-    n_params = sum(int(np.prod(s)) for s in shapes.values())
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"{n_params / 1e9:.2f}B parameters, {len(shapes)} tensors -> {out}", file=sys.stderr)
-
+    print(f"{param_count(shapes) / 1e9:.2f}B parameters, {len(shapes)} tensors -> {out}", file=sys.stderr)
     g = torch.Generator().manual_seed(a.seed)
-    limit = a.shard_gb * (1 << 30)
-    shards, cur, cur_bytes = [], {}, 0
     t0 = time.time()
-    names = list(shapes)
-    for i, name in enumerate(names):
-        shape = shapes[name]
+
+    def draw(name, shape):
         if name.endswith("A_log"):
-            t = torch.empty(shape).uniform_(0.01, 16, generator=g).log()
-        elif name.endswith("dt_bias"):
-            t = torch.ones(shape)
-        elif "norm" in name and "linear_attn.norm" not in name and "visual" not in name:
-            t = 0.05 * torch.randn(shape, generator=g)           # (1 + w) norms
-        elif "norm" in name:
-            t = 1.0 + 0.05 * torch.randn(shape, generator=g)
-        else:
-            t = 0.02 * torch.randn(shape, generator=g)
-        cur[name] = t.to(dt)
-        cur_bytes += cur[name].numel() * cur[name].element_size()
-        if cur_bytes >= limit or i == len(names) - 1:
-            shards.append(cur)
-            fname = f"part-{len(shards):05d}.safetensors"
-            save_file(cur, str(out / fname), metadata={"format": "pt"})
-            print(f"  wrote {fname} ({cur_bytes / 1e9:.2f} GB, {time.time() - t0:.0f}s)", file=sys.stderr)
-            cur, cur_bytes = {}, 0
-    n = len(shards)
-    weight_map = {}
-    for k, sd in enumerate(shards, 1):
-        final = f"model-{k:05d}-of-{n:05d}.safetensors"
-        (out / f"part-{k:05d}.safetensors").rename(out / final)
-        weight_map.update({name: final for name in sd})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": n_params * torch.tensor([], dtype=dt).element_size()},
-                    "weight_map": weight_map}, indent=1))
+            return torch.empty(shape).uniform_(0.01, 16, generator=g).log()
+        if name.endswith("dt_bias"):
+            return torch.ones(shape)
+        if "norm" in name and "linear_attn.norm" not in name and "visual" not in name:
+            return 0.05 * torch.randn(shape, generator=g)          # (1 + w) norms
+        if "norm" in name:
+            return 1.0 + 0.05 * torch.randn(shape, generator=g)
+        return 0.02 * torch.randn(shape, generator=g)
+
+    write_shards(shapes, out, a.dtype, draw, a.shard_gb)
     d = cfg.to_dict()
     d["architectures"] = ["Qwen3_5ForConditionalGeneration"]
     d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.dtype]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers import CORPUS, init_random
+from helpers import CORPUS, init_random, train_briefly
 
 DATA = Path(__file__).parent / "data"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -115,29 +115,16 @@ def _init_gdn(model, seed: int):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
-def train_chat(model, tok, steps: int, seed: int = 0, lr: float = 1e-2):
-    """A few Adam steps on chat-formatted CORPUS turns (user: a sentence; assistant: the next one):
-    peaked, trained-like logits on the prompts the tests render (random nets are flat, and a model
-    trained on plain text stays flat after the template's tokens)."""
-    import torch
-
+def train_chat(model, tok, steps: int, seed: int = 0):
+    """Brief training on chat-formatted CORPUS turns (user: a sentence; assistant: the next one):
+    peaked logits on the prompts the tests render (a model trained on plain text stays flat
+    after the template's tokens, where bf16 rounding then flips near-ties in transformers too)."""
     sents = CORPUS[: len(CORPUS) // 4]
     ids = []
     for i, s in enumerate(sents):
         ids += tok.encode(f"<|im_start|>user\n{s}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
                           f"{sents[(i + 1) % len(sents)]}<|im_end|>\n").ids
-    data = torch.tensor(ids)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
-        x = torch.stack([data[s:s + 65] for s in starts])
-        loss = model(x[:, :-1], labels=x[:, :-1]).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return train_briefly(model, tok, steps, seed, ids=ids, lr=1e-2)
 
 
 def make_qwen3_5(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.15, train_steps: int = 0,

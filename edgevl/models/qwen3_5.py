@@ -29,7 +29,8 @@ import numpy as np
 from .. import ncnn_graph as G
 from ..errors import EdgevlError
 from . import gated_delta as gd
-from .base import Ctx, GraphInfo, RowStack, config_args, heads_first, heads_last, rope_theta_of, swiglu_mlp
+from .base import (Ctx, GraphInfo, RowStack, config_args, heads_first, heads_last, rope_theta_of, swiglu_mlp,
+                   write_embedding)
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -321,7 +322,7 @@ def convert(ckpt, out, dtype: str, on_tensor) -> dict:
     Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_step, gdn_chunk, vision),
     ``embedding``, and ``mtp`` (the multi-token-prediction weights, kept out of the decoder)."""
     from ..convert import Q8_BLOCK, save_graph, storage_dtype
-    from .youtu import build_lm_head
+    from .youtu import build_lm_head, lm_head_name  # the sharded head is family-neutral
 
     cfg = ckpt.config
     a = TextArgs.from_config(cfg)
@@ -335,25 +336,12 @@ def convert(ckpt, out, dtype: str, on_tensor) -> dict:
         parts["graphs"][name] = gd.build_core_net(out / f"{name}.param", out / f"{name}.bin", a.delta, rows)
 
     embed_name = f"{PREFIX}.embed_tokens.weight"
-    head_name = embed_name if a.tie_word_embeddings or "lm_head.weight" not in ckpt else "lm_head.weight"
-    if not a.tie_word_embeddings and head_name != "lm_head.weight":
-        raise EdgevlError("config.json says tie_word_embeddings=false but lm_head.weight is missing from the "
-                          "checkpoint; re-download it")
+    head_name = lm_head_name(ckpt, a, PREFIX)
     g = G.Graph(out / "lm_head.bin")
     head = save_graph(g, out / "lm_head.param", build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name))
     parts["graphs"]["lm_head"] = head
-    if head_name == embed_name and quant is None:
-        # tied float head: its shards are the embedding table (rows after each 4-byte type tag)
-        emb = {"file": "lm_head.bin", "dtype": sd,
-               "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in head["extra"]["shards"]]}
-    else:
-        t = ckpt.get(embed_name, (a.vocab_size, a.hidden_size))
-        on_tensor(t)
-        with open(out / "embed.bin", "wb") as f:
-            for chunk in G.iter_row_chunks(t):
-                f.write(G.encode(chunk, sd).tobytes())
-        emb = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, a.vocab_size], "offset": 0}]}
-    parts["embedding"] = dict(emb, rows=a.vocab_size, dim=a.hidden_size)
+    parts["embedding"] = write_embedding(ckpt, out, embed_name, a.vocab_size, a.hidden_size, sd, on_tensor,
+                                         head if head_name == embed_name and quant is None else None)
 
     if cfg.get("vision_config"):
         v = VisionArgs.from_config(cfg)
