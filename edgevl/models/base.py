@@ -277,21 +277,3 @@ class RowStack:
                         else np.asarray(p[lo - s0:hi - s0], np.float32))
                 out.append(rows.reshape(hi - lo, -1))
         return np.concatenate(out, 0)
-
-
-def write_embedding(ckpt, out, embed_name: str, rows: int, dim: int, dtype: str, on_tensor,
-                    tied_head: dict | None = None) -> dict:
-    """The host-side embedding table's manifest entry. A tied float lm_head's row shards *are*
-    the table (each shard's rows follow its 4-byte type tag), so nothing is stored twice;
-    otherwise the table is written to ``embed.bin`` in ``dtype``."""
-    if tied_head is not None:
-        emb = {"file": "lm_head.bin", "dtype": dtype,
-               "segments": [{"rows": s["rows"], "offset": s["offset"] + 4} for s in tied_head["extra"]["shards"]]}
-    else:
-        t = ckpt.get(embed_name, (rows, dim))
-        on_tensor(t)
-        with open(out / "embed.bin", "wb") as f:
-            for chunk in G.iter_row_chunks(t):
-                f.write(G.encode(chunk, dtype).tobytes())
-        emb = {"file": "embed.bin", "dtype": dtype, "segments": [{"rows": [0, rows], "offset": 0}]}
-    return dict(emb, rows=rows, dim=dim)

@@ -268,58 +268,58 @@ def build_core_net(path_param, path_bin, d: DeltaDims, rows: int) -> dict:
 class DeltaRuleCore:
     """Runs a layer's delta rule in the fp32 core nets: the step net for one token, the chunk
     net over ``CHUNK``-token chunks (the last one zero-padded, masked by ``valid``) otherwise.
-    The state is an ncnn Mat handed from run to run without copies."""
+    The state is an ncnn Mat handed from run to run without copies; open the nets in fp32 with
+    packing off (``runtime.open_net``), so it stays in the plain layout."""
 
     def __init__(self, step_net, chunk_net, step_info: dict, chunk_info: dict):
-        from ..runtime import to_mat
-
         self.step_net, self.chunk_net = step_net, chunk_net
         self.step_info, self.chunk_info = step_info, chunk_info
         self.d = DeltaDims(**step_info["dims"])
         self.rows = int(chunk_info["rows"])
-        self._to_mat = to_mat
 
     @classmethod
     def open(cls, folder, step_info: dict, chunk_info: dict, threads: int) -> "DeltaRuleCore":
-        """Load a package's two core nets (``step_info``/``chunk_info``: their manifest entries)."""
+        """Load two core nets from a folder (``step_info``/``chunk_info``: their manifest entries)."""
+        from ..runtime import open_net
+
         folder = Path(folder)
-        return cls(*(open_core_net(folder / i["param"], folder / i["bin"], threads) for i in (step_info, chunk_info)),
-                   step_info, chunk_info)
+        return cls(*(open_net(folder / i["param"], folder / i["bin"], threads, "fp32", packing=False)
+                     for i in (step_info, chunk_info)), step_info, chunk_info)
 
     def zero_state(self):
-        return self._to_mat(np.zeros(self.d.state_shape, np.float32))
+        from ..runtime import to_mat
+
+        return to_mat(np.zeros(self.d.state_shape, np.float32))
 
     def gate_params(self, neg_a, dt_bias) -> tuple:
         """A layer's constants -exp(A_log) and dt_bias as (h=1, w=Hv) Mats, made once at load."""
-        return (self._to_mat(np.asarray(neg_a, np.float32)[None]),
-                self._to_mat(np.asarray(dt_bias, np.float32)[None]))
+        from ..runtime import to_mat
 
-    def __call__(self, qkv, ba, gates: tuple, state):
-        """qkv (h=seq, w=2Kd+Vd) and ba (h=seq, w=2Hv) as Mats from the decoder graph; returns
-        (o Mat (h=seq, w=Vd), new state Mat)."""
-        import ncnn
+        return (to_mat(np.asarray(neg_a, np.float32)[None]), to_mat(np.asarray(dt_bias, np.float32)[None]))
 
-        from ..runtime import from_mat
-
-        if qkv.h == 1:
-            names = self.step_info["inputs"]
+    def __call__(self, qkv: np.ndarray, ba: np.ndarray, gates: tuple, state):
+        """qkv [seq, 2Kd+Vd] and ba [seq, 2Hv] (the decoder graph's conv output and gate logits);
+        returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state Mat)."""
+        if qkv.shape[0] == 1:
+            names, outs = self.step_info["inputs"], self.step_info["outputs"]
             res = self.step_net.execute(
                 {names["qkv"]: qkv, names["ba"]: ba, names["neg_a"]: gates[0], names["dt_bias"]: gates[1],
                  names["state"]: state},
                 # the state first: o's matmul consumes it (light mode frees consumed blobs)
-                [(self.step_info["outputs"]["state"], 0), (self.step_info["outputs"]["o"], 0)])
-            return res[self.step_info["outputs"]["o"]], res[self.step_info["outputs"]["state"]]
+                [(outs["state"], 0), (outs["o"], 0)])
+            return res[outs["o"]], res[outs["state"]]
+        from ..runtime import from_mat
+
         names, outs = self.chunk_info["inputs"], self.chunk_info["outputs"]
-        x, bb = from_mat(qkv), from_mat(ba)
-        seq, n = x.shape[0], self.rows
+        seq, n = qkv.shape[0], self.rows
         o = np.empty((seq, self.d.values), np.float32)
         for s in range(0, seq, n):
             r = min(n, seq - s)
             if r == n:
-                xc, bc, valid = x[s:s + n], bb[s:s + n], np.ones((n, 1), np.float32)
+                xc, bc, valid = qkv[s:s + n], ba[s:s + n], np.ones((n, 1), np.float32)
             else:   # zero-padded tail: valid = 0 gives beta = 0 and no decay there
-                xc, bc = np.zeros((n, x.shape[1]), np.float32), np.zeros((n, bb.shape[1]), np.float32)
-                xc[:r], bc[:r] = x[s:], bb[s:]
+                xc, bc = np.zeros((n, qkv.shape[1]), np.float32), np.zeros((n, ba.shape[1]), np.float32)
+                xc[:r], bc[:r] = qkv[s:], ba[s:]
                 valid = (np.arange(n) < r).astype(np.float32)[:, None]
             res = self.chunk_net.execute(
                 {names["qkv"]: xc, names["ba"]: bc, names["neg_a"]: gates[0], names["dt_bias"]: gates[1],
@@ -327,22 +327,16 @@ class DeltaRuleCore:
                 [(outs["state"], 0), (outs["o"], 0)])
             o[s:s + r] = from_mat(res[outs["o"]])[:r]
             state = res[outs["state"]]
-        return self._to_mat(o), state if isinstance(state, ncnn.Mat) else self._to_mat(state)
+        return o, state
 
 
-def open_core_net(param, binfile, threads: int):
-    """A core net: fp32 whatever the package's precision, and without ncnn's packed layouts — the
-    state stays in the plain layout numpy and the next run read, so no repacking copies of the
-    1 MiB-per-layer state happen between runs (measured: a decode step 2-4x faster)."""
-    import ncnn
-
-    from ..errors import EdgevlError
-    from ..runtime import Net, _options
-
-    net = Net.__new__(Net)
-    net.net, net.light_mode = ncnn.Net(), True
-    _options(net.net.opt, threads, "fp32")
-    net.net.opt.use_packing_layout = False
-    if net.net.load_param(str(param)) != 0 or net.net.load_model(str(binfile)) != 0:
-        raise EdgevlError(f"ncnn could not load {param}; the package is corrupt — convert the model again")
-    return net
+def core_hook(core: DeltaRuleCore, gates: dict):
+    """The decoder's host pass for a recurrent layer (``runtime.Decoder`` passes): the layer's
+    conv output and gate logits in, the delta rule run on its ``host`` state (the matrix),
+    the core output fed back by name."""
+    def hook(blobs, seq, state, layer, qkv, ba, out):
+        (s,) = state.get()
+        o, s = core(blobs[qkv], blobs[ba], gates[layer], s)
+        state.set((s,))
+        return {out: o}
+    return hook

@@ -10,27 +10,31 @@ Decoder graph interface (one graph, weights loaded once, prefill and decode):
           (w=rotary_dim/2, h=seq; interleaved M-RoPE from 3-axis positions), per attention layer
           ``cache_k{i}``/``cache_v{i}`` (omitted on the first prefill), per recurrent layer
           ``conv_state{i}`` (h=conv channels, w=K-1) and ``core_out{i}`` (h=seq, w=Vd: the delta
-          rule's output, fed by the driver after it ran the core on the layer's extracted inputs)
+          rule's output, fed by a host pass)
   outputs ``hidden`` (final-normed), ``layer{i}.out``, ``out_cache_k{i}``/``out_cache_v{i}``,
-          per recurrent layer ``out_conv_state{i}`` and the core's inputs (conv output ``qkv`` and
-          gate logits ``ba``; names in ``extra["state"]``).
-A decode step or a prefill is one extractor over this graph: for each recurrent layer in turn the
-driver extracts qkv/ba (ncnn computes everything up to there), runs the core net, and feeds
-``core_out{i}``; attention layers run inside the graph with SDPA's own KV cache.
+          per recurrent layer ``out_conv_state{i}`` and the core's inputs (conv output and gate
+          logits, named in the manifest's ``passes``).
+The generic ``runtime.Decoder`` drives it with one extractor per call: for each recurrent layer
+in turn a host pass extracts the core's inputs (ncnn computes everything up to there), runs the
+fp32 core net on the layer's ``host`` state (the delta-rule matrix) and feeds ``core_out{i}``;
+attention layers run inside the graph with SDPA's own KV cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from .. import ncnn_graph as G
 from ..errors import EdgevlError
 from . import gated_delta as gd
-from .base import (Ctx, GraphInfo, RowStack, config_args, heads_first, heads_last, rope_theta_of, swiglu_mlp,
-                   write_embedding)
+from .base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, heads_first, heads_last, kv_state,
+                   rope_theta_of, save_graph, storage_dtype, swiglu_mlp, weight_ctx, write_head_and_embedding)
+from .protocol import Architecture, Reference, torch_dtype
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -64,7 +68,8 @@ class TextArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TextArgs":
-        tc = dict(cfg.get("text_config") or {})
+        # a text-only checkpoint (Qwen3_5ForCausalLM, model_type qwen3_5_text) has it at the root
+        tc = dict(cfg.get("text_config") or (cfg if cfg.get("model_type") == "qwen3_5_text" else {}))
         if not tc:
             raise EdgevlError("config.json of a qwen3_5 model needs a text_config")
         if "tie_word_embeddings" not in tc and "tie_word_embeddings" in cfg:
@@ -183,7 +188,8 @@ def emit_attention(ctx: Ctx, x: str, p: str, a: TextArgs, i: int, cos: str, sin:
 
 def emit_gated_delta_net(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple[str, dict]:
     """Qwen3_5GatedDeltaNet up to and after its core: the four input projections as one Gemm,
-    the causal conv with its window, then (core output fed in) the gated RMSNorm and out_proj."""
+    the causal conv with its window, then (core output fed in by the host hook) the gated
+    RMSNorm and out_proj. Returns the output and the host pass's blob names."""
     g, H, d = ctx.g, a.hidden_size, a.delta
     parts = [ctx.tensor(f"{p}.in_proj_qkv.weight", (d.conv_channels, H)),
              ctx.tensor(f"{p}.in_proj_z.weight", (d.values, H)),
@@ -197,32 +203,32 @@ def emit_gated_delta_net(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple
     y = gd.emit_gated_norm(g, core, z, ctx.array(f"{p}.norm.weight", (d.value_dim,)), d.value_heads,
                            a.rms_norm_eps, f"{p}.norm")
     a_log = ctx.array(f"{p}.A_log", (d.value_heads,)).astype(np.float32)
-    state = {"layer": i, "kind": "recurrent", "inputs": [f"conv_state{i}"], "outputs": [f"out_conv_state{i}"],
-             "shapes": {"conv": list(d.conv_state_shape), "matrix": list(d.state_shape)},
-             "core": {"qkv": qkv, "ba": ba, "out": f"core_out{i}",
-                      "neg_a": [float(v) for v in -np.exp(a_log)],
-                      "dt_bias": [float(v) for v in ctx.array(f"{p}.dt_bias", (d.value_heads,))]}}
-    return ctx.linear(y, f"{p}.out_proj", H, d.values), state
+    core_args = {"layer": i, "qkv": qkv, "ba": ba, "out": f"core_out{i}",
+                 "neg_a": [float(v) for v in -np.exp(a_log)],
+                 "dt_bias": [float(v) for v in ctx.array(f"{p}.dt_bias", (d.value_heads,))]}
+    return ctx.linear(y, f"{p}.out_proj", H, d.values), core_args
 
 
 def emit_decoder_layer(ctx: Ctx, x: str, a: TextArgs, i: int, cos: str, sin: str, mask: str,
-                       prefix: str) -> tuple[str, dict]:
+                       prefix: str) -> tuple[str, dict | None]:
     g, p = ctx.g, f"{prefix}.layers.{i}"
     h = rms_norm(ctx, x, f"{p}.input_layernorm", a.hidden_size, a.rms_norm_eps)
+    core = None
     if a.is_recurrent(i):
-        h, state = emit_gated_delta_net(ctx, h, f"{p}.linear_attn", a, i)
+        h, core = emit_gated_delta_net(ctx, h, f"{p}.linear_attn", a, i)
     else:
         h = emit_attention(ctx, h, f"{p}.self_attn", a, i, cos, sin, mask)
-        state = {"layer": i, "kind": "attention", "inputs": [f"cache_k{i}", f"cache_v{i}"],
-                 "outputs": [f"out_cache_k{i}", f"out_cache_v{i}"],
-                 "floats_per_token": 2 * a.num_key_value_heads * a.head_dim}
     h = G.binary(g, x, h, "add", name=f"{p}.attn_residual")
     m = rms_norm(ctx, h, f"{p}.post_attention_layernorm", a.hidden_size, a.rms_norm_eps)
     m = swiglu_mlp(ctx, m, f"{p}.mlp", a.hidden_size, a.intermediate_size)
-    return G.binary(g, h, m, "add", name=f"{p}.mlp_residual", out=f"layer{i}.out"), state
+    return G.binary(g, h, m, "add", name=f"{p}.mlp_residual", out=f"layer{i}.out"), core
 
 
 def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
+    """Per layer state: attention layers an SDPA KV cache (``kv``); recurrent layers the conv
+    window as a graph input/output (``recurrent``) and the delta-rule matrix on the host
+    (``host``), which one host pass per layer updates: it extracts the layer's conv output and
+    gate logits, runs the fp32 core net and feeds ``core_out{i}``."""
     g = ctx.g
     x = g.input("embeds")
     mask = g.input("mask")
@@ -230,23 +236,32 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
     for i in range(a.num_hidden_layers):
         for name in ([f"conv_state{i}"] if a.is_recurrent(i) else [f"cache_k{i}", f"cache_v{i}"]):
             g.input(name)
-    states = []
+    states, passes, gates = [], [], {}
+    d = a.delta
     for i in range(a.num_hidden_layers):
         g.section(f"layer{i}")
-        x, st = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix)
-        states.append(st)
+        x, core = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix)
+        if core is None:
+            states.append(dict(kv_state(i, 2 * a.num_key_value_heads * a.head_dim), layer=i))
+            continue
+        states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
+                       "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
+        states.append({"kind": "host", "layer": i, "names": ["recurrent"], "inputs": [], "outputs": [],
+                       "shapes": [list(d.state_shape)]})
+        gates[str(i)] = {"neg_a": core.pop("neg_a"), "dt_bias": core.pop("dt_bias")}
+        # the conv window first: extracting the core's inputs runs the conv, which consumes (and
+        # in light mode frees) the window the state output is cut from
+        passes.append({"extract": [f"out_conv_state{i}", core["qkv"], core["ba"]], "hook": "gated_delta",
+                       "args": core, "state": len(states) - 1})
     g.section("norm")
     rms_norm(ctx, x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
-    rec = [s for s in states if s["kind"] == "recurrent"]
     return GraphInfo(
         inputs={"embeds": "embeds", "mask": "mask", "cos": "rope_cos", "sin": "rope_sin"},
-        outputs={"hidden": "hidden", "layers": [f"layer{i}.out" for i in range(a.num_hidden_layers)],
-                 "recurrent": [n for s in rec for n in (s["core"]["qkv"], s["core"]["ba"], s["outputs"][0])]},
-        cache=[s["inputs"] + s["outputs"] for s in states if s["kind"] == "attention"],
-        extra={"state": states, "delta": a.delta.to_dict(), "rope": {
-                   "dim": a.rotary_dim, "theta": a.rope_theta, "mrope_section": a.mrope_section},
-               "hidden_size": a.hidden_size, "num_layers": a.num_hidden_layers,
-               "max_position_embeddings": a.max_position_embeddings},
+        outputs={"hidden": "hidden", "layers": [f"layer{i}.out" for i in range(a.num_hidden_layers)]},
+        state=states, passes=passes,
+        extra={"delta": a.delta.to_dict(), "gates": gates,
+               "rope": {"dim": a.rotary_dim, "theta": a.rope_theta, "mrope_section": a.mrope_section},
+               "hidden_size": a.hidden_size, "num_layers": a.num_hidden_layers},
     )
 
 
@@ -320,49 +335,54 @@ def convert(ckpt, out, dtype: str, on_tensor) -> dict:
     """Decoder, lm_head, the two delta-rule core nets, the vision tower and the embedding table.
 
     Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_step, gdn_chunk, vision),
-    ``embedding``, and ``mtp`` (the multi-token-prediction weights, kept out of the decoder)."""
-    from ..convert import Q8_BLOCK, save_graph, storage_dtype
-    from .youtu import build_lm_head, lm_head_name  # the sharded head is family-neutral
-
+    ``embedding``, ``context``, and ``mtp`` (the multi-token-prediction weights, kept out of the
+    decoder: the base for speculative decoding later)."""
     cfg = ckpt.config
     a = TextArgs.from_config(cfg)
-    sd = storage_dtype(dtype)
-    quant = (8, Q8_BLOCK) if dtype == "q8" else None
-    parts = {"graphs": {}}
+    prefix = text_prefix(ckpt)
+    parts = {"graphs": {}, "context": int(a.max_position_embeddings)}
 
     g = G.Graph(out / "decoder.bin")
-    parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(Ctx(ckpt, g, sd, quant, on_tensor), a))
+    parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(weight_ctx(ckpt, g, dtype, on_tensor), a,
+                                                                                    prefix))
     for name, rows in (("gdn_step", 1), ("gdn_chunk", gd.CHUNK)):
         parts["graphs"][name] = gd.build_core_net(out / f"{name}.param", out / f"{name}.bin", a.delta, rows)
 
-    embed_name = f"{PREFIX}.embed_tokens.weight"
-    head_name = lm_head_name(ckpt, a, PREFIX)
-    g = G.Graph(out / "lm_head.bin")
-    head = save_graph(g, out / "lm_head.param", build_lm_head(Ctx(ckpt, g, sd, quant, on_tensor), a, head_name))
+    embed_name = f"{prefix}.embed_tokens.weight"
+    head, parts["embedding"] = write_head_and_embedding(
+        ckpt, out, dtype, on_tensor, a.vocab_size, a.hidden_size, embed_name,
+        head_weight_name(ckpt, a.tie_word_embeddings, embed_name))
     parts["graphs"]["lm_head"] = head
-    parts["embedding"] = write_embedding(ckpt, out, embed_name, a.vocab_size, a.hidden_size, sd, on_tensor,
-                                         head if head_name == embed_name and quant is None else None)
 
     if cfg.get("vision_config"):
         v = VisionArgs.from_config(cfg)
         if v.out_hidden_size != a.hidden_size:
             raise EdgevlError(f"vision_config.out_hidden_size {v.out_hidden_size} != text hidden_size {a.hidden_size}")
+        if cfg.get("image_token_id") is None:
+            raise EdgevlError("config.json of a qwen3_5 model with a vision_config needs image_token_id")
         # float tower (bf16 for q8 packages): small next to the LM, large M per image
         g = G.Graph(out / "vision.bin")
-        info = build_vision(Ctx(ckpt, g, sd, None, on_tensor), v)
+        info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v)
         side = int(round(v.num_position_embeddings ** 0.5))
         table = ckpt.get(f"{VISION_PREFIX}.pos_embed.weight", (v.num_position_embeddings, v.hidden_size))
         on_tensor(table)
         table.numpy().astype("<f4").tofile(out / "vision_pos_embed.bin")
         info.extra["pos_embed"] = {"file": "vision_pos_embed.bin", "side": side, "dim": v.hidden_size}
         parts["graphs"]["vision"] = save_graph(g, out / "vision.param", info)
+        parts["image_token_id"] = int(cfg["image_token_id"])
     mtp = sorted(k for k in ckpt.keys() if k.startswith("mtp."))
     if mtp:
         parts["mtp"] = {"tensors": len(mtp), "note": "multi-token-prediction head, not converted"}
-    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+    for k in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
         if cfg.get(k) is not None:
             parts[k] = int(cfg[k])
     return parts
+
+
+def text_prefix(ckpt) -> str:
+    """Where the language model's tensors live: ``model.language_model`` (the VLM checkpoint),
+    or ``model`` (a text-only ``Qwen3_5ForCausalLM`` checkpoint)."""
+    return PREFIX if f"{PREFIX}.embed_tokens.weight" in ckpt else "model"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,197 +474,62 @@ def vision_pos_embed(table: np.ndarray, gh: int, gw: int, merge: int) -> np.ndar
     return (table[idx] * wts[:, :, None]).sum(1, dtype=np.float32)
 
 
-# ---------------------------------------------------------------------------------------------
-# host side: the decoder driver and its state
-
-
-@dataclass
-class Snapshot:
-    """The recurrent part of a cache at ``length`` tokens (attention KV is truncated instead)."""
-    length: int
-    next_position: int
-    conv: dict
-    matrix: dict
-
-    def bytes(self) -> int:
-        return int(sum(a.nbytes for d in (self.conv, self.matrix) for a in d.values()))
-
-
-class HybridCache:
-    """Per-layer decoder state: SDPA K/V Mats for attention layers (truncatable by lowering h,
-    checked in tests), conv window + delta-rule matrix for recurrent layers (not truncatable:
-    :meth:`restore` a :class:`Snapshot` taken at the prefix instead)."""
-
-    def __init__(self, attention: list[int], recurrent: list[int], conv_shape, matrix_shape):
-        self.attention, self.recurrent = list(attention), list(recurrent)
-        self._conv_shape, self._matrix_shape = tuple(conv_shape), tuple(matrix_shape)
-        self.reset()
-
-    def reset(self) -> None:
-        """Empty: no K/V, zero conv windows and matrices."""
-        from ..runtime import to_mat
-
-        self.kv = {i: None for i in self.attention}
-        self.conv = {i: to_mat(np.zeros(self._conv_shape, np.float32)) for i in self.recurrent}
-        self.matrix = {i: to_mat(np.zeros(self._matrix_shape, np.float32)) for i in self.recurrent}
-        self.length = 0
-        self.next_position = 0     # M-RoPE: decoding continues at max(positions) + 1
-
-    def bytes(self) -> int:
-        kv = sum(m.w * m.h * m.d * m.c * m.elemsize for pair in self.kv.values() if pair for m in pair)
-        fixed = len(self.recurrent) * 4 * (int(np.prod(self._conv_shape)) + int(np.prod(self._matrix_shape)))
-        return int(kv + fixed)
-
-    def snapshot(self) -> Snapshot:
-        from ..runtime import from_mat
-
-        return Snapshot(self.length, self.next_position, {i: from_mat(m) for i, m in self.conv.items()},
-                        {i: from_mat(m) for i, m in self.matrix.items()})
-
-    def restore(self, snap: Snapshot) -> None:
-        """Back to ``snap``: recurrent state copied in, K/V cut to its length. Valid only when the
-        tokens before snap.length are unchanged since the snapshot was taken."""
-        from ..runtime import to_mat
-
-        if snap.length > self.length or set(snap.conv) != set(self.recurrent):
-            raise EdgevlError(f"cannot restore a snapshot at {snap.length} tokens into a cache holding "
-                              f"{self.length}; the snapshot belongs to another conversation or model")
-        self._truncate_kv(snap.length)
-        self.conv = {i: to_mat(a) for i, a in snap.conv.items()}
-        self.matrix = {i: to_mat(a) for i, a in snap.matrix.items()}
-        self.length, self.next_position = snap.length, snap.next_position
-
-    def truncate(self, n: int) -> None:
-        """Only to the current length or to 0: the recurrent state cannot be rolled back."""
-        if n >= self.length:
-            return
-        if n != 0 and self.recurrent:
-            raise EdgevlError("a recurrent cache cannot be truncated; restore a snapshot taken at the prefix")
-        self.reset()
-
-    def _truncate_kv(self, n: int) -> None:
-        for i, pair in self.kv.items():
-            if pair is None:
-                continue
-            if n == 0:
-                self.kv[i] = None
-                continue
-            for m in pair:
-                m.h = n
-
-
-class Decoder:
-    """Runs the decoder graph with the delta-rule core between its recurrent layers.
-
-    ``forward(embeds [S, H], cache, positions [3, S], extract=())`` -> (hidden [S, H], extras):
-    one extractor per call; for each recurrent layer in order it extracts the conv output and the
-    gate logits, runs the fp32 core (step net for S = 1, chunk net otherwise) and feeds the core
-    output back by name, then extracts the final hidden state, the new K/V and conv windows."""
-
-    def __init__(self, net, info: dict, core: gd.DeltaRuleCore):
-        self.net, self.info, self.core = net, info, core
-        ex = info["extra"]
-        self.rope = ex["rope"]
-        self.states = {s["layer"]: s for s in ex["state"]}
-        self.n_layers = int(ex["num_layers"])
-        self.gates = {i: self.core.gate_params(s["core"]["neg_a"], s["core"]["dt_bias"])
-                      for i, s in self.states.items() if s["kind"] == "recurrent"}
-
-    def new_cache(self) -> HybridCache:
-        d = self.core.d
-        return HybridCache([i for i, s in self.states.items() if s["kind"] == "attention"],
-                           list(self.gates), d.conv_state_shape, d.state_shape)
-
-    def rope_tables(self, positions):
-        r = self.rope
-        return mrope_tables(positions, r["dim"], r["theta"], r["mrope_section"])
-
-    def forward(self, embeds: np.ndarray, cache: HybridCache, positions, extract=()) -> tuple[np.ndarray, dict]:
-        import ncnn
-
-        from ..runtime import _extract, causal_mask, from_mat, to_mat
-
-        seq, past = int(embeds.shape[0]), cache.length
-        positions = np.asarray(positions, np.int64).reshape(-1, seq)
-        if positions.shape[0] == 1:
-            positions = np.repeat(positions, 3, 0)
-        cos, sin = self.rope_tables(positions)
-        names = self.info["inputs"]
-        ex = self.net.extractor()
-        for k, v in {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
-                     names["sin"]: sin}.items():
-            ex.input(k, to_mat(v))
-        for i in cache.attention:
-            if cache.kv[i] is not None:
-                for name, m in zip(self.states[i]["inputs"], cache.kv[i]):
-                    ex.input(name, m)
-        for i in cache.recurrent:
-            ex.input(self.states[i]["inputs"][0], cache.conv[i])
-        layer_names = self.info["outputs"]["layers"]
-        wanted_layers = {n for n in extract if n in layer_names}
-        extras, conv, matrix = {}, {}, {}
-        for i in range(self.n_layers):
-            st = self.states[i]
-            if st["kind"] == "recurrent":
-                c = st["core"]
-                # the conv window first: its producer's input is freed once consumed (light mode)
-                got = _extract(ex, [(c["qkv"], 0), (st["outputs"][0], 0), (c["ba"], 0)])
-                conv[i] = got[st["outputs"][0]]
-                o, matrix[i] = self.core(got[c["qkv"]], got[c["ba"]], self.gates[i], cache.matrix[i])
-                ex.input(c["out"], o)
-            if layer_names[i] in wanted_layers:
-                extras[layer_names[i]] = from_mat(_extract(ex, [(layer_names[i], 0)])[layer_names[i]])
-        hidden = self.info["outputs"]["hidden"]
-        rest = [n for n in extract if n not in wanted_layers]
-        got = _extract(ex, [(hidden, 0)] + [(n, 0) for n in rest]
-                       + [(n, 1) for i in cache.attention for n in self.states[i]["outputs"]])
-        extras.update({n: from_mat(got[n]) for n in rest})
-        for i in cache.attention:
-            cache.kv[i] = tuple(got[n] for n in self.states[i]["outputs"])
-        cache.conv.update(conv)
-        cache.matrix.update(matrix)
-        cache.length = past + seq
-        cache.next_position = int(positions.max()) + 1 if seq else cache.next_position
-        del ex
-        return from_mat(got[hidden]), extras
-
-
-def decode_positions(cache: HybridCache, n: int = 1) -> np.ndarray:
-    """Positions of the next ``n`` text tokens: all three axes continue from the cache."""
-    return np.broadcast_to(np.arange(cache.next_position, cache.next_position + n), (3, n)).copy()
+# The default per-image patch budget: the checkpoint's max_pixels, but at most this many patches
+# (a 1024x1024 image at patch 16). The tower attends over all of an image's patches at once, so
+# memory grows with the square of the patch count; real checkpoints allow 16.7 M pixels (65536
+# patches, tens of GB of attention scores). ``--max-image-patches`` raises or lowers it.
+DEFAULT_MAX_PATCHES = 4096
 
 
 class VisionEncoder:
     """One image -> merger rows [N/4, hidden] in prompt order, plus its processor info (with
-    ``grid_thw`` for M-RoPE)."""
+    ``grid_thw`` and ``merge_size`` for M-RoPE)."""
 
-    def __init__(self, net, info: dict, folder, processor_config=None):
+    def __init__(self, net, info: dict, pos_table_path, processor_config=None):
         from ..processing import qwen_vl
 
         self.net, self.info = net, info
-        self.v = VisionArgs(**info["extra"]["vision_args"])
+        self.v = config_args(VisionArgs, info["extra"]["vision_args"], where="manifest.json vision_args")
         pe = info["extra"]["pos_embed"]
-        self.pos_table = np.fromfile(str(folder / pe["file"]), dtype="<f4").reshape(-1, pe["dim"])
-        self.cfg = processor_config or qwen_vl.ProcessorConfig.from_folder(folder)
+        table = np.fromfile(str(pos_table_path), dtype="<f4")
+        if table.size != self.v.num_position_embeddings * self.v.hidden_size or pe.get("dim") != self.v.hidden_size:
+            raise EdgevlError(f"{pos_table_path} does not hold the vision position table the manifest describes; "
+                              "convert the model again")
+        self.pos_table = table.reshape(-1, self.v.hidden_size)
+        self.cfg = processor_config or qwen_vl.ProcessorConfig()
         if (self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size) != (
                 self.v.patch_size, self.v.spatial_merge_size, self.v.temporal_patch_size):
             raise EdgevlError("preprocessor_config.json's patch/merge/temporal sizes differ from the vision "
                               "tower's; the checkpoint files do not belong together")
+        self.default_max_patches = max(self.cfg.merge_size ** 2,
+                                       min(DEFAULT_MAX_PATCHES, self.cfg.max_pixels // self.cfg.patch_size ** 2))
 
-    def preprocess(self, image, max_image_patches: int | None = None) -> dict:
-        """``max_image_patches`` caps the patch count below the checkpoint's max_pixels."""
+    def config_for(self, max_image_patches: int | None = None):
+        """The processor settings with the patch budget applied (None: the default budget)."""
         from dataclasses import replace
 
+        cfg = self.cfg
+        n = self.default_max_patches if max_image_patches is None else int(max_image_patches)
+        cap = n * cfg.patch_size ** 2
+        if cap < cfg.factor ** 2:
+            raise EdgevlError(f"max_image_patches must be at least {cfg.merge_size ** 2} (one merged token), "
+                              f"got {max_image_patches}")
+        return replace(cfg, max_pixels=min(cfg.max_pixels, cap), min_pixels=min(cfg.min_pixels, cap))
+
+    def preprocess(self, image, max_image_patches: int | None = None) -> dict:
         from ..processing import qwen_vl
 
-        cfg = self.cfg
-        if max_image_patches is not None:
-            cap = int(max_image_patches) * cfg.patch_size ** 2
-            if cap < cfg.factor ** 2:
-                raise EdgevlError(f"max_image_patches must be at least {cfg.merge_size ** 2} (one merged token), "
-                                  f"got {max_image_patches}")
-            cfg = replace(cfg, max_pixels=min(cfg.max_pixels, cap), min_pixels=min(cfg.min_pixels, cap))
-        return qwen_vl.preprocess(image, cfg)
+        pre = qwen_vl.preprocess(image, self.config_for(max_image_patches))
+        pre["max_image_patches"] = self.default_max_patches if max_image_patches is None else int(max_image_patches)
+        return pre
+
+    def image_tokens(self, height: int, width: int, max_image_patches=None) -> int:
+        """Tokens an image of this size will take, from its size alone (nothing decoded)."""
+        from ..processing import qwen_vl
+
+        cfg = self.config_for(max_image_patches)
+        th, tw = qwen_vl.smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        return (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
 
     def inputs(self, pre: dict) -> dict:
         v = self.v
@@ -659,8 +544,392 @@ class VisionEncoder:
         outs = self.info["outputs"]
         names = (outs["layers"] if extract_layers else []) + [outs["merged"]]
         res = self.net.run(self.inputs(pre), names)
-        info = {k: pre[k] for k in ("grid_thw", "image_size", "resized_size", "num_image_tokens")}
+        info = {k: pre[k] for k in ("grid_thw", "image_size", "resized_size", "num_image_tokens",
+                                    "max_image_patches")}
+        info["merge_size"] = self.v.spatial_merge_size
         if extract_layers:
             info["layers"] = res[:-1]
+            info["layer_names"] = [f"layer {i}" for i in range(len(res) - 1)]
             info["pixel_values"] = pre["pixel_values"]
         return res[-1], info
+
+
+# ---------------------------------------------------------------------------------------------
+# the PyTorch reference: transformers' own Qwen3_5ForConditionalGeneration (or ForCausalLM)
+
+
+class Qwen3_5Reference(Reference):
+    """transformers' model; images through transformers' own image processor (PIL backend) with
+    the checkpoint's preprocessor_config.json and the package's patch budget."""
+
+    def __init__(self, model, folder):
+        self.model, self.folder = model, Path(folder)
+        self.vl = hasattr(model.model, "visual")
+        self.has_vision = self.vl
+
+    def _lm(self):
+        return self.model.model.language_model if self.vl else self.model.model
+
+    def _processor(self, max_image_patches: int):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from ..processing import qwen_vl
+
+        p = self.folder / "preprocessor_config.json"
+        raw = json.loads(p.read_text()) if p.is_file() else {}
+        cfg = qwen_vl.ProcessorConfig.from_dict(raw)
+        cap = max_image_patches * cfg.patch_size ** 2
+        kw = {k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class", "min_pixels",
+                                                        "max_pixels", "size")}
+        kw["size"] = {"shortest_edge": min(cfg.min_pixels, cap), "longest_edge": min(cfg.max_pixels, cap)}
+        return Qwen2VLImageProcessorPil(**kw)
+
+    def prepare_images(self, images, infos):
+        """[(pixel_values, image_grid_thw)] from transformers' processor (not ours)."""
+        from ..processing.image import load_image
+
+        out = []
+        for im, info in zip(images, infos):
+            enc = self._processor(int(info["max_image_patches"]))(images=[load_image(im)], return_tensors="pt")
+            out.append((enc["pixel_values"], enc["image_grid_thw"]))
+        return out
+
+    def processor_diff(self, images, infos):
+        return max(float(np.abs(pv.numpy() - info["pixel_values"]).max())
+                   for (pv, _), info in zip(self.prepare_images(images, infos), infos) if "pixel_values" in info)
+
+    def vision_states(self, images):
+        import torch
+
+        visual = self.model.model.visual
+        out = []
+        for pv, grid in images:
+            outs = []
+            hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+                     for b in visual.blocks]
+            try:
+                with torch.no_grad():
+                    merged = self.model.model.get_image_features(pv, grid, return_dict=True).pooler_output
+            finally:
+                for h in hooks:
+                    h.remove()
+            merged = merged[0] if isinstance(merged, (list, tuple)) else merged
+            out.append((merged.float().numpy(), [o.float().numpy().reshape(-1, o.shape[-1]) for o in outs]))
+        return out
+
+    def _inputs(self, ids, images):
+        import torch
+
+        t = torch.tensor([list(ids)])
+        kw = {"input_ids": t}
+        if images:
+            cfg = self.model.config
+            kw["pixel_values"] = torch.cat([pv for pv, _ in images])
+            kw["image_grid_thw"] = torch.cat([g for _, g in images])
+            kw["mm_token_type_ids"] = (t == cfg.image_token_id).int() + 2 * (t == cfg.video_token_id).int()
+        if self.vl:
+            self.model.model.rope_deltas = None     # positions of a new prompt, not the last one's
+        return kw
+
+    def text_states(self, ids, images=None):
+        import torch
+
+        outs = []
+        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+                 for layer in self._lm().layers]
+        try:
+            with torch.no_grad():
+                r = self.model(**self._inputs(ids, images), output_hidden_states=True)
+                final = self._lm().norm(outs[-1])
+        finally:
+            for h in hooks:
+                h.remove()
+        states = [r.hidden_states[0][0].float().numpy()] + [o[0].float().numpy() for o in outs] + [final[0].float().numpy()]
+        return states, r.logits[0].float().numpy()
+
+    def start(self, ids, images=None):
+        import torch
+
+        with torch.no_grad():
+            r = self.model(**self._inputs(ids, images), use_cache=True)
+        return r.logits[0, -1].float().numpy(), r.cache if hasattr(r, "cache") else r.past_key_values
+
+    def step(self, token, state):
+        import torch
+
+        with torch.no_grad():
+            r = self.model(input_ids=torch.tensor([[int(token)]]), cache=state, use_cache=True)
+        return r.logits[0, -1].float().numpy(), r.cache if hasattr(r, "cache") else r.past_key_values
+
+    def state_arrays(self, state):
+        """Per linear-attention layer: the conv window's last K-1 columns (the ones the conv
+        reads; transformers keeps K) and the delta-rule matrix."""
+        out = {}
+        for i, layer in enumerate(state.layers):
+            conv, rec = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
+            if conv is None or rec is None:
+                continue
+            conv = conv[0] if isinstance(conv, (list, tuple, dict)) else conv   # one state per layer
+            rec = rec[0] if isinstance(rec, (list, tuple, dict)) else rec
+            k = self._lm().config.linear_conv_kernel_dim
+            out[(i, "conv")] = conv[0, :, -(k - 1):].float().numpy()
+            out[(i, "recurrent")] = rec[0].float().numpy()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture
+
+CHAT_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja").read_text()
+ANSWER_HEADER = "<|im_start|>assistant\n"
+
+
+class Qwen3_5(Architecture):
+    name = "qwen3_5"
+    has_vision = True
+    chat_template = CHAT_TEMPLATE
+    reasoning_tokens = ("<think>", "</think>")
+    tiny_variants = {
+        # Hv = 2 Hk, tied, L L L F, attention head 64, GQA 2:1
+        "hv2hk-tied-i4-hd64": dict(),
+        # Hv = Hk, untied, L F L F, head 128, Dk = Dv, deeper vision
+        "hvhk-untied-i2-hd128": dict(linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                                     head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                                     full_attention_interval=2, tie_word_embeddings=False,
+                                     vision=dict(depth=3, hidden_size=48, num_heads=3, intermediate_size=80)),
+        # head 256, L L F, Dk > Dv, no GQA, wider hidden
+        "hd256-i3": dict(head_dim=256, num_hidden_layers=3, full_attention_interval=3, hidden_size=96,
+                         intermediate_size=128, num_key_value_heads=2, linear_key_head_dim=32,
+                         linear_value_head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2),
+    }
+
+    def __init__(self):
+        import weakref
+
+        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
+
+    def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
+        return convert(ckpt, out, dtype, on_tensor)
+
+    def make_decoder(self, model, net):
+        from ..runtime import Decoder
+
+        info = model.manifest["graphs"]["decoder"]
+        return Decoder(net, info, self.rope(info), self.hooks(model))
+
+    def hooks(self, model) -> dict:
+        """The delta rule of every recurrent layer, in the two fp32 core nets (packing off: the
+        state stays in the plain layout from run to run, no repacking copies)."""
+        gr = model.manifest["graphs"]
+        for name in ("gdn_step", "gdn_chunk"):
+            if name not in gr:
+                raise EdgevlError(f"manifest.json lacks graphs.{name}; convert the model again")
+        core = gd.DeltaRuleCore(*(model.open_net(n, dtype="fp32", packing=False) for n in ("gdn_step", "gdn_chunk")),
+                                gr["gdn_step"], gr["gdn_chunk"])
+        gates = {int(i): core.gate_params(g["neg_a"], g["dt_bias"])
+                 for i, g in gr["decoder"]["extra"]["gates"].items()}
+        return {"gated_delta": gd.core_hook(core, gates)}
+
+    def rope(self, info):
+        r = info["extra"].get("rope") or {}
+        dim, theta, section = r.get("dim"), r.get("theta"), r.get("mrope_section")
+        if not (isinstance(dim, int) and dim > 0 and isinstance(theta, (int, float)) and theta > 0
+                and isinstance(section, list) and len(section) == 3 and sum(section) * 2 == dim):
+            raise EdgevlError(f"manifest.json graphs.decoder.extra.rope is malformed ({r!r:.80}); convert the model again")
+        return lambda positions: mrope_tables(positions, dim, theta, section)
+
+    def positions(self, input_ids, images, image_token_id):
+        grids, merge = [], 2
+        for k, info in enumerate(images):
+            if not isinstance(info, dict) or "grid_thw" not in info:
+                raise EdgevlError(f"image {k + 1}: M-RoPE needs the image's grid; pass images as paths/PIL images, "
+                                  "or as the (rows, info) pairs Model.encode_image returns")
+            grids.append(info["grid_thw"])
+            merge = int(info.get("merge_size", merge))
+        return rope_positions(input_ids, grids, -1 if image_token_id is None else image_token_id, merge)
+
+    def snapshot_points(self, model, input_ids):
+        """After each ``<|im_start|>assistant\\n``: the template re-renders an earlier answer
+        without its reasoning, so a conversation's next turn first differs right there."""
+        tok = model.tokenizer
+        if tok not in self._headers:
+            self._headers[tok] = tok.encode(ANSWER_HEADER)
+        head = self._headers[tok]
+        ids, n = list(input_ids), len(head)
+        if not n:
+            return []
+        return [i + n for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head]
+
+    def make_vision(self, model, net):
+        from ..package import package_path
+        from ..processing import qwen_vl
+
+        info = model.manifest["graphs"]["vision"]
+        table = package_path(model.path, info["extra"]["pos_embed"]["file"], model.manifest, "vision table")
+        return VisionEncoder(net, info, table, qwen_vl.ProcessorConfig.from_folder(model.path))
+
+    def reference(self, ref_dir, dtype="fp32"):
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+        cfg = json.loads((Path(ref_dir) / "config.json").read_text())
+        cls = Qwen3_5ForCausalLM if cfg.get("model_type") == "qwen3_5_text" else Qwen3_5ForConditionalGeneration
+        return Qwen3_5Reference(cls.from_pretrained(ref_dir, dtype=torch_dtype(dtype)).eval(), ref_dir)
+
+    def make_tiny(self, folder, variant="hv2hk-tied-i4-hd64", seed=0, dtype="fp32", train_steps=0, **overrides):
+        """A random (or briefly trained) Qwen3_5ForConditionalGeneration with the real chat template;
+        overrides are text_config kwargs (plus ``full_attention_interval``, ``vision`` for the
+        vision_config, ``text_only`` for a Qwen3_5ForCausalLM checkpoint)."""
+        return make_tiny(folder, seed, dtype, train_steps=train_steps,
+                         **{**self.tiny_variants.get(variant, {}), **overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny checkpoints for the tests: transformers' own classes, a small byte-level BPE with Qwen's
+# special tokens and pre-tokenizer, the real chat template, generation and preprocessor configs
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+TINY_NOT_SPECIAL = ["<think>", "</think>"]   # Qwen decodes these even with skip_special_tokens
+# transformers' Qwen3_5Tokenizer pre-tokenizer pattern
+PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# CLIP mean/std (not 0.5, so a processor that ignores the file shows), and a pixel budget that
+# keeps the tiny vision towers fast
+TINY_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+    "resample": 3, "rescale_factor": 1 / 255,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 4096, "longest_edge": 131072},
+}
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                   hidden_act="gelu_pytorch_tanh")
+
+
+def tiny_tokenizer(vocab_size: int = 400):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from ..testing import CORPUS
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_NOT_SPECIAL])
+    return tok
+
+
+def save_tiny_tokenizer(tok, folder) -> dict:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+           "pad_token": "<|endoftext|>", "add_bos_token": False, "clean_up_tokenization_spaces": False,
+           "model_max_length": 262144, "errors": "replace", "split_special_tokens": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    ids = {name: tok.token_to_id(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+        ("im_end", "<|im_end|>"), ("endoftext", "<|endoftext|>"))}
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["im_end"], ids["endoftext"]], "pad_token_id": ids["endoftext"]}))
+    (folder / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=1))
+    return ids
+
+
+def _mrope_section(head_dim: int, partial: float = 0.25) -> list[int]:
+    """Split the rotary frequencies over T/H/W like the real [11, 11, 10] (sum = rotary dim / 2)."""
+    n = int(head_dim * partial) // 2
+    h = w = n * 11 // 32 or 1
+    return [n - h - w, h, w]
+
+
+def tiny_text_config(vocab_size: int, **overrides) -> dict:
+    hd = overrides.get("head_dim", 64)
+    interval = overrides.pop("full_attention_interval", 4)
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=hd,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+               rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=None,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                "mrope_section": _mrope_section(hd), "mrope_interleaved": True,
+                                "partial_rotary_factor": 0.25})
+    cfg.update(overrides)
+    n = cfg["num_hidden_layers"]
+    cfg.setdefault("layer_types", ["linear_attention" if (i + 1) % interval else "full_attention"
+                                   for i in range(n)])
+    return cfg
+
+
+def _init_gdn(model, seed: int):
+    """Decays from slow to fast (A in [0.05, 2], dt_bias around 0), as trained models have them;
+    the generic init would give every head about the same decay."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 2.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def train_chat(model, tok, steps: int, seed: int = 0):
+    """Brief training on chat-formatted CORPUS turns (user: a sentence; assistant: the next one,
+    after an empty think block): peaked logits on the prompts the tests render."""
+    from ..testing import CORPUS, train_briefly
+
+    sents = CORPUS[: len(CORPUS) // 4]
+    ids = []
+    for i, s in enumerate(sents):
+        ids += tok.encode(f"<|im_start|>user\n{s}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                          f"{sents[(i + 1) % len(sents)]}<|im_end|>\n").ids
+    return train_briefly(model, tok, steps, seed, ids=ids, lr=1e-2)
+
+
+def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.15, train_steps: int = 0,
+              vision: dict | None = None, tie_word_embeddings: bool = True, text_only: bool = False,
+              **text_overrides) -> Path:
+    import torch
+    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5TextConfig)
+
+    from ..testing import init_random
+
+    folder = Path(folder)
+    tok = tiny_tokenizer()
+    ids = save_tiny_tokenizer(tok, folder)
+    tc = tiny_text_config(tok.get_vocab_size(), tie_word_embeddings=tie_word_embeddings, **text_overrides)
+    tc["eos_token_id"] = ids["im_end"]
+    torch.manual_seed(seed)
+    if text_only:
+        (folder / "preprocessor_config.json").unlink()
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tc)).eval()
+    else:
+        vc = dict(TINY_VISION, out_hidden_size=tc["hidden_size"], **(vision or {}))
+        cfg = Qwen3_5Config(text_config=tc, vision_config=vc, tie_word_embeddings=tie_word_embeddings,
+                            **{k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                   "vision_end_token_id")})
+        model = Qwen3_5ForConditionalGeneration(cfg).eval()
+    model = init_random(model, seed, init_scale)
+    _init_gdn(model, seed)
+    if train_steps:
+        model = train_chat(model, tok, train_steps, seed)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return folder
+
+
+ARCH = Qwen3_5()
