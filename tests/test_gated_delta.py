@@ -57,7 +57,7 @@ def test_core_matches_transformers(core, seq):
     gates = run.gate_params(-np.exp(a_log), dt)
     state0 = np.random.default_rng(1).standard_normal(d.state_shape).astype(np.float32) * 0.3
     for start in (None, state0):
-        o, s = run(to_mat(qkv), to_mat(ba), gates, run.zero_state() if start is None else to_mat(start))
+        o, s = run(qkv, ba, gates, run.zero_state() if start is None else to_mat(start))
         ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, start, recurrent=(seq == 1 and start is not None))
         assert np.abs(from_mat(o) - ref_o).max() < 1e-5 * max(1, np.abs(ref_o).max())
         assert np.abs(from_mat(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
@@ -66,7 +66,7 @@ def test_core_matches_transformers(core, seq):
 def test_chunk_inverse_is_stable_on_similar_keys(core):
     run, d = core
     qkv, ba, a_log, dt = _inputs(d, 128, seed=7, similar=True)
-    o, s = run(to_mat(qkv), to_mat(ba), run.gate_params(-np.exp(a_log), dt), run.zero_state())
+    o, s = run(qkv, ba, run.gate_params(-np.exp(a_log), dt), run.zero_state())
     ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, None, recurrent=True)
     assert np.abs(from_mat(o) - ref_o).max() < 1e-4 and np.abs(from_mat(s) - ref_s).max() < 1e-4
 
@@ -76,8 +76,8 @@ def test_steps_equal_one_chunk(core):
     run, d = core
     qkv, ba, a_log, dt = _inputs(d, 40, seed=3)
     gates = run.gate_params(-np.exp(a_log), dt)
-    _, s_chunk = run(to_mat(qkv), to_mat(ba), gates, run.zero_state())
+    _, s_chunk = run(qkv, ba, gates, run.zero_state())
     s = run.zero_state()
     for t in range(40):
-        _, s = run(to_mat(qkv[t:t + 1]), to_mat(ba[t:t + 1]), gates, s)
+        _, s = run(qkv[t:t + 1], ba[t:t + 1], gates, s)
     assert np.abs(from_mat(s) - from_mat(s_chunk)).max() < 1e-5

@@ -1,30 +1,23 @@
-"""Qwen3.5 on ncnn vs transformers' Qwen3_5ForConditionalGeneration (fp32, random tiny configs):
-greedy tokens, per-layer hidden states, the conv and delta-rule states after prefill, and prefix
-reuse by snapshot. input_ids come from transformers' own Qwen3VLProcessor."""
+"""Qwen3.5 packages (edgevl.convert + edgevl.load) vs transformers' Qwen3_5ForConditionalGeneration
+(fp32, random tiny configs): greedy tokens through the public API with input_ids exactly as
+transformers' Qwen3VLProcessor makes them, per-layer hidden states, the conv and delta-rule
+states after prefill, and chat turns that reuse the previous turn's state."""
+
+import json
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import edgevl
 from edgevl.errors import EdgevlError
+from edgevl.generate import prepare
 from edgevl.models import qwen3_5 as q
 from helpers import CORPUS
-from qwen_helpers import Runner, convert_package, cosine, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
+from qwen_helpers import cosine, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
 
-CONFIGS = {
-    # Hv = 2 Hk, tied, L L L F, attention head 64, GQA 2:1
-    "hv2hk-tied-i4-hd64": dict(),
-    # Hv = Hk, untied, L F L F, head 128, Dk = Dv, deeper vision
-    "hvhk-untied-i2-hd128": dict(linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-                                 head_dim=128, num_attention_heads=4, num_key_value_heads=2,
-                                 full_attention_interval=2, tie_word_embeddings=False,
-                                 vision=dict(depth=3, hidden_size=48, num_heads=3, intermediate_size=80)),
-    # head 256, L L F, Dk > Dv, no GQA, wider hidden
-    "hd256-i3": dict(head_dim=256, num_hidden_layers=3, full_attention_interval=3, hidden_size=96,
-                     intermediate_size=128, num_key_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=16,
-                     linear_num_key_heads=1, linear_num_value_heads=2),
-}
+CONFIGS = list(q.ARCH.tiny_variants)   # Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
 N_NEW = 48
 
 
@@ -50,9 +43,9 @@ PROMPTS = {
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen")
     out = {}
-    for i, (name, over) in enumerate(CONFIGS.items()):
-        ck = make_qwen3_5(root / name, seed=40 + i, **over)
-        out[name] = (ck, convert_package(ck, root / f"{name}-fp32"))
+    for i, name in enumerate(CONFIGS):
+        ck = make_qwen3_5(root / name, seed=40 + i, variant=name)
+        out[name] = (ck, edgevl.convert(ck, root / f"{name}-fp32", dtype="fp32", progress=False))
     return out
 
 
@@ -62,7 +55,7 @@ _loaded = {}
 def _load(models, name):
     if name not in _loaded:
         ck, pk = models[name]
-        _loaded[name] = (Runner(pk), load_hf(ck), hf_processor(ck))
+        _loaded[name] = (edgevl.load(pk), load_hf(ck), hf_processor(ck))
     return _loaded[name]
 
 
@@ -71,9 +64,9 @@ def _first_diff(a, b):
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_fp32_greedy_token_exact(models, name, prompt):
-    ours_m, ref, proc = _load(models, name)
+    model, ref, proc = _load(models, name)
     msgs, images = PROMPTS[prompt]
     ids, enc = hf_inputs(proc, msgs, images)
     if prompt == "long":
@@ -81,7 +74,7 @@ def test_fp32_greedy_token_exact(models, name, prompt):
     if images:
         assert sum(t == proc.image_token_id for t in ids) == sum(
             int(g.prod()) // 4 for g in enc["image_grid_thw"])
-    ours = ours_m.greedy(ids, N_NEW, images)
+    ours = list(model.generate_tokens(ids, N_NEW, image=images, ignore_eos=True, reuse_cache=False))
     theirs = hf_greedy(ref, enc, N_NEW)
     assert len(ours) == len(theirs) == N_NEW
     first = _first_diff(ours, theirs)
@@ -92,123 +85,142 @@ def _reference_prefill(ref, enc):
     outs = []
     hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
              for layer in ref.model.language_model.layers]
+    ref.model.rope_deltas = None
     try:
         with torch.no_grad():
             r = ref(**enc, use_cache=True)
     finally:
         for h in hooks:
             h.remove()
-    return [o[0].numpy() for o in outs], r.cache, r.logits[0, -1].numpy()
+    return [o[0].numpy() for o in outs], r.cache if hasattr(r, "cache") else r.past_key_values, r.logits[0, -1].numpy()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_layers_and_states_after_prefill(models, name):
     """Long prompt with an image: every layer's hidden state (cosine) and, per recurrent layer, the
     conv window and the delta-rule matrix against transformers' cache after prefill."""
-    ours_m, ref, proc = _load(models, name)
+    _, ref, proc = _load(models, name)
+    model = edgevl.Model(models[name][1], light_mode=False)   # layer outputs stay extractable
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": LONG}]}]
     images = [image(90, 60, 5)]
     ids, enc = hf_inputs(proc, msgs, images)
-    names = ours_m.decoder.info["outputs"]["layers"]
-    logits, cache, extras = ours_m.prefill(ids, images, extract=names)
+    rows, infos = model.encode_images(images)
+    names = model.decoder.info["outputs"]["layers"]
+    cache = model.decoder.new_cache()
+    hidden, extras = model.decoder.forward(model.embed(ids, rows), cache, model.positions(ids, infos), extract=names)
+    logits = model.logits(hidden[-1:])[0]
     states, hf_cache, ref_logits = _reference_prefill(ref, enc)
     for i, (n, st) in enumerate(zip(names, states)):
         c = cosine(extras[n], st)
         assert c >= 0.99999, f"{name}: layer {i} cosine {c:.7f} (max diff {np.abs(extras[n] - st).max():.3g})"
     assert cosine(logits, ref_logits) >= 0.99999
-    from edgevl.runtime import from_mat
-
-    d = ours_m.decoder.core.d
-    assert cache.recurrent, "no recurrent layers"
-    for i in cache.recurrent:
+    ours = cache.state_arrays()
+    recurrent = [i for i, t in enumerate(ref.config.text_config.layer_types) if t == "linear_attention"]
+    assert recurrent and sorted({k[0] for k in ours}) == recurrent
+    k = ref.config.text_config.linear_conv_kernel_dim
+    for i in recurrent:
         layer = hf_cache.layers[i]
-        conv_ref = layer.conv_states[0][0, :, -(d.conv_kernel - 1):].numpy()   # the columns the conv reads
+        conv_ref = layer.conv_states[0][0, :, -(k - 1):].numpy()   # the columns the conv reads
         mat_ref = layer.recurrent_states[0][0].numpy()
-        conv, mat = from_mat(cache.conv[i]), from_mat(cache.matrix[i])
+        conv, mat = ours[(i, "conv")], ours[(i, "recurrent")]
         assert conv.shape == conv_ref.shape and mat.shape == mat_ref.shape
         assert np.abs(conv - conv_ref).max() <= 1e-5 * max(1.0, np.abs(conv_ref).max()), f"layer {i} conv state"
         assert np.abs(mat - mat_ref).max() <= 1e-5 * max(1.0, np.abs(mat_ref).max()), f"layer {i} recurrent state"
-    for i in cache.attention:   # K/V hold every prompt token
-        assert all(m.h == len(ids) for m in cache.kv[i])
+    for st in cache.layers:   # K/V hold every prompt token
+        if st.kind == "kv":
+            assert all(m.h == len(ids) for m in st.mats)
 
 
-def test_prefix_reuse_by_snapshot(models):
-    """Turn 1 (with an image) is prefilled up to the end of the user message, snapshotted, then
-    answered. Turn 2 restores the snapshot and prefills only what follows it: same tokens as a
-    fresh run over the whole second prompt."""
-    ours_m, ref, proc = _load(models, "hv2hk-tied-i4-hd64")
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+def test_chat_second_turn_prefills_only_new_tokens(models, thinking):
+    """Two turns through edgevl.generate (image in turn 1): turn 2 restores the snapshot taken
+    before turn 1's answer (the template re-renders that answer without its reasoning) and
+    prefills only from there; its tokens equal a fresh run's and transformers'."""
+    ck, pk = models[CONFIGS[0]]
+    model, ref, proc = _load(models, CONFIGS[0])
+    model.reset()
     img = image(120, 80, 7)
-    turn1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    ids1, _ = hf_inputs(proc, turn1, [img])
-    boundary = len(ids1) - ids1[::-1].index(proc.tokenizer.convert_tokens_to_ids("<|im_start|>")) - 1
-    # prefill the user turn, snapshot at the boundary, then the generation prompt
-    rows, infos = ours_m.encode_images([img])
-    pos = ours_m.positions(ids1, infos)
-    x = ours_m.embed(ids1, rows)
-    cache = ours_m.decoder.new_cache()
-    ours_m.decoder.forward(x[:boundary], cache, pos[:, :boundary])
-    snap = cache.snapshot()
-    assert snap.length == boundary and snap.bytes() > 0
-    hidden, _ = ours_m.decoder.forward(x[boundary:], cache, pos[:, boundary:])
-    answer = [int(np.argmax(ours_m.head(hidden[-1:])[0]))]
-    for _ in range(11):
-        answer.append(int(np.argmax(ours_m.step(answer[-1], cache))))
-    turn2 = turn1 + [{"role": "assistant", "content": proc.tokenizer.decode(answer, skip_special_tokens=True)},
-                     {"role": "user", "content": "And the colors?"}]
-    ids2, enc2 = hf_inputs(proc, turn2, [img])
-    assert ids2[:boundary] == ids1[:boundary]
-    cache.restore(snap)
-    assert cache.length == boundary and all(m.h == boundary for i in cache.attention for m in cache.kv[i])
-    reused = ours_m.greedy(ids2, 24, [img], cache=cache, start=boundary)
-    fresh = ours_m.greedy(ids2, 24, [img])
-    assert reused == fresh, f"first differing token at {_first_diff(reused, fresh)}"
+    kw = {"enable_thinking": thinking}
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What is this?"}]}]
+    done = edgevl.complete(model, turn1, max_new_tokens=12, temperature=0, chat_template_kwargs=kw)
+    if thinking:   # the prompt opens a think block: a random model's output is all reasoning
+        assert done.reasoning and not done.text
+    turn2 = turn1 + [{"role": "assistant", "content": done.text}, {"role": "user", "content": "And the colors?"}]
+    plain = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in turn2]
+    ids2, enc2 = hf_inputs(proc, plain, [img], enable_thinking=thinking)
+    assert prepare(model, turn2, chat_template_kwargs=kw).input_ids == ids2
+    second = list(model.generate_tokens(ids2, 24, image=[img], ignore_eos=True))
+    ids1 = prepare(model, turn1, chat_template_kwargs=kw).input_ids
+    header = q.ARCH.snapshot_points(model, ids1)[-1]          # after turn 1's "<|im_start|>assistant\n"
+    assert ids2[:header] == ids1[:header] and ids2[header:header + 2] != ids1[header:header + 2]
+    assert model.last_prefill_tokens == len(ids2) - header   # the image and turn 1's prompt are not recomputed
+    fresh = list(edgevl.load(pk).generate_tokens(ids2, 24, image=[img], ignore_eos=True))
+    assert second == fresh, f"first differing token at {_first_diff(second, fresh)}"
     assert fresh == hf_greedy(ref, enc2, 24)
 
 
+def test_reasoning_is_split_from_the_answer(models):
+    """A think block in the output goes to Event.reasoning / Completion.reasoning, the answer to
+    text (newlines around the markers dropped as the template does); show_reasoning prints both."""
+    from edgevl.generate import ReasoningSplitter
+
+    model = _load(models, CONFIGS[0])[0]
+    tok = model.tokenizer
+    prompt = prepare(model, "hi").input_ids                 # ends with an open "<think>\n"
+    out = tok.encode("\nLet me see.\n\n</think>\n\nIt is red.")
+    split = ReasoningSplitter(tok, q.ARCH.reasoning_tokens, prompt)
+    parts = [split.add(t) for t in out] + [split.flush()]
+    assert "".join(a for a, _ in parts) == "It is red."
+    assert "".join(r for _, r in parts) == "Let me see."
+    closed = prepare(model, "hi", chat_template_kwargs={"enable_thinking": False}).input_ids
+    split = ReasoningSplitter(tok, q.ARCH.reasoning_tokens, closed)
+    parts = [split.add(t) for t in tok.encode("Red.")] + [split.flush()]
+    assert "".join(a for a, _ in parts) == "Red." and not any(r for _, r in parts)
+
+
 def test_light_mode_off_gives_the_same_tokens(models):
-    """The driver extracts each recurrent layer's blobs before their consumers run (light mode
-    frees consumed blobs); with light mode off nothing is freed: same tokens either way."""
-    ck, pk = models["hvhk-untied-i2-hd128"]
+    """The host passes extract each recurrent layer's blobs before their consumers run (light
+    mode frees consumed blobs); with light mode off nothing is freed: same tokens either way."""
+    _, pk = models["hvhk-untied-i2-hd128"]
+    model, _, proc = _load(models, "hvhk-untied-i2-hd128")
     msgs, images = PROMPTS["two-images"]
-    ids, _ = hf_inputs(_load(models, "hvhk-untied-i2-hd128")[2], msgs, images)
-    assert Runner(pk, light_mode=False).greedy(ids, 16, images) == _load(models, "hvhk-untied-i2-hd128")[0].greedy(
-        ids, 16, images)
+    ids, _ = hf_inputs(proc, msgs, images)
+    heavy = edgevl.Model(pk, light_mode=False)
+    assert list(heavy.generate_tokens(ids, 16, image=images, ignore_eos=True)) == list(
+        model.generate_tokens(ids, 16, image=images, ignore_eos=True, reuse_cache=False))
 
 
 def test_image_patch_budget(models):
-    ours_m, _, _ = _load(models, "hv2hk-tied-i4-hd64")
+    model = _load(models, CONFIGS[0])[0]
     img = image(640, 480, 9)
-    rows, info = ours_m.vision(img)
-    small, sinfo = ours_m.vision(img, max_image_patches=64)
+    rows, info = model.encode_image(img)
+    small, sinfo = model.encode_image(img, max_image_patches=64)
     _, gh, gw = sinfo["grid_thw"]
     assert gh * gw <= 64 < info["grid_thw"][1] * info["grid_thw"][2]
     assert small.shape == (gh * gw // 4, rows.shape[1])
+    assert model.vision.image_tokens(480, 640, 64) == small.shape[0]
     with pytest.raises(EdgevlError, match="max_image_patches must be at least 4"):
-        ours_m.vision(img, max_image_patches=2)
+        model.encode_image(img, max_image_patches=2)
 
 
-def test_cache_rules(models):
-    ours_m, _, _ = _load(models, "hv2hk-tied-i4-hd64")
-    ids = list(range(20, 40))
-    _, cache, _ = ours_m.prefill(ids)
-    snap = cache.snapshot()
-    with pytest.raises(EdgevlError, match="cannot be truncated"):
-        cache.truncate(5)
-    cache.truncate(len(ids))            # a no-op
-    assert cache.length == len(ids)
-    cache.truncate(0)
-    assert cache.length == 0 and all(v is None for v in cache.kv.values())
-    with pytest.raises(EdgevlError, match="another conversation"):
-        cache.restore(snap)
+def test_text_only_checkpoint(tmp_path):
+    """Qwen3_5ForCausalLM checkpoints (model_type qwen3_5_text, tensors under model.*) convert
+    with the same decoder: greedy tokens equal transformers'."""
+    ck = make_qwen3_5(tmp_path / "ck", seed=5, text_only=True, num_hidden_layers=2, full_attention_interval=2)
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    assert model.vision is None and model.arch.name == "qwen3_5"
+    ids = prepare(model, LONG[:200]).input_ids
+    ours = list(model.generate_tokens(ids, 16, ignore_eos=True))
+    assert ours == model.arch.reference(ck).greedy(ids, 16)
+    with pytest.raises(EdgevlError, match="no vision tower"):
+        edgevl.generate(model, "hi", image=image(32, 32))
 
 
 def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
-    import json
     import shutil
 
     from safetensors.numpy import load_file, save_file
-
-    from edgevl.weights import Checkpoint
 
     ck, _ = models["hd256-i3"]
     bad = tmp_path / "ck"
@@ -216,9 +228,9 @@ def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "pk").mkdir()
-    parts = q.convert(Checkpoint(bad), tmp_path / "pk", "fp32", lambda t: None)
-    assert parts["mtp"]["tensors"] == 1 and "mtp.fc.weight" not in json.dumps(parts["graphs"])
+    pk = edgevl.convert(bad, tmp_path / "pk", dtype="fp32", progress=False)
+    m = json.loads((pk / "manifest.json").read_text())
+    assert m["mtp"]["tensors"] == 1 and "mtp.fc.weight" not in json.dumps(m["graphs"])
     cfg = json.loads((bad / "config.json").read_text())
     for change, msg in ((lambda c: c["text_config"].update(layer_types=["linear_attention"] * 2), "layer_types"),
                         (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[8, 8, 8]), "mrope_section"),
@@ -230,6 +242,13 @@ def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
             q.TextArgs.from_config(c)
 
 
+def test_video_parts_are_refused(models):
+    model = _load(models, CONFIGS[0])[0]
+    with pytest.raises(EdgevlError, match="video input is not supported"):
+        edgevl.generate(model, [{"role": "user", "content": [{"type": "video", "video": "x.mp4"},
+                                                             {"type": "text", "text": "hi"}]}])
+
+
 def test_positions_errors():
     with pytest.raises(EdgevlError, match="image tokens but the image gives"):
         q.rope_positions([1, 5, 5, 5, 2], [(1, 4, 4)], 5, 2)
@@ -237,3 +256,5 @@ def test_positions_errors():
         q.rope_positions([1, 5, 5, 5, 5, 2], [], 5, 2)
     with pytest.raises(EdgevlError, match="2 images were given"):
         q.rope_positions([1, 5, 5, 5, 5, 2], [(1, 4, 4), (1, 4, 4)], 5, 2)
+    with pytest.raises(EdgevlError, match="M-RoPE needs the image's grid"):
+        q.ARCH.positions([1, 5, 5, 2], [None], 5)

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+import edgevl
 from helpers import CORPUS
-from qwen_helpers import Runner, convert_package, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
+from qwen_helpers import hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
 
 CONFIGS = {   # L F each: one recurrent and one attention layer
     "tied": dict(num_hidden_layers=2, full_attention_interval=2),
@@ -32,7 +33,8 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_reduced_precision_teacher_forced_top1(trained, tmp_path_factory, name, dtype):
     ck = trained[name]
-    ours = Runner(convert_package(ck, tmp_path_factory.mktemp("pk") / f"{name}-{dtype}", dtype))
+    ours = edgevl.load(edgevl.convert(ck, tmp_path_factory.mktemp("pk") / f"{name}-{dtype}", dtype=dtype,
+                                      progress=False))
     ref, proc = load_hf(ck), hf_processor(ck)   # the reference computes in fp32
     agree, total, cosines = 0, 0, []
     for prompt in PROMPTS:
@@ -41,7 +43,7 @@ def test_reduced_precision_teacher_forced_top1(trained, tmp_path_factory, name, 
         with torch.no_grad():
             ref_logits = ref(torch.tensor([seq])).logits[0, len(ids) - 1:-1].numpy()
         hidden, _ = ours.decoder.forward(ours.embed(seq), ours.decoder.new_cache(), ours.positions(seq))
-        logits = ours.head(hidden[len(ids) - 1:-1])
+        logits = ours.logits(hidden[len(ids) - 1:-1])
         agree += int((logits.argmax(1) == ref_logits.argmax(1)).sum())
         total += ref_logits.shape[0]
         cosines += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(logits, ref_logits)]

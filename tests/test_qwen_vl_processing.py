@@ -11,7 +11,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from edgevl.errors import EdgevlError
 from edgevl.models import qwen3_5 as q
 from edgevl.processing import qwen_vl
-from qwen_helpers import PREPROCESSOR
+from qwen_helpers import TINY_PREPROCESSOR as PREPROCESSOR
 
 
 def image(w, h, seed=0, mode="RGB"):
