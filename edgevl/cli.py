@@ -79,7 +79,7 @@ def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
                         "default message contents are plain text and only the chat template adds control tokens")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="models that can think before answering: --no-thinking asks the chat template for a "
-                        "direct answer (enable_thinking=false); default: the template's own (on for Qwen3.5)")
+                        "direct answer (enable_thinking=false); default: the template's own, often on)")
     if show:
         p.add_argument("--show-thinking", action="store_true",
                        help="also print the model's thinking, inside <think>...</think> (default: answer only)")
