@@ -1,10 +1,11 @@
-"""Decode and prefill speed of a converted Qwen3.5 package, with the decode time split into the
-delta-rule core (fp32 core nets), the rest of the decoder graph (Gemms, attention, norms) and the
-lm_head.
+"""Decode and prefill speed of a converted Qwen3.5 package through the public API, with the decode
+time split into the delta-rule recurrence (the host passes running the fp32 core nets), the rest
+of the decoder graph (Gemms, attention, conv, norms) and the lm_head.
 
-    python benchmarks/bench_qwen3_5.py PACKAGE [--threads 1] [--prompt 512] [--decode 32]
+    python benchmarks/bench_qwen3_5.py PACKAGE [--threads 1] [--prompt 128] [--decode 32] [--repeat 3]
 
-Random token ids; the prompt is prefilled in one call (the driver chunks the delta rule itself).
+Random token ids, as ``edgevl bench``; prints one JSON line with the median of the repeats
+(min and max beside each median).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -23,74 +24,56 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("package")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args(argv)
 
-    from edgevl.models import gated_delta as gd
-    from edgevl.models import qwen3_5 as q
-    from edgevl.runtime import Embedding, LMHead, Net
+    import edgevl
 
-    pk = Path(a.package)
-    m = json.loads((pk / "manifest.json").read_text())
-    gr = m["graphs"]
-    dt = "bf16" if m["dtype"] in ("bf16", "q8") else m["dtype"]
     t0 = time.perf_counter()
-
-    def net(name, dtype=dt):
-        return Net(str(pk / f"{name}.param"), str(pk / f"{name}.bin"), a.threads, dtype)
-
-    dec = q.Decoder(net("decoder"), gr["decoder"], gd.DeltaRuleCore.open(pk, gr["gdn_step"], gr["gdn_chunk"], a.threads))
-    head = LMHead(net("lm_head"), gr["lm_head"])
-    e = m["embedding"]
-    emb = Embedding(str(pk / e["file"]), e["segments"], e["rows"], e["dim"], e["dtype"])
+    model = edgevl.load(a.package, threads=a.threads, verify=False)
     load_s = time.perf_counter() - t0
-
-    core_t = [0.0]
-    run_core = dec.core.__call__
-
-    def timed_core(*args):
-        t = time.perf_counter()
-        r = run_core(*args)
-        core_t[0] += time.perf_counter() - t
-        return r
-
-    dec.core = type("TimedCore", (), {"__call__": staticmethod(timed_core), "d": dec.core.d})()
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, min(e["rows"], 200000), a.prompt).tolist()
-    res = {"package": str(pk), "dtype": m["dtype"], "threads": a.threads, "load_s": round(load_s, 2),
-           "prompt": a.prompt, "decode": a.decode, "load_avg": os.getloadavg()[0]}
-    best = None
-    for _ in range(a.repeat):
-        cache = dec.new_cache()
-        core_t[0] = 0.0
-        t = time.perf_counter()
-        hidden, _ = dec.forward(emb(ids), cache, q.rope_positions(ids, [], -1, 2))
-        logits = head(hidden[-1:])[0]
-        prefill = time.perf_counter() - t
-        prefill_core = core_t[0]
-        tok = int(np.argmax(logits))
-        t_dec = t_head = 0.0
-        core_t[0] = 0.0
-        for _ in range(a.decode):
+    spent = {"gdn": 0.0, "head": 0.0}
+    dec = model.decoder
+    for name, fn in list(dec.hooks.items()):
+        def timed(blobs, _fn=fn, **kw):
             t = time.perf_counter()
-            hidden, _ = dec.forward(emb([tok]), cache, q.decode_positions(cache))
-            t1 = time.perf_counter()
-            logits = head(hidden)[0]
-            t2 = time.perf_counter()
-            t_dec += t1 - t
-            t_head += t2 - t1
-            tok = int(np.argmax(logits))
+            out = _fn(blobs, **kw)
+            spent["gdn"] += time.perf_counter() - t
+            return out
+        dec.hooks[name] = timed
+    head = model.logits
+
+    def timed_head(hidden):
+        t = time.perf_counter()
+        out = head(hidden)
+        spent["head"] += time.perf_counter() - t
+        return out
+    model.logits = timed_head
+
+    ids = np.random.default_rng(0).integers(100, 30000, a.prompt).tolist()
+    model.prefill(ids[:4], reuse_cache=False)   # warm-up
+    runs = []
+    for _ in range(a.repeat):
+        t = time.perf_counter()
+        tok = int(np.argmax(model.prefill(ids, reuse_cache=False)))
+        prefill = time.perf_counter() - t
+        spent.update(gdn=0.0, head=0.0)
+        t = time.perf_counter()
+        for _ in range(a.decode):
+            tok = int(np.argmax(model.step(tok)))
+        total = time.perf_counter() - t
         n = a.decode
-        run = {"prefill_tok_s": round(a.prompt / prefill, 1), "prefill_core_ms": round(prefill_core * 1e3, 1),
-               "decode_ms": round((t_dec + t_head) / n * 1e3, 2), "decode_tok_s": round(n / (t_dec + t_head), 2),
-               "split_ms": {"gdn_core": round(core_t[0] / n * 1e3, 2),
-                            "decoder_graph": round((t_dec - core_t[0]) / n * 1e3, 2),
-                            "lm_head": round(t_head / n * 1e3, 2)}}
-        if best is None or run["decode_ms"] < best["decode_ms"]:
-            best = run
-    res.update(best)
+        runs.append({"prefill_tok_s": a.prompt / prefill, "decode_tok_s": n / total,
+                     "decode_ms": total / n * 1e3, "gdn_ms": spent["gdn"] / n * 1e3,
+                     "lm_head_ms": spent["head"] / n * 1e3,
+                     "graph_ms": (total - spent["gdn"] - spent["head"]) / n * 1e3})
+    res = {"package": a.package, "dtype": model.dtype, "threads": a.threads, "load_s": round(load_s, 2),
+           "prompt": a.prompt, "decode": a.decode, "load_avg": round(os.getloadavg()[0], 1)}
+    for k in runs[0]:
+        vals = [r[k] for r in runs]
+        res[k] = [round(statistics.median(vals), 2), round(min(vals), 2), round(max(vals), 2)]
     print(json.dumps(res))
     return 0
 

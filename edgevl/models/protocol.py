@@ -55,6 +55,9 @@ class Architecture:
     # (start, end) marker tokens around the model's reasoning, e.g. ("<think>", "</think>"):
     # generation returns that text apart from the answer (``Event.reasoning``)
     reasoning_tokens: tuple | None = None
+    # extra arguments for llama.cpp's convert_hf_to_gguf.py when ``edgevl bench --compare llamacpp``
+    # converts this architecture's checkpoints (e.g. leaving out parts edgevl does not run either)
+    llamacpp_convert_args: tuple = ()
     tiny_variants: dict = {}       # name -> overrides for make_tiny (conformance suite)
 
     # -- conversion ------------------------------------------------------------------------------

@@ -689,6 +689,8 @@ class Qwen3_5(Architecture):
     has_vision = True
     chat_template = CHAT_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
+    # the MTP head is not converted (nor run) by edgevl; llama.cpp's converter otherwise wants it
+    llamacpp_convert_args = ("--no-mtp",)
     tiny_variants = {
         # Hv = 2 Hk, tied, L L L F, attention head 64, GQA 2:1
         "hv2hk-tied-i4-hd64": dict(),
