@@ -258,3 +258,58 @@ def test_positions_errors():
         q.rope_positions([1, 5, 5, 5, 5, 2], [(1, 4, 4), (1, 4, 4)], 5, 2)
     with pytest.raises(EdgevlError, match="M-RoPE needs the image's grid"):
         q.ARCH.positions([1, 5, 5, 2], [None], 5)
+
+
+def test_server_returns_reasoning_content_and_passes_template_kwargs(models):
+    """OpenAI-compatible server: the thinking comes back as message.reasoning_content
+    (delta.reasoning_content when streaming), never inside content; chat_template_kwargs
+    reaches the template (enable_thinking=false closes the think block in the prompt)."""
+    from openai import OpenAI
+
+    from edgevl.server import make_server
+
+    model = _load(models, CONFIGS[0])[0]
+    srv, _ = make_server(model)
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
+        msgs = [{"role": "user", "content": "How many shapes are there?"}]
+        r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+        thought = r.choices[0].message.model_extra.get("reasoning_content")
+        # a random model never closes the think block the prompt opened: all of it is reasoning
+        assert thought and r.choices[0].message.content == ""
+        assert thought == edgevl.complete(model, msgs, max_new_tokens=8, temperature=0).reasoning
+        pieces = [c.choices[0].delta for c in client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=8, temperature=0, stream=True) if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in pieces) == thought
+        assert not "".join(d.content or "" for d in pieces)
+        r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        off = edgevl.complete(model, msgs, max_new_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
+        assert r.choices[0].message.content == off.text and not off.reasoning
+        assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+        import openai
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            client.chat.completions.create(model="m", messages=msgs, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": ["enable_thinking"]})
+    finally:
+        srv.stop()
+
+
+def test_cli_thinking_flags(models):
+    import subprocess
+    import sys
+
+    _, pk = models[CONFIGS[0]]
+
+    def run(*flags):
+        r = subprocess.run([sys.executable, "-m", "edgevl", "run", str(pk), "--prompt", "hi", "--max-new-tokens", "6",
+                            "--temperature", "0", "--threads", "1", *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    model = _load(models, CONFIGS[0])[0]
+    done = edgevl.complete(model, "hi", max_new_tokens=6, temperature=0)
+    assert run().strip() == done.text.strip()              # thinking hidden by default
+    assert run("--show-thinking").startswith("<think>\n" + done.reasoning)
+    off = edgevl.complete(model, "hi", max_new_tokens=6, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert run("--no-thinking").strip() == off.text.strip()
