@@ -110,17 +110,19 @@ class Net:
     def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
         """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches).
 
-        ``passes``: (blob names, fn) pairs run first, in order: the blobs are extracted, ``fn``
-        gets them as arrays and returns arrays (or Mats) to feed by blob name (intermediate blobs
-        too). Blobs a pass extracted are returned as well if ``wanted`` names them (extracting a
+        ``passes``: (blob names, fn[, mats]) tuples run first, in order: the blobs are extracted,
+        ``fn`` gets them as arrays (as ncnn Mats if ``mats``) and returns arrays (or Mats) to feed
+        by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if ``wanted`` names them (extracting a
         state output in the pass that computes it keeps it from being freed in light mode)."""
         ex = self.extractor()
         _feed(ex, feeds)
         done = {}
-        for names, fn in passes:
+        for p in passes:
+            names, fn = p[0], p[1]
             got = _extract(ex, [(n, 0) for n in names], self.where)
             done.update(got)
-            _feed(ex, fn({n: from_mat(m) for n, m in got.items()}))
+            raw = len(p) > 2 and p[2]  # the hook takes the Mats themselves (no copies)
+            _feed(ex, fn(got if raw else {n: from_mat(m) for n, m in got.items()}))
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
         rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
@@ -522,7 +524,8 @@ class Decoder:
     producer), before the next pass or the final extraction — e.g. routing to experts in numpy.
     A pass with ``"when": "prefill"`` runs only for inputs of more than one token; a pass with
     ``"state": k`` also hands the hook ``state=`` the cache's k-th state (``info["state"][k]``),
-    e.g. a ``host`` state the hook reads and replaces."""
+    e.g. a ``host`` state the hook reads and replaces; with ``"mats": true`` the hook gets the
+    extracted blobs as ncnn Mats (valid during the call; no numpy copies)."""
 
     def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
@@ -550,7 +553,7 @@ class Decoder:
         names = self.info["inputs"]
         feeds = {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
                  names["sin"]: sin, **cache.feeds()}
-        passes = [(p["extract"], self._hook(p, seq, cache)) for p in self.passes
+        passes = [(p["extract"], self._hook(p, seq, cache), bool(p.get("mats"))) for p in self.passes
                   if p.get("when", "always") == "always" or seq > 1]
         # intermediate blobs first (they must be extracted before consumers free them); state
         # outputs with their kind's extraction type

@@ -297,19 +297,14 @@ class DeltaRuleCore:
 
         return (to_mat(np.asarray(neg_a, np.float32)[None]), to_mat(np.asarray(dt_bias, np.float32)[None]))
 
-    def __call__(self, qkv: np.ndarray, ba: np.ndarray, gates: tuple, state):
-        """qkv [seq, 2Kd+Vd] and ba [seq, 2Hv] (the decoder graph's conv output and gate logits);
-        returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state Mat)."""
-        if qkv.shape[0] == 1:
-            names, outs = self.step_info["inputs"], self.step_info["outputs"]
-            res = self.step_net.execute(
-                {names["qkv"]: qkv, names["ba"]: ba, names["neg_a"]: gates[0], names["dt_bias"]: gates[1],
-                 names["state"]: state},
-                # the state first: o's matmul consumes it (light mode frees consumed blobs)
-                [(outs["state"], 0), (outs["o"], 0)])
-            return res[outs["o"]], res[outs["state"]]
+    def __call__(self, qkv, ba, gates: tuple, state):
+        """qkv [seq, 2Kd+Vd] and ba [seq, 2Hv] (the decoder graph's conv output and gate logits,
+        as arrays or Mats); returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state Mat)."""
         from ..runtime import from_mat
 
+        if (qkv.h if hasattr(qkv, "h") else qkv.shape[0]) == 1:
+            return self._step(qkv, ba, gates, state)
+        qkv, ba = (x if isinstance(x, np.ndarray) else from_mat(x) for x in (qkv, ba))
         names, outs = self.chunk_info["inputs"], self.chunk_info["outputs"]
         seq, n = qkv.shape[0], self.rows
         o = np.empty((seq, self.d.values), np.float32)
@@ -328,6 +323,28 @@ class DeltaRuleCore:
             o[s:s + r] = from_mat(res[outs["o"]])[:r]
             state = res[outs["state"]]
         return o, state
+
+
+    def _step(self, qkv, ba, gates, state):
+        """One token, straight through ncnn (this runs once per recurrent layer per decoded token:
+        no generic bookkeeping)."""
+        import ncnn
+
+        from ..runtime import to_mat
+
+        names, outs = self.step_info["inputs"], self.step_info["outputs"]
+        ex = self.step_net.extractor()
+        for name, v in ((names["qkv"], qkv), (names["ba"], ba), (names["neg_a"], gates[0]),
+                        (names["dt_bias"], gates[1]), (names["state"], state)):
+            ex.input(name, v if isinstance(v, ncnn.Mat) else to_mat(v))
+        new, o = ncnn.Mat(), ncnn.Mat()
+        # the state first: o's matmul consumes it (light mode frees consumed blobs)
+        if ex.extract(outs["state"], new) != 0 or ex.extract(outs["o"], o) != 0:
+            from ..errors import EdgevlError
+
+            raise EdgevlError(f"ncnn failed to run {self.step_net.where}; the package may be damaged — "
+                              "check it with edgevl check (or convert again)")
+        return o, new
 
 
 def core_hook(core: DeltaRuleCore, gates: dict):

@@ -252,7 +252,7 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
         # the conv window first: extracting the core's inputs runs the conv, which consumes (and
         # in light mode frees) the window the state output is cut from
         passes.append({"extract": [f"out_conv_state{i}", core["qkv"], core["ba"]], "hook": "gated_delta",
-                       "args": core, "state": len(states) - 1})
+                       "args": core, "state": len(states) - 1, "mats": True})
     g.section("norm")
     rms_norm(ctx, x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
     return GraphInfo(
