@@ -313,3 +313,16 @@ def test_cli_thinking_flags(models):
     assert run("--show-thinking").startswith("<think>\n" + done.reasoning)
     off = edgevl.complete(model, "hi", max_new_tokens=6, temperature=0, chat_template_kwargs={"enable_thinking": False})
     assert run("--no-thinking").strip() == off.text.strip()
+
+
+def test_verify_table_has_the_recurrent_states(models, capsys):
+    """edgevl verify: per-layer rows plus, for each recurrent layer, its conv window and delta-rule
+    matrix against transformers' cache after the prefill."""
+    from edgevl.verify import verify
+
+    ck, pk = models["hd256-i3"]
+    assert verify(pk, ck, prompt="Describe the image.", image=image(50, 40, 2), max_new_tokens=4)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("state")]
+    assert [(r[2], r[3]) for r in rows] == [("0", "conv"), ("0", "recurrent"), ("1", "conv"), ("1", "recurrent")]
+    assert all(float(r[4]) >= 0.99999 for r in rows) and "PASS" in out
