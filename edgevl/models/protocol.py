@@ -88,7 +88,9 @@ class Architecture:
         return Decoder(net, info, self.rope(info), self.hooks(model))
 
     def hooks(self, model) -> dict:
-        """Host functions the decoder graph's ``passes`` name (see runtime.Decoder)."""
+        """Host functions the decoder graph's ``passes`` name (see runtime.Decoder); a pass
+        naming a state gets it as ``state=`` (e.g. a ``host`` state such as a recurrent matrix
+        updated by a helper net the architecture opens with ``model.open_net``)."""
         return {}
 
     def rope(self, info: dict) -> Callable:
