@@ -57,27 +57,40 @@ def test_core_matches_transformers(core, seq):
     gates = run.gate_params(-np.exp(a_log), dt)
     state0 = np.random.default_rng(1).standard_normal(d.state_shape).astype(np.float32) * 0.3
     for start in (None, state0):
-        o, s = run(qkv, ba, gates, run.zero_state() if start is None else to_mat(start))
+        o, s = run(qkv, ba, gates, run.new_state(start))
         ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, start, recurrent=(seq == 1 and start is not None))
         assert np.abs(from_mat(o) - ref_o).max() < 1e-5 * max(1, np.abs(ref_o).max())
-        assert np.abs(from_mat(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
+        assert np.abs(run.matrix(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
 
 
 def test_chunk_inverse_is_stable_on_similar_keys(core):
     run, d = core
     qkv, ba, a_log, dt = _inputs(d, 128, seed=7, similar=True)
-    o, s = run(qkv, ba, run.gate_params(-np.exp(a_log), dt), run.zero_state())
+    o, s = run(qkv, ba, run.gate_params(-np.exp(a_log), dt), run.new_state())
     ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, None, recurrent=True)
-    assert np.abs(from_mat(o) - ref_o).max() < 1e-4 and np.abs(from_mat(s) - ref_s).max() < 1e-4
+    assert np.abs(from_mat(o) - ref_o).max() < 1e-4 and np.abs(run.matrix(s) - ref_s).max() < 1e-4
 
 
 def test_steps_equal_one_chunk(core):
-    """Token-by-token decoding and the chunked prefill reach the same state."""
+    """Token-by-token decoding (updates deferred in a window, folded every WINDOW tokens) and the
+    chunked prefill give the same outputs and reach the same state, also mid-window."""
     run, d = core
     qkv, ba, a_log, dt = _inputs(d, 40, seed=3)
     gates = run.gate_params(-np.exp(a_log), dt)
-    _, s_chunk = run(qkv, ba, gates, run.zero_state())
-    s = run.zero_state()
+    start = np.random.default_rng(2).standard_normal(d.state_shape).astype(np.float32) * 0.3
+    o_chunk, s_chunk = run(qkv, ba, gates, run.new_state(start))
+    s = run.new_state(start)
+    outs = []
     for t in range(40):
-        _, s = run(qkv[t:t + 1], ba[t:t + 1], gates, s)
-    assert np.abs(from_mat(s) - from_mat(s_chunk)).max() < 1e-5
+        o, s = run(qkv[t:t + 1], ba[t:t + 1], gates, s)
+        outs.append(from_mat(o).reshape(-1))
+        if t + 1 in (5, gd.WINDOW, 40):   # mid-window, right after a fold, the end
+            _, ref_s = _reference(d, qkv[:t + 1], ba[:t + 1], a_log, dt, start, recurrent=True)
+            assert np.abs(run.matrix(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max()), f"after {t + 1}"
+    assert np.abs(np.stack(outs) - o_chunk).max() < 1e-5 * max(1, np.abs(o_chunk).max())
+    assert np.abs(run.matrix(s) - run.matrix(s_chunk)).max() < 1e-5
+    # a prefill after some decoded tokens folds the pending window first
+    o2, s2 = run(qkv[:7], ba[:7], gates, s)
+    _, ref_s = _reference(d, np.concatenate([qkv, qkv[:7]]), np.concatenate([ba, ba[:7]]), a_log, dt, start,
+                          recurrent=True)
+    assert np.abs(run.matrix(s2) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())

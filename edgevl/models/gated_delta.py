@@ -35,6 +35,7 @@ from .. import ncnn_graph as G
 from .base import heads_first, heads_last
 
 CHUNK = 64                  # transformers' chunk size; prefill runs the chunk net once per chunk
+WINDOW = 16                 # decoded tokens whose state updates are deferred (folded into S0 together)
 L2NORM_EPS = 1e-6           # transformers' l2norm (FLA's), inside the kernel
 MASKED = -1e30              # additive mask: exp() of it is exactly 0
 
@@ -62,6 +63,14 @@ class DeltaDims:
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return (self.value_heads, self.key_dim, self.value_dim)
+
+    def host_state_shapes(self, window: int) -> list:
+        """The host-held state of one layer (see :class:`DeltaRuleCore`): the matrix S0, the
+        pending keys, deltas and cumulative log-decays of up to ``window`` decoded tokens, the
+        log-decay since S0, and the number pending."""
+        hv = self.value_heads
+        return [list(self.state_shape), [hv, window, self.key_dim], [hv, window, self.value_dim],
+                [hv, 1, window], [hv, 1, 1], [1]]
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
@@ -168,10 +177,9 @@ def emit_delta_step(g: G.Graph, q: str, k: str, v: str, beta: str, decay_log: st
     """One token (``torch_recurrent_gated_delta_rule``), all heads at once:
     S' = e^g S + k delta^T with delta = beta (v - k^T e^g S), and o = q^T S'.
 
-    Written to touch the state (1 MiB per layer at 0.8B) as few times as the stock layers allow:
     q^T S and k^T S come from one MatMul over S, and o = e^g q^T S + (q.k) delta needs no pass
     over S'. q, k (c=Hv, h=1, w=Dk), v (c=Hv, h=1, w=Dv), beta and g (c=Hv, h=1, w=1),
-    S (c=Hv, h=Dk, w=Dv). A per-channel decay (KDA) would need the e^g inside the reads."""
+    S (c=Hv, h=Dk, w=Dv). (The decode net, :func:`emit_deferred_step`, defers the update.)"""
     decay = G.unary(g, decay_log, "exp", name="decay")
     qk = G.concat(g, [q, k], axis=1, name="qk")                            # (c=Hv, h=2, w=Dk)
     q_s, k_s = G.slice_(g, G.matmul(g, qk, state, name="read"), [1, 1], axis=1, name="read_split")
@@ -184,6 +192,36 @@ def emit_delta_step(g: G.Graph, q: str, k: str, v: str, beta: str, decay_log: st
     s = G.binary(g, state, decay, "mul", name="state_decay")
     s = G.binary(g, s, G.matmul(g, kt, delta, name="write"), "add", name="state_update", out="state_out")
     return o, s
+
+
+def emit_deferred_step(g: G.Graph, q: str, k: str, v: str, beta: str, decay_log: str, d: DeltaDims):
+    """One decode token against S0 plus a window of W pending updates, without writing S.
+
+    The state after the pending tokens j (cumulative log-decays c_j since S0) and this one is
+    S_t = e^(c_t) S0 + sum_j e^(c_t - c_j) k_j delta_j^T + k_t delta_t^T; the step needs only
+    q^T and k^T of its first two terms: one read of S0 (1 MiB per layer at 0.8B) and the small
+    window, instead of rewriting S every token (decode is memory-bound; the rewrite moved ~7x the
+    state's bytes). The host appends (k_t, delta_t, c_t) to the window and folds it into S0 every
+    W tokens. Inputs ``state`` S0 (c=Hv, h=Dk, w=Dv), ``window_k`` (c=Hv, h=W, w=Dk),
+    ``window_delta`` (c=Hv, h=W, w=Dv), ``window_c`` (c=Hv, h=1, w=W; unused slots: zero keys and
+    deltas), ``c_prev`` (c=Hv, h=1, w=1); outputs o, k_t, delta_t and c_t."""
+    s0, wk, wd = g.input("state"), g.input("window_k"), g.input("window_delta")
+    wc, c_prev = g.input("window_c"), g.input("c_prev")
+    ct = G.binary(g, c_prev, decay_log, "add", name="c_now", out="c_out")  # (c=Hv, h=1, w=1)
+    qk = G.concat(g, [q, k], axis=1, name="qk")                            # (c=Hv, h=2, w=Dk)
+    base = G.binary(g, G.matmul(g, qk, s0, name="read"), G.unary(g, ct, "exp", name="decay_all"), "mul",
+                    name="read_decay")                                     # (c=Hv, h=2, w=Dv)
+    coef = G.unary(g, G.binary(g, ct, wc, "sub", name="window_age"), "exp", name="window_decay")  # (h=1, w=W)
+    dots = G.matmul(g, qk, G.permute(g, wk, 1, name="window_k_t"), name="window_dots")            # (h=2, w=W)
+    dots = G.binary(g, dots, coef, "mul", name="window_weights")
+    base = G.binary(g, base, G.matmul(g, dots, wd, name="window_read"), "add", name="read_all")
+    q_s, k_s = G.slice_(g, base, [1, 1], axis=1, name="read_split")
+    delta = G.binary(g, G.binary(g, v, k_s, "sub", name="delta"), beta, "mul", name="delta_beta",
+                     out="delta_out")
+    kt = G.reshape(g, k, 1, d.key_dim, d.value_heads, name="k_col")        # (c=Hv, h=Dk, w=1)
+    qdotk = G.matmul(g, q, kt, name="q_dot_k")                             # (c=Hv, h=1, w=1)
+    o = G.binary(g, q_s, G.binary(g, delta, qdotk, "mul", name="out_new"), "add", name="out")
+    return o, k
 
 
 def _block_masks(n: int) -> dict:
@@ -241,24 +279,28 @@ def emit_delta_chunk(g: G.Graph, q: str, k: str, v: str, beta: str, decay_log: s
 
 
 def build_core_net(path_param, path_bin, d: DeltaDims, rows: int) -> dict:
-    """The step net (rows = 1) or the chunk net (rows = CHUNK). Inputs: ``qkv`` (h=rows,
-    w=2Kd+Vd, after the conv), ``ba`` (h=rows, w=2Hv), ``neg_a``/``dt_bias`` (h=1, w=Hv),
-    ``state`` (c=Hv, h=Dk, w=Dv) and, for chunks, ``valid`` (h=rows, w=1); outputs ``o``
-    (h=rows, w=Vd) and ``state_out``."""
+    """The step net (rows = 1, :func:`emit_deferred_step`) or the chunk net (rows = CHUNK).
+    Inputs: ``qkv`` (h=rows, w=2Kd+Vd, after the conv), ``ba`` (h=rows, w=2Hv),
+    ``neg_a``/``dt_bias`` (h=1, w=Hv), ``state`` (c=Hv, h=Dk, w=Dv); the step net also the
+    window (see there), the chunk net ``valid`` (h=rows, w=1). Outputs ``o`` (h=rows, w=Vd) and
+    ``state_out`` (chunk) or ``k``/``delta``/``c`` (step)."""
     g = G.Graph(path_bin)
     valid = g.input("valid") if rows > 1 else None
     q, k, v, beta, decay = emit_core_inputs(g, d, rows, valid)
-    state = g.input("state")
     if rows == 1:
-        o, _ = emit_delta_step(g, q, k, v, beta, decay, state, d)
+        o, k_out = emit_deferred_step(g, q, k, v, beta, decay, d)
+        inputs = {"window_k": "window_k", "window_delta": "window_delta", "window_c": "window_c",
+                  "c_prev": "c_prev", "state": "state"}
+        outputs = {"k": k_out, "delta": "delta_out", "c": "c_out"}
     else:
-        o, _ = emit_delta_chunk(g, q, k, v, beta, decay, state, d, rows)
+        o, _ = emit_delta_chunk(g, q, k, v, beta, decay, g.input("state"), d, rows)
+        inputs, outputs = {"state": "state", "valid": valid}, {"state": "state_out"}
     o = heads_last(g, o, d.value_dim, d.value_heads, "o")                 # (h=rows, w=Vd)
     g.save(path_param)
     return {"param": Path(path_param).name, "bin": Path(path_bin).name, "rows": rows, "dims": d.to_dict(),
-            "inputs": {"qkv": "qkv", "ba": "ba", "neg_a": "neg_a", "dt_bias": "dt_bias", "state": "state",
-                       **({"valid": valid} if valid else {})},
-            "outputs": {"o": o, "state": "state_out"}}
+            "window": WINDOW,
+            "inputs": {"qkv": "qkv", "ba": "ba", "neg_a": "neg_a", "dt_bias": "dt_bias", **inputs},
+            "outputs": {"o": o, **outputs}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,14 +310,21 @@ def build_core_net(path_param, path_bin, d: DeltaDims, rows: int) -> dict:
 class DeltaRuleCore:
     """Runs a layer's delta rule in the fp32 core nets: the step net for one token, the chunk
     net over ``CHUNK``-token chunks (the last one zero-padded, masked by ``valid``) otherwise.
-    The state is an ncnn Mat handed from run to run without copies; open the nets in fp32 with
-    packing off (``runtime.open_net``), so it stays in the plain layout."""
+
+    A layer's state is a tuple of numpy arrays (``DeltaDims.host_state_shapes``): S0 and a
+    window of pending decode updates (:func:`emit_deferred_step`). Decoding appends to the
+    window and folds it into S0 when full; a prefill folds first, then runs the chunks on S0.
+    S0 is handed to ncnn without a copy (the nets read it only through MatMul, never in place);
+    open the nets in fp32 with packing off (``runtime.open_net``) so it stays in this layout."""
 
     def __init__(self, step_net, chunk_net, step_info: dict, chunk_info: dict):
         self.step_net, self.chunk_net = step_net, chunk_net
         self.step_info, self.chunk_info = step_info, chunk_info
         self.d = DeltaDims(**step_info["dims"])
         self.rows = int(chunk_info["rows"])
+        self.window = int(step_info["window"])
+        # zero keys/deltas in a window slot make its terms vanish: a fixed-size window serves all fills
+        self.shapes = self.d.host_state_shapes(self.window)
 
     @classmethod
     def open(cls, folder, step_info: dict, chunk_info: dict, threads: int) -> "DeltaRuleCore":
@@ -286,10 +335,37 @@ class DeltaRuleCore:
         return cls(*(open_net(folder / i["param"], folder / i["bin"], threads, "fp32", packing=False)
                      for i in (step_info, chunk_info)), step_info, chunk_info)
 
-    def zero_state(self):
-        from ..runtime import to_mat
+    def new_state(self, matrix=None) -> tuple:
+        st = tuple(np.zeros(s, np.float32) for s in self.shapes)
+        if matrix is not None:
+            st[0][...] = matrix
+        return st
 
-        return to_mat(np.zeros(self.d.state_shape, np.float32))
+    def as_state(self, mats) -> tuple:
+        """Own contiguous float32 arrays from what a cache holds (arrays, or Mats after a restore)."""
+        if all(isinstance(m, np.ndarray) and m.flags.c_contiguous and m.dtype == np.float32 for m in mats):
+            return tuple(mats)
+        return tuple(np.array(m, np.float32).reshape(s) for m, s in zip(mats, self.shapes))
+
+    def matrix(self, state) -> np.ndarray:
+        """The recurrent matrix S the state stands for (pending updates applied), as a copy."""
+        return self.fold(tuple(a.copy() for a in state))[0]
+
+    def fold(self, state) -> tuple:
+        """Apply the pending updates to S0 in place: S0 <- e^(c_n) S0 + sum_j e^(c_n - c_j) k_j delta_j^T."""
+        s0, wk, wd, wc, c, n = state
+        if n[0] == 0:
+            return state
+        m = int(n[0])
+        s0 *= np.exp(c)                                            # (Hv, 1, 1) broadcast
+        w = np.exp(c[:, :, :1] - wc[:, 0, :m][:, :, None])         # (Hv, m, 1)
+        s0 += np.matmul((wk[:, :m] * w).transpose(0, 2, 1), wd[:, :m])
+        wk[:, :m] = 0
+        wd[:, :m] = 0
+        wc[...] = 0
+        c[...] = 0
+        n[0] = 0
+        return state
 
     def gate_params(self, neg_a, dt_bias) -> tuple:
         """A layer's constants -exp(A_log) and dt_bias as (h=1, w=Hv) Mats, made once at load."""
@@ -297,17 +373,19 @@ class DeltaRuleCore:
 
         return (to_mat(np.asarray(neg_a, np.float32)[None]), to_mat(np.asarray(dt_bias, np.float32)[None]))
 
-    def __call__(self, qkv, ba, gates: tuple, state):
+    def __call__(self, qkv, ba, gates: tuple, state: tuple):
         """qkv [seq, 2Kd+Vd] and ba [seq, 2Hv] (the decoder graph's conv output and gate logits,
-        as arrays or Mats); returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state Mat)."""
+        as arrays or Mats); returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state)."""
         from ..runtime import from_mat
 
         if (qkv.h if hasattr(qkv, "h") else qkv.shape[0]) == 1:
             return self._step(qkv, ba, gates, state)
         qkv, ba = (x if isinstance(x, np.ndarray) else from_mat(x) for x in (qkv, ba))
+        s0 = self.fold(state)[0]
         names, outs = self.chunk_info["inputs"], self.chunk_info["outputs"]
         seq, n = qkv.shape[0], self.rows
         o = np.empty((seq, self.d.values), np.float32)
+        mat = _borrow(s0)
         for s in range(0, seq, n):
             r = min(n, seq - s)
             if r == n:
@@ -318,33 +396,55 @@ class DeltaRuleCore:
                 valid = (np.arange(n) < r).astype(np.float32)[:, None]
             res = self.chunk_net.execute(
                 {names["qkv"]: xc, names["ba"]: bc, names["neg_a"]: gates[0], names["dt_bias"]: gates[1],
-                 names["state"]: state, names["valid"]: valid},
+                 names["state"]: mat, names["valid"]: valid},
                 [(outs["state"], 0), (outs["o"], 0)])
             o[s:s + r] = from_mat(res[outs["o"]])[:r]
-            state = res[outs["state"]]
+            mat = res[outs["state"]]
+        s0[...] = np.asarray(mat).reshape(s0.shape)
         return o, state
-
 
     def _step(self, qkv, ba, gates, state):
         """One token, straight through ncnn (this runs once per recurrent layer per decoded token:
-        no generic bookkeeping)."""
+        no generic bookkeeping); then the window takes the token's update."""
         import ncnn
 
         from ..runtime import to_mat
 
+        s0, wk, wd, wc, c, n = state
         names, outs = self.step_info["inputs"], self.step_info["outputs"]
         ex = self.step_net.extractor()
         for name, v in ((names["qkv"], qkv), (names["ba"], ba), (names["neg_a"], gates[0]),
-                        (names["dt_bias"], gates[1]), (names["state"], state)):
+                        (names["dt_bias"], gates[1]), (names["state"], _borrow(s0)),
+                        (names["window_k"], _borrow(wk)), (names["window_delta"], _borrow(wd)),
+                        (names["window_c"], _borrow(wc)), (names["c_prev"], to_mat(c))):
             ex.input(name, v if isinstance(v, ncnn.Mat) else to_mat(v))
-        new, o = ncnn.Mat(), ncnn.Mat()
-        # the state first: o's matmul consumes it (light mode frees consumed blobs)
-        if ex.extract(outs["state"], new) != 0 or ex.extract(outs["o"], o) != 0:
-            from ..errors import EdgevlError
+        got = {}
+        for key in ("k", "c", "delta", "o"):   # graph order: light mode frees consumed blobs
+            got[key] = ncnn.Mat()
+            if ex.extract(outs[key], got[key]) != 0:
+                from ..errors import EdgevlError
 
-            raise EdgevlError(f"ncnn failed to run {self.step_net.where}; the package may be damaged — "
-                              "check it with edgevl check (or convert again)")
-        return o, new
+                raise EdgevlError(f"ncnn failed to run {self.step_net.where}; the package may be damaged — "
+                                  "check it with edgevl check (or convert again)")
+        del ex
+        i = int(n[0])
+        wk[:, i] = np.asarray(got["k"]).reshape(wk.shape[0], -1)
+        wd[:, i] = np.asarray(got["delta"]).reshape(wd.shape[0], -1)
+        c[...] = np.array(got["c"], np.float32).reshape(c.shape)
+        wc[:, 0, i] = c[:, 0, 0]
+        n[0] = i + 1
+        if i + 1 == self.window:
+            self.fold(state)
+        return got["o"], state
+
+
+def _borrow(a: np.ndarray):
+    """A Mat over ``a``'s memory (no copy): ``a`` must be C-contiguous float32 with each channel a
+    multiple of 4 values (ncnn's channel alignment), stay alive and unchanged while ncnn reads it,
+    and be read only (never fed to a layer that works in place)."""
+    import ncnn
+
+    return ncnn.Mat(a)
 
 
 def core_hook(core: DeltaRuleCore, gates: dict):
@@ -352,8 +452,7 @@ def core_hook(core: DeltaRuleCore, gates: dict):
     conv output and gate logits in, the delta rule run on its ``host`` state (the matrix),
     the core output fed back by name."""
     def hook(blobs, seq, state, layer, qkv, ba, out):
-        (s,) = state.get()
-        o, s = core(blobs[qkv], blobs[ba], gates[layer], s)
-        state.set((s,))
+        o, st = core(blobs[qkv], blobs[ba], gates[layer], core.as_state(state.get()))
+        state.set(st)
         return {out: o}
     return hook

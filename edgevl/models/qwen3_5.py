@@ -246,8 +246,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
             continue
         states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
                        "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
-        states.append({"kind": "host", "layer": i, "names": ["recurrent"], "inputs": [], "outputs": [],
-                       "shapes": [list(d.state_shape)]})
+        # the delta-rule matrix and a window of deferred decode updates (gated_delta.DeltaRuleCore)
+        states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [],
+                       "names": ["recurrent", "window_k", "window_delta", "window_c", "c", "pending"],
+                       "shapes": d.host_state_shapes(gd.WINDOW)})
         gates[str(i)] = {"neg_a": core.pop("neg_a"), "dt_bias": core.pop("dt_bias")}
         # the conv window first: extracting the core's inputs runs the conv, which consumes (and
         # in light mode frees) the window the state output is cut from
