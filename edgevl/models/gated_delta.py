@@ -34,7 +34,10 @@ import numpy as np
 from .. import ncnn_graph as G
 from .base import heads_first, heads_last
 
-CHUNK = 64                  # transformers' chunk size; prefill runs the chunk net once per chunk
+# Prefill runs the chunk net once per CHUNK tokens (the last chunk zero-padded). transformers uses
+# 64; 32 measured 20 % faster on 128 tokens and 2-3x on a 24-token chat turn (0.8B layer, 1
+# thread): the block-doubling inverse costs chunk^3 and short prompts pad less. Same math.
+CHUNK = 32
 WINDOW = 16                 # decoded tokens whose state updates are deferred (folded into S0 together)
 L2NORM_EPS = 1e-6           # transformers' l2norm (FLA's), inside the kernel
 MASKED = -1e30              # additive mask: exp() of it is exactly 0
