@@ -108,18 +108,20 @@ class Model:
     def _net(self, name: str, light_mode: bool = True) -> Net:
         return self.open_net(name, light_mode=light_mode)
 
-    def open_net(self, name: str, dtype: str | None = None, light_mode: bool = True, packing: bool = True) -> Net:
+    def open_net(self, name: str, dtype: str | None = None, light_mode: bool = True, packing: bool = True,
+                 threads: int | None = None) -> Net:
         """One of the package's graphs (``name``.param/.bin, listed and verified), in the package's
-        precision unless ``dtype`` says otherwise; architectures open their helper nets with it."""
+        precision and thread count unless told otherwise; architectures open their helper nets with it."""
         dtype = dtype or (self.dtype if self.dtype != "q8" else "bf16")
+        threads = threads or self.threads
         sections = (self.manifest["graphs"].get(name) or {}).get("extra", {}).get("sections")
         param, binfile = (str(package_path(self.path, f"{name}{x}", self.manifest, "graph file"))
                           for x in (".param", ".bin"))
         if self.low_memory and light_mode and sections and packing:
             for sec in sections:
                 package_path(self.path, sec["param"], self.manifest, "section file")
-            return SectionedNet(str(self.path), binfile, sections, self.threads, dtype)
-        return Net(param, binfile, self.threads, dtype, light_mode, packing)
+            return SectionedNet(str(self.path), binfile, sections, threads, dtype)
+        return Net(param, binfile, threads, dtype, light_mode, packing)
 
     @property
     def kv_elem_bytes(self) -> int:
