@@ -140,7 +140,8 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
 # llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
 
 
-def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16") -> Path:
+def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=()) -> Path:
+    """``extra_args``: the architecture's ``llamacpp_convert_args``."""
     import tarfile
 
     out = work / f"{hf_dir.name}-{outtype}.gguf"
@@ -162,7 +163,7 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16") -> Path:
     # know; the benchmark feeds token ids, so any pre-tokenizer name will do.
     run = ("import runpy, sys, conversion.base as b; "
            "b.TextModel.get_vocab_base_pre = lambda self, tok: 'llama-bpe'; "
-           f"sys.argv = {[str(script), str(hf_dir), '--outfile', str(out), '--outtype', outtype]!r}; "
+           f"sys.argv = {[str(script), str(hf_dir), '--outfile', str(out), '--outtype', outtype, *extra_args]!r}; "
            f"runpy.run_path({str(script)!r}, run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -295,9 +296,12 @@ def bench_cli(a) -> int:
             except ImportError:
                 raise EdgevlError("--compare llamacpp needs llama-cpp-python "
                                   "(pip install 'edgevl[llamacpp]')") from None
+            from .weights import Checkpoint
+
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
+            extra = models.resolve(Checkpoint(ref).config).llamacpp_convert_args
             for outtype in (a.gguf_types or "bf16").split(","):
-                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype))})
+                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, extra))})
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")
     res = bench(systems, a.prompt_tokens, a.gen_tokens, threads, a.repeats)

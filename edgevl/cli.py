@@ -75,10 +75,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "that do not fit in RAM)")
 
 
-def add_content_args(p: argparse.ArgumentParser) -> None:
+def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
     p.add_argument("--allow-special-in-content", action="store_true",
                    help="let special-token text in messages (e.g. <|end_of_text|>) act as control tokens; by "
                         "default message contents are plain text and only the chat template adds control tokens")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="models that can think before answering: --no-thinking asks the chat template for a "
+                        "direct answer (enable_thinking=false); default: the template's own, often on)")
+    if show:
+        p.add_argument("--show-thinking", action="store_true",
+                       help="also print the model's thinking, inside <think>...</think> (default: answer only)")
+
+
+def template_args(a) -> dict:
+    """chat_template_kwargs from --thinking/--no-thinking."""
+    return {} if a.thinking is None else {"enable_thinking": a.thinking}
 
 
 def check_model_args(a) -> None:
@@ -146,7 +157,7 @@ def cmd_convert(a) -> int:
 def cmd_run(a) -> int:
     from . import load
     from .demo.scene_file import save_demo_scene
-    from .generate import default_max_new_tokens, stream_events
+    from .generate import default_max_new_tokens, stream_events, with_reasoning
     from .sample import resolve
 
     check_model_args(a)
@@ -174,11 +185,12 @@ def cmd_run(a) -> int:
                                                        " (the model's own)") if images and budget else "")
               + "]", file=sys.stderr)
     text, boxes = [], []
-    for ev in stream_events(model, a.prompt, image=images or None, raw=a.raw,
-                            max_image_patches=a.max_image_patches,
-                            allow_special_in_content=a.allow_special_in_content, **kwargs):
-        if ev.text:
-            sys.stdout.write(ev.text)
+    events = stream_events(model, a.prompt, image=images or None, raw=a.raw, max_image_patches=a.max_image_patches,
+                           allow_special_in_content=a.allow_special_in_content,
+                           chat_template_kwargs=template_args(a), **kwargs)
+    for shown, ev in (with_reasoning(events) if a.show_thinking else ((e.text, e) for e in events)):
+        if shown:
+            sys.stdout.write(shown)
             sys.stdout.flush()
             text.append(ev.text)
         if ev.finish_reason:
@@ -215,7 +227,8 @@ def cmd_chat(a) -> int:
     check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
-                     allow_special_in_content=a.allow_special_in_content, **sampling_kwargs(a))
+                     allow_special_in_content=a.allow_special_in_content, chat_template_kwargs=template_args(a),
+                     show_reasoning=a.show_thinking, **sampling_kwargs(a))
 
 
 def cmd_serve(a) -> int:
@@ -228,7 +241,8 @@ def cmd_serve(a) -> int:
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
-                 max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content)
+                 max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
+                 chat_template_kwargs=template_args(a))
 
 
 def cmd_check(a) -> int:
@@ -359,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
     add_model_args(s)
-    add_content_args(s)
+    add_content_args(s, show=False)  # the server returns thinking as reasoning_content
     s.set_defaults(fn=cmd_serve)
 
     b = command("bench", "measure prefill/decode speed and memory")
