@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -29,10 +27,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import torch
-    from safetensors.torch import save_file
     from transformers import YoutuConfig, YoutuForCausalLM
 
     from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
+    from random_weights import param_count, write_shards
 
     cfg = YoutuConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if a.layers:
@@ -42,41 +40,17 @@ def main(argv=None) -> int:
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
-    n_params = sum(int(np.prod(s)) for s in shapes.values())
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"{n_params / 1e9:.2f}B parameters, {len(shapes)} tensors -> {out}", file=sys.stderr)
-
+    print(f"{param_count(shapes) / 1e9:.2f}B parameters, {len(shapes)} tensors -> {out}", file=sys.stderr)
     g = torch.Generator().manual_seed(a.seed)
-    limit = a.shard_gb * (1 << 30)
-    shards, cur, cur_bytes = [], {}, 0
     t0 = time.time()
-    names = list(shapes)
-    for i, name in enumerate(names):
-        shape = shapes[name]
+
+    def draw(name, shape):
         if "norm" in name:
-            t = 1.0 + 0.05 * torch.randn(shape, generator=g)
-        else:
-            t = 0.02 * torch.randn(shape, generator=g)
-        cur[name] = t.to(dt)
-        cur_bytes += cur[name].numel() * cur[name].element_size()
-        if cur_bytes >= limit or i == len(names) - 1:
-            shards.append(cur)
-            fname = f"part-{len(shards):05d}.safetensors"
-            save_file(cur, str(out / fname), metadata={"format": "pt"})
-            print(f"  wrote {fname} ({cur_bytes / 1e9:.2f} GB, {time.time() - t0:.0f}s)", file=sys.stderr)
-            cur, cur_bytes = {}, 0
-    # rename to the HF shard pattern now that the count is known, and write the index
-    n = len(shards)
-    weight_map = {}
-    for k, sd in enumerate(shards, 1):
-        final = f"model-{k:05d}-of-{n:05d}.safetensors"
-        (out / f"part-{k:05d}.safetensors").rename(out / final)
-        weight_map.update({name: final for name in sd})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": n_params * torch.tensor([], dtype=dt).element_size()},
-                    "weight_map": weight_map}, indent=1))
+            return 1.0 + 0.05 * torch.randn(shape, generator=g)
+        return 0.02 * torch.randn(shape, generator=g)
+
+    write_shards(shapes, out, a.dtype, draw, a.shard_gb)
     d = cfg.to_dict()
     d["architectures"] = ["YoutuForCausalLM"]
     d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.dtype]

@@ -7,6 +7,7 @@
 
 __version__ = "0.1.0"
 
+from .batch import batch
 from .convert import convert
 from .errors import EdgevlError
 from .boxes import Box
@@ -14,4 +15,4 @@ from .generate import Completion, complete, generate, stream_events, stream_gene
 from .model import Model, load
 
 __all__ = ["load", "generate", "stream_generate", "stream_events", "complete", "Completion", "Box", "convert",
-           "Model", "EdgevlError"]
+           "batch", "Model", "EdgevlError"]

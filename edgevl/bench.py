@@ -220,8 +220,9 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
 # llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
 
 
-def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", mmproj: bool = False) -> Path:
-    """The checkpoint as a GGUF file (``mmproj``: its vision projector, for llama.cpp's mtmd)."""
+def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmproj: bool = False) -> Path:
+    """The checkpoint as a GGUF file (``mmproj``: its vision projector, for llama.cpp's mtmd;
+    ``extra_args``: the architecture's ``llamacpp_convert_args``)."""
     import tarfile
 
     out = work / f"{hf_dir.name}{'-mmproj' if mmproj else ''}-{outtype}.gguf"
@@ -238,7 +239,7 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", mmproj: bool = Fal
                        ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
             t.extractall(src, members=members, filter="data")
     script = next(src.rglob("convert_hf_to_gguf.py"))
-    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype] + (["--mmproj"] if mmproj else [])
+    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra_args] + (["--mmproj"] if mmproj else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]))
     # Benchmark checkpoints carry a stand-in tokenizer whose pre-tokenizer hash llama.cpp does not
     # know; the benchmark feeds token ids, so any pre-tokenizer name will do.
@@ -426,9 +427,12 @@ def bench_cli(a) -> int:
             except ImportError:
                 raise EdgevlError("--compare llamacpp needs llama-cpp-python "
                                   "(pip install 'edgevl[llamacpp]')") from None
+            from .weights import Checkpoint
+
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
+            extra = models.resolve(Checkpoint(ref).config).llamacpp_convert_args
             for outtype in (a.gguf_types or "bf16").split(","):
-                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype))})
+                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, extra))})
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")
     res = bench(systems, a.prompt_tokens, a.gen_tokens, threads, a.repeats)

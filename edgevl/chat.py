@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import EdgevlError
-from .generate import Event, default_max_new_tokens, prepare, stream_events
+from .generate import Event, default_max_new_tokens, prepare, stream_events, template_kwargs, with_reasoning
 from .model import Model, load
 from .sample import resolve
 
@@ -73,11 +73,14 @@ class ChatSession:
     def __init__(self, model: Model, system: str | None = None, max_new_tokens: int | None = None,
                  max_image_patches: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
-                 stop=None, allow_special_in_content: bool = False):
+                 stop=None, allow_special_in_content: bool = False, chat_template_kwargs=None,
+                 show_reasoning: bool = False):
         # unset values come from the model's generation_config.json; bad ones fail now, not per turn
         resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty)
         # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
         self.allow_special_in_content = allow_special_in_content
+        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)
+        self.show_reasoning = show_reasoning  # the history keeps only answers either way
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(model)
         if not 0 < int(max_new_tokens) < model.max_context:
@@ -115,7 +118,8 @@ class ChatSession:
 
     def _count(self, messages) -> int:
         return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
-                           allow_special_in_content=self.allow_special_in_content).input_ids)
+                           allow_special_in_content=self.allow_special_in_content,
+                           chat_template_kwargs=self.chat_template_kwargs).input_ids)
 
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
@@ -147,16 +151,19 @@ class ChatSession:
             self.last_tokens = tokens
 
         try:
-            for ev in stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
-                                    max_image_patches=self.max_image_patches,
-                                    allow_special_in_content=self.allow_special_in_content, **self.sampling):
+            events = stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
+                                   max_image_patches=self.max_image_patches,
+                                   allow_special_in_content=self.allow_special_in_content,
+                                   chat_template_kwargs=self.chat_template_kwargs, **self.sampling)
+            for shown, ev in (with_reasoning(events) if self.show_reasoning else ((e.text, e) for e in events)):
                 if ev.token is not None:
                     tokens.append(ev.token)
                 if ev.finish_reason:
                     self.last_event = ev
                 if ev.text:
                     text.append(ev.text)
-                    yield ev.text
+                if shown:
+                    yield shown
         except KeyboardInterrupt:
             # Ctrl-C can land between a KV-cache update and its bookkeeping: recompute next turn
             self.model.reset()
@@ -178,7 +185,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
               max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
               top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
               stop=None, system: str | None = None, input_fn=input, out=None,
-              allow_special_in_content: bool = False) -> int:
+              allow_special_in_content: bool = False, chat_template_kwargs=None, show_reasoning: bool = False) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -189,7 +196,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                          seed=seed, stop=stop, allow_special_in_content=allow_special_in_content)
+                          seed=seed, stop=stop, allow_special_in_content=allow_special_in_content,
+                          chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning)
     demo_scenes = 0
 
     def attach(arg: str) -> str:

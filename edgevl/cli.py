@@ -8,9 +8,11 @@
     edgevl bench [MODEL] [--compare torch,llamacpp] [--images 1024x768]
     edgevl cache [list|clear]
     edgevl check MODEL
+    edgevl batch [MODEL] --input SRC --prompt "..." --output OUT.jsonl|.parquet [--workers N] [--ray [ADDRESS]]
 
 MODEL is a package folder; left out (or ``demo``) it is the shipped demo model. Every user
-error prints one line ``error: ...`` and exits with status 2.
+error prints one line ``error: ...`` and exits with status 2 (``batch``: 1 when some rows failed;
+they carry an error field).
 """
 
 from __future__ import annotations
@@ -73,10 +75,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "that do not fit in RAM)")
 
 
-def add_content_args(p: argparse.ArgumentParser) -> None:
+def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
     p.add_argument("--allow-special-in-content", action="store_true",
                    help="let special-token text in messages (e.g. <|end_of_text|>) act as control tokens; by "
                         "default message contents are plain text and only the chat template adds control tokens")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="models that can think before answering: --no-thinking asks the chat template for a "
+                        "direct answer (enable_thinking=false); default: the template's own, often on)")
+    if show:
+        p.add_argument("--show-thinking", action="store_true",
+                       help="also print the model's thinking, inside <think>...</think> (default: answer only)")
+
+
+def template_args(a) -> dict:
+    """chat_template_kwargs from --thinking/--no-thinking."""
+    return {} if a.thinking is None else {"enable_thinking": a.thinking}
 
 
 def check_model_args(a) -> None:
@@ -144,7 +157,7 @@ def cmd_convert(a) -> int:
 def cmd_run(a) -> int:
     from . import load
     from .demo.scene_file import save_demo_scene
-    from .generate import default_max_new_tokens, stream_events
+    from .generate import default_max_new_tokens, stream_events, with_reasoning
     from .sample import resolve
 
     check_model_args(a)
@@ -172,11 +185,12 @@ def cmd_run(a) -> int:
                                                        " (the model's own)") if images and budget else "")
               + "]", file=sys.stderr)
     text, boxes = [], []
-    for ev in stream_events(model, a.prompt, image=images or None, raw=a.raw,
-                            max_image_patches=a.max_image_patches,
-                            allow_special_in_content=a.allow_special_in_content, **kwargs):
-        if ev.text:
-            sys.stdout.write(ev.text)
+    events = stream_events(model, a.prompt, image=images or None, raw=a.raw, max_image_patches=a.max_image_patches,
+                           allow_special_in_content=a.allow_special_in_content,
+                           chat_template_kwargs=template_args(a), **kwargs)
+    for shown, ev in (with_reasoning(events) if a.show_thinking else ((e.text, e) for e in events)):
+        if shown:
+            sys.stdout.write(shown)
             sys.stdout.flush()
             text.append(ev.text)
         if ev.finish_reason:
@@ -213,7 +227,8 @@ def cmd_chat(a) -> int:
     check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
-                     allow_special_in_content=a.allow_special_in_content, **sampling_kwargs(a))
+                     allow_special_in_content=a.allow_special_in_content, chat_template_kwargs=template_args(a),
+                     show_reasoning=a.show_thinking, **sampling_kwargs(a))
 
 
 def cmd_serve(a) -> int:
@@ -226,7 +241,8 @@ def cmd_serve(a) -> int:
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
-                 max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content)
+                 max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
+                 chat_template_kwargs=template_args(a))
 
 
 def cmd_check(a) -> int:
@@ -280,6 +296,10 @@ def _convert_options() -> dict:
         for name, opt in arch.options.items():
             out.setdefault(name, (opt, []))[1].append(arch.name)
     return out
+def cmd_batch(a) -> int:
+    from .batch import batch_cli
+
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
     add_model_args(s)
-    add_content_args(s)
+    add_content_args(s, show=False)  # the server returns thinking as reasoning_content
     s.set_defaults(fn=cmd_serve)
 
     b = command("bench", "measure prefill/decode speed and memory")
@@ -385,6 +405,30 @@ def build_parser() -> argparse.ArgumentParser:
     k = command("cache", "list or clear what edgevl keeps in its cache folder")
     k.add_argument("action", nargs="?", default="list", choices=["list", "clear"], help="what to do")
     k.set_defaults(fn=cmd_cache)
+    bt = command("batch", "answer a prompt over a folder or table of images (resumable; local worker processes "
+                          "or Ray)")
+    bt.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
+    bt.add_argument("--input", required=True, metavar="SRC",
+                    help="a folder of images, or a .jsonl/.csv/.parquet file with an image column")
+    bt.add_argument("--prompt", help="the prompt for every row; a prompt column overrides it per row (default: "
+                                     "none; needed unless the table has a prompt column)")
+    bt.add_argument("--output", required=True, metavar="OUT",
+                    help="results, .jsonl or .parquet; rows already there are skipped")
+    bt.add_argument("--workers", type=int, default=1,
+                    help="local worker processes, or Ray actors with --ray (default: 1)")
+    bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray; "
+                         "default: no Ray)")
+    bt.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    bt.add_argument("--retry-errors", action="store_true", help="run rows that failed last time again")
+    bt.add_argument("--image-column", default="image", help="a table's image path column (default: image)")
+    bt.add_argument("--prompt-column", default="prompt", help="a table's per-row prompt column (default: prompt)")
+    bt.add_argument("--id-column", default="id",
+                    help="a table's row id column (default: id; without it the image path as written)")
+    bt.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_sampling_args(bt)
+    add_model_args(bt)
+    bt.set_defaults(fn=cmd_batch)
     return p
 
 

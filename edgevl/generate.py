@@ -8,6 +8,11 @@ and counts at once.
 
 Sampling settings left as None come from the checkpoint's ``generation_config.json``
 (``sample.resolve``); ``temperature=0`` means plain greedy.
+
+Models that think before answering (their architecture declares ``reasoning_tokens``, e.g.
+``<think>``/``</think>``) get that text apart from the answer: ``Event.reasoning``, never mixed
+into ``Event.text``; ``stream_generate``/``generate`` leave it out unless ``show_reasoning``.
+``chat_template_kwargs`` reach the chat template (e.g. ``{"enable_thinking": False}``).
 """
 
 from __future__ import annotations
@@ -45,16 +50,65 @@ class Event:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     boxes: list = field(default_factory=list)    # last event only: Box tuples the answer names
+    reasoning: str = ""                           # thinking text (models with reasoning markers)
 
 
 @dataclass
 class Completion:
-    """A whole answer: ``text``, the ``boxes`` it names, why it ended and the token counts."""
+    """A whole answer: ``text``, the ``boxes`` it names, why it ended and the token counts
+    (``reasoning``: the model's thinking, for models that have it)."""
     text: str
     boxes: list
     finish_reason: str
     prompt_tokens: int
     generation_tokens: int
+    reasoning: str = ""
+
+
+class ReasoningSplitter:
+    """Routes generated tokens to the answer or to the reasoning, by the architecture's marker
+    tokens. Starts in reasoning when the prompt left a start marker open (a template that
+    opens the think block itself). Newlines around the reasoning and at the start of the answer
+    are dropped, as the chat template does when it reads an answer back."""
+
+    def __init__(self, tokenizer, markers, prompt_ids):
+        self.detok = StreamDecoder(tokenizer)
+        self.start = self.end = None
+        if markers:
+            self.start, self.end = (tokenizer.token_to_id(m) for m in markers)
+        if self.start is None or self.end is None:
+            self.start = self.end = None
+        last = {t: i for i, t in enumerate(prompt_ids) if t in (self.start, self.end)} if self.start is not None else {}
+        self.thinking = last.get(self.start, -1) > last.get(self.end, -1)
+        self.lead = self.start is not None   # at the start of a part: newlines there are dropped
+        self.held = ""        # reasoning newlines held back (dropped if the reasoning ends there)
+
+    @property
+    def active(self) -> bool:
+        return self.start is not None
+
+    def add(self, token: int) -> tuple[str, str]:
+        """(answer text, reasoning text) this token completes."""
+        if token in (self.start, self.end) and self.start is not None:
+            out = self._route(self.detok.flush())
+            # newlines held at the end of the reasoning are dropped
+            self.thinking, self.lead, self.held = token == self.start, True, ""
+            return out
+        return self._route(self.detok.add(token))
+
+    def flush(self) -> tuple[str, str]:
+        return self._route(self.detok.flush(), end=True)
+
+    def _route(self, text: str, end: bool = False) -> tuple[str, str]:
+        if self.lead:
+            text = text.lstrip("\n")
+            self.lead = not text
+        if not self.thinking:
+            return text, ""
+        text = self.held + text
+        body = text.rstrip("\n")
+        self.held = "" if end else text[len(body):]
+        return "", body
 
 
 def _image_parts(messages) -> list:
@@ -74,6 +128,20 @@ def _validate_messages(messages) -> None:
             raise EdgevlError("each message needs 'role' and 'content' keys")
         if m["role"] not in ("system", "user", "assistant"):
             raise EdgevlError(f"unknown message role {m['role']!r}; use system, user or assistant")
+        if isinstance(m["content"], list) and any(isinstance(p, dict) and p.get("type") in ("video", "video_url")
+                                                   for p in m["content"]):
+            raise EdgevlError("video input is not supported; send frames as images")
+
+
+def template_kwargs(kwargs) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise EdgevlError("chat_template_kwargs must be an object of named values, e.g. {\"enable_thinking\": false}")
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"} & set(kwargs)
+    if reserved:
+        raise EdgevlError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    return dict(kwargs)
 
 
 _MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -105,11 +173,12 @@ def _masked(messages, marks) -> list[dict]:
     return out
 
 
-def encode_messages(tok, messages, allow_special_in_content: bool = False) -> list[int]:
+def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_template_kwargs=None) -> list[int]:
     """Render the chat template and tokenize it. Control tokens come only from the template:
     special-token text inside a message (``<|end_of_text|><|begin_of_text|>system``...) is
     tokenized as plain text, so a client cannot forge turns, unless ``allow_special_in_content``."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    kw = template_kwargs(chat_template_kwargs)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
     contents = _contents(messages)
     specials = tok.special_tokens
     if allow_special_in_content or not any(sp in c for c in contents for sp in specials):
@@ -119,7 +188,7 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False) -> li
     if any("\ue000" in c for c in contents):
         raise EdgevlError("message contents may not contain U+E000 together with control-token text")
     masked = tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
-                                     add_generation_prompt=True)
+                                     add_generation_prompt=True, **kw)
     ids, rebuilt = [], []
     for k, piece in enumerate(_MARK.split(masked)):
         if k % 2:
@@ -136,7 +205,7 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False) -> li
 
 
 def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
-            allow_special_in_content: bool = False) -> Prepared:
+            allow_special_in_content: bool = False, chat_template_kwargs=None) -> Prepared:
     """Render the chat template, tokenize, encode images and expand each image placeholder.
 
     Message contents are plain text (see ``encode_messages``); ``raw=True`` tokenizes the prompt
@@ -168,7 +237,8 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     if images and model.vision is None:
         raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
 
-    ids = tok.encode(text) if text is not None else encode_messages(tok, messages, allow_special_in_content)
+    ids = (tok.encode(text) if text is not None
+           else encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs))
     prep = Prepared(input_ids=[])
     pad = model.image_token_id
     n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
@@ -198,19 +268,20 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
                   seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
                   reuse_cache: bool = True, postprocess: bool = True,
-                  allow_special_in_content: bool = False) -> Iterator[Event]:
+                  allow_special_in_content: bool = False, chat_template_kwargs=None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
-    the resized image the model saw) and finds no boxes."""
+    the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
+    markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
     if max_new_tokens is None:
         max_new_tokens = default_max_new_tokens(model)
     t0 = time.perf_counter()
     prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches,
-                   allow_special_in_content=allow_special_in_content)
+                   allow_special_in_content=allow_special_in_content, chat_template_kwargs=chat_template_kwargs)
     # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
     post = model.arch.output_processor(model, prep.images) if postprocess else None
-    detok = StreamDecoder(model.tokenizer)
+    split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
     gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
                                 reuse_cache=reuse_cache, **settings.kwargs())
     n_prompt, n_gen = len(prep.input_ids), 0
@@ -220,7 +291,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     finish = "length"
     hold = max((len(s) for s in stop), default=0) - 1
 
-    def stats(text, token, reason=None):
+    def stats(text, token, reason=None, reasoning=""):
         nonlocal shown
         shown += len(text)
         now = time.perf_counter()
@@ -229,7 +300,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         return Event(text, token, reason, n_prompt, n_gen, model.last_prefill_tokens,
                      model.last_prefill_tokens / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
-                     post.boxes(shown) if post and reason else [])
+                     post.boxes(shown) if post and reason else [], reasoning)
 
     for token in gen:
         if t_first is None:
@@ -238,7 +309,9 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         if token in model.eos_ids:
             finish = "stop"
             break
-        piece = detok.add(token)
+        piece, thought = split.add(token)
+        if thought:
+            yield stats("", token, reasoning=thought)
         pending += post.feed(piece) if post else piece
         if stop:
             hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
@@ -255,20 +328,39 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         else:
             out, pending = pending, ""
         yield stats(out, token)
-    tail = detok.flush()
+    tail, thought = split.flush()
     tail = pending + (post.feed(tail) + post.flush() if post else tail)
     if stop:
         hit = min((i for i in (tail.find(s) for s in stop) if i >= 0), default=-1)
         if hit >= 0:
             tail, finish = tail[:hit], "stop"
-    yield stats(tail, None, finish)
+    yield stats(tail, None, finish, thought)
 
 
-def stream_generate(model, prompt, image=None, **kwargs) -> Iterator[str]:
-    """Yield text pieces as they are generated (see ``stream_events`` for the options)."""
-    for ev in stream_events(model, prompt, image=image, **kwargs):
-        if ev.text:
-            yield ev.text
+REASONING_OPEN, REASONING_CLOSE = "<think>\n", "\n</think>\n\n"
+
+
+def with_reasoning(events) -> Iterator[tuple[str, Event]]:
+    """(text to show, event) with the reasoning shown inside ``<think>``...``</think>``."""
+    inside = False
+    for ev in events:
+        out = ""
+        if ev.reasoning:
+            out += ("" if inside else REASONING_OPEN) + ev.reasoning
+            inside = True
+        if inside and (ev.text or ev.finish_reason):
+            out += REASONING_CLOSE
+            inside = False
+        yield out + ev.text, ev
+
+
+def stream_generate(model, prompt, image=None, show_reasoning: bool = False, **kwargs) -> Iterator[str]:
+    """Yield text pieces as they are generated (see ``stream_events`` for the options);
+    ``show_reasoning`` includes the model's thinking, inside ``<think>``...``</think>``."""
+    events = stream_events(model, prompt, image=image, **kwargs)
+    for text, _ in (with_reasoning(events) if show_reasoning else ((ev.text, ev) for ev in events)):
+        if text:
+            yield text
 
 
 def generate(model, prompt, image=None, **kwargs) -> str:
@@ -277,9 +369,12 @@ def generate(model, prompt, image=None, **kwargs) -> str:
 
 
 def complete(model, prompt, image=None, **kwargs) -> Completion:
-    """Generate a whole answer and return it with the boxes it names (``stream_events`` options)."""
-    text, last = [], None
+    """Generate a whole answer and return it with the boxes it names and the reasoning
+    (``stream_events`` options)."""
+    text, thought, last = [], [], None
     for ev in stream_events(model, prompt, image=image, **kwargs):
         text.append(ev.text)
+        thought.append(ev.reasoning)
         last = ev
-    return Completion("".join(text), last.boxes, last.finish_reason, last.prompt_tokens, last.generation_tokens)
+    return Completion("".join(text), last.boxes, last.finish_reason, last.prompt_tokens, last.generation_tokens,
+                      "".join(thought))

@@ -106,15 +106,22 @@ class Model:
         return self.arch.name
 
     def _net(self, name: str, light_mode: bool = True) -> Net:
-        dtype = self.dtype if self.dtype != "q8" else "bf16"
-        sections = self.manifest["graphs"][name]["extra"].get("sections")
+        return self.open_net(name, light_mode=light_mode)
+
+    def open_net(self, name: str, dtype: str | None = None, light_mode: bool = True, packing: bool = True,
+                 threads: int | None = None) -> Net:
+        """One of the package's graphs (``name``.param/.bin, listed and verified), in the package's
+        precision and thread count unless told otherwise; architectures open their helper nets with it."""
+        dtype = dtype or (self.dtype if self.dtype != "q8" else "bf16")
+        threads = threads or self.threads
+        sections = (self.manifest["graphs"].get(name) or {}).get("extra", {}).get("sections")
         param, binfile = (str(package_path(self.path, f"{name}{x}", self.manifest, "graph file"))
                           for x in (".param", ".bin"))
-        if self.low_memory and light_mode and sections:
+        if self.low_memory and light_mode and sections and packing:
             for sec in sections:
                 package_path(self.path, sec["param"], self.manifest, "section file")
-            return SectionedNet(str(self.path), binfile, sections, self.threads, dtype)
-        return Net(param, binfile, self.threads, dtype, light_mode)
+            return SectionedNet(str(self.path), binfile, sections, threads, dtype)
+        return Net(param, binfile, threads, dtype, light_mode, packing)
 
     @property
     def kv_elem_bytes(self) -> int:
@@ -194,9 +201,16 @@ class Model:
             self.cache.rollback(start)
             self.cache_keys = self.cache_keys[:start]
         hidden = None
-        for s in range(start, len(keys), PREFILL_CHUNK):
-            e = min(len(keys), s + PREFILL_CHUNK)
+        # runs end at the architecture's snapshot points (where a later prompt may diverge from
+        # this one, e.g. before an answer that the next turn's template renders differently)
+        points = {p for p in self.arch.snapshot_points(self, list(input_ids)) if start < p < len(keys)}
+        cuts = sorted(points | set(range(start + PREFILL_CHUNK, len(keys), PREFILL_CHUNK)) | {len(keys)})
+        s = start
+        for e in cuts:
             hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e])
+            if e in points:
+                self.cache.snapshot()
+            s = e
         self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
         self.cache_keys.extend(keys[start:])
         self.last_prefill_tokens = len(keys) - start

@@ -553,3 +553,30 @@ def sdpa(g: Graph, q: str, k: str, v: str, mask: str | None = None, scale: float
         outs = [out or g._new_blob(), *cache_out]
         return g.layer("SDPA", inputs + list(cache), params, outputs=outs, name=name)
     return g.layer("SDPA", inputs, params, outputs=[out] if out else 1, name=name)
+
+
+def matmul(g: Graph, a: str, b: str, name: str | None = None, out: str | None = None) -> str:
+    """Batched a @ b over the last two axes (3-D: per channel), both operands blobs."""
+    return g.layer("MatMul", [a, b], outputs=[out] if out else 1, name=name)
+
+
+def crop_last(g: Graph, x: str, n: int, axis: int, name: str | None = None, out: str | None = None) -> str:
+    """The last ``n`` entries along ``axis`` (negative: from the last axis), whatever the size."""
+    return g.layer("Crop", [x], {9: [-int(n)], 10: [2 ** 31 - 1], 11: [int(axis)]},
+                   outputs=[out] if out else 1, name=name)
+
+
+def conv_dw1d(g: Graph, x: str, weight: np.ndarray, name: str | None = None, out: str | None = None) -> str:
+    """Depthwise 1-D convolution, no padding or bias: x (h=channels, w=time), weight [channels, k]."""
+    ch, k = (int(s) for s in weight.shape)
+    return g.layer("ConvolutionDepthWise1D", [x], {0: ch, 1: k, 2: 1, 3: 1, 4: 0, 5: 0, 6: ch * k, 7: ch},
+                   [Tagged(np.ascontiguousarray(weight, np.float32))], outputs=[out] if out else 1, name=name)
+
+
+def bnll(g: Graph, x: str, name: str | None = None, out: str | None = None) -> str:
+    """softplus log(1 + e^x) in the overflow-safe form (ncnn's Softplus overflows above ~88)."""
+    return g.layer("BNLL", [x], outputs=[out] if out else 1, name=name)
+
+
+def cumsum(g: Graph, x: str, axis: int, name: str | None = None, out: str | None = None) -> str:
+    return g.layer("CumulativeSum", [x], {0: int(axis)}, outputs=[out] if out else 1, name=name)

@@ -1,4 +1,4 @@
-"""A minimal progress bar on stderr (conversion, hashing, benchmarks)."""
+"""A minimal progress bar on stderr (conversion, hashing, benchmarks, batch jobs)."""
 
 from __future__ import annotations
 
@@ -25,24 +25,29 @@ class Progress:
             v /= 1024
         return str(v)
 
+    def _rate(self, v: float) -> str:
+        # items can come slower than one a second (a batch row on a big model): keep decimals
+        return f"{self._fmt(v)}/s" if self.unit == "B" else f"{v:.3g} {self.unit}/s"
+
     def update(self, n: float, note: str = "") -> None:
         self.n += n
         if not self.enabled:
             return
         now = time.monotonic()
         pct = int(100 * min(self.n, self.total) / self.total)
+        rate = self.n / max(now - self.t0, 1e-9)
+        eta = (self.total - self.n) / rate if rate > 0 else 0
         if self.tty:
             if now - self._last < 0.1 and self.n < self.total:
                 return
             width = 28
             fill = int(width * pct / 100)
-            rate = self.n / max(now - self.t0, 1e-9)
-            eta = (self.total - self.n) / rate if rate > 0 else 0
             msg = (f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {pct:3d}% "
-                   f"{self._fmt(self.n)}/{self._fmt(self.total)} {self._fmt(rate)}/s eta {eta:4.0f}s {note[:40]:<40}")
+                   f"{self._fmt(self.n)}/{self._fmt(self.total)} {self._rate(rate)} eta {eta:4.0f}s {note[:40]:<40}")
             self.stream.write(msg)
         elif pct // 10 != self._last_pct // 10 or self.n >= self.total:
-            self.stream.write(f"{self.desc}: {pct}% ({self._fmt(self.n)}/{self._fmt(self.total)})\n")
+            self.stream.write(f"{self.desc}: {pct}% ({self._fmt(self.n)}/{self._fmt(self.total)}) "
+                              f"{self._rate(rate)} eta {eta:.0f}s\n")
             self._last_pct = pct
         self.stream.flush()
         self._last = now

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 
 import ncnn
 import numpy as np
@@ -67,13 +68,21 @@ def from_mat(m: "ncnn.Mat") -> np.ndarray:
     return np.array(m, dtype=np.float32, copy=True)
 
 
-def _options(opt, threads: int, dtype: str) -> None:
+def _options(opt, threads: int, dtype: str, packing: bool = True) -> None:
     opt.num_threads = int(threads)  # before load: Gemm keeps the load-time value
-    opt.use_fp16_storage = False
-    opt.use_fp16_packed = False
-    opt.use_fp16_arithmetic = False
-    # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact. fp16
-    # packages keep fp16 accuracy: on x86 ncnn widens them to fp32 in memory.
+    # packing off keeps blobs in the plain layout numpy reads: no repacking copies of large
+    # host-held states between runs (for small weightless nets that pass a state through)
+    opt.use_packing_layout = bool(packing)
+    # fp16 packages on 64-bit ARM keep weights and activations in fp16 (half the memory and
+    # bandwidth; the conversion is base ARMv8), and compute in fp16 where the CPU can (ARMv8.2
+    # asimdhp: Cortex-A55/A76, RK3568/RK3588, Pi 5) — accuracy measured in README "ARM boards".
+    # On x86 ncnn widens them to fp32. Everything else stays off: ncnn's own defaults would run
+    # fp32 packages in fp16 on ARM.
+    fp16 = dtype == "fp16" and platform.machine().lower() in ("aarch64", "arm64")
+    opt.use_fp16_storage = fp16
+    opt.use_fp16_packed = fp16
+    opt.use_fp16_arithmetic = fp16 and bool(getattr(ncnn, "cpu_support_arm_asimdhp", lambda: 0)())
+    # bf16 storage halves weight memory and bandwidth; fp32 packages stay exact.
     opt.use_bf16_storage = dtype == "bf16"
     opt.use_bf16_packed = dtype == "bf16"
     # ncnn's SIMD-packed blob layout (elempack 4/8/16) made every layout change (Reshape,
@@ -116,12 +125,20 @@ def load_arena():
         trim(0)
 
 
+def open_net(param, binfile, threads: int, dtype: str = "fp32", light_mode: bool = True,
+             packing: bool = True) -> "Net":
+    """An ncnn graph with explicit options (e.g. an architecture's small fp32 helper nets, which
+    load in fp32 with packing off whatever the package's dtype)."""
+    return Net(str(param), str(binfile), threads, dtype, light_mode, packing)
+
+
 class Net:
     """One ncnn network with the package's precision options."""
 
-    def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True):
+    def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True,
+                 packing: bool = True):
         self.net = ncnn.Net()
-        _options(self.net.opt, threads, dtype)
+        _options(self.net.opt, threads, dtype, packing)
         self.light_mode = light_mode
         self.where = param  # for error messages
         if self.net.load_param(param) != 0:
@@ -141,16 +158,25 @@ class Net:
     def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
         """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches).
 
-        ``passes``: (blob names, fn) pairs run first, in order: the blobs are extracted, ``fn``
-        gets them as arrays and returns arrays to feed by blob name (intermediate blobs too)."""
+        ``passes``: (blob names, fn[, mats]) tuples run first, in order: the blobs are extracted,
+        ``fn`` gets them as arrays (as ncnn Mats if ``mats``) and returns arrays (or Mats) to feed
+        by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if ``wanted`` names them (extracting a
+        state output in the pass that computes it keeps it from being freed in light mode)."""
         ex = self.extractor()
         _feed(ex, feeds)
-        for names, fn in passes:
+        done = {}
+        for p in passes:
+            names, fn = p[0], p[1]
             got = _extract(ex, [(n, 0) for n in names], self.where)
-            _feed(ex, fn({n: from_mat(m) for n, m in got.items()}))
+            done.update(got)
+            raw = len(p) > 2 and p[2]  # the hook takes the Mats themselves (no copies)
+            _feed(ex, fn(got if raw else {n: from_mat(m) for n, m in got.items()}))
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
-        return _extract(ex, sorted(wanted, key=lambda w: self.order.get(w[0], 0)), self.where)
+        rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
+        out = _extract(ex, rest, self.where)
+        out.update({n: done[n] for n, _ in wanted if n in done})
+        return out
 
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
@@ -305,7 +331,34 @@ class RecurrentState:
         return int(sum(4 * np.prod(s) for s in self.shapes))
 
 
-STATE_KINDS = {"kv": KVState, "recurrent": RecurrentState}
+class HostState(RecurrentState):
+    """A fixed-size state that lives on the host, not in the graph: a host hook (a decoder
+    ``passes`` entry naming this state) reads it with ``get`` and replaces it with ``set``
+    (e.g. a linear-attention matrix that a separate fp32 net updates). Not truncatable, like
+    ``recurrent``: snapshots restore it."""
+
+    kind = "host"
+
+    def feeds(self) -> dict:
+        return {}
+
+    def wanted(self) -> list:
+        return []
+
+    def update(self, res: dict) -> None:
+        pass
+
+    def get(self) -> tuple:
+        """The state Mats (zeros before the first update)."""
+        if self.mats is None:
+            self.mats = tuple(to_mat(np.zeros(s, np.float32)) for s in self.shapes)
+        return self.mats
+
+    def set(self, mats) -> None:
+        self.mats = tuple(mats)
+
+
+STATE_KINDS = {"kv": KVState, "recurrent": RecurrentState, "host": HostState}
 
 # Snapshots of recurrent state kept per cache (each is the whole fixed-size state): enough for
 # the turn boundaries a chat or a resent conversation rolls back to.
@@ -337,6 +390,8 @@ class Cache:
             return self.length
         if self.truncatable:
             return n if kv_truncation_works() else 0
+        if any(s.truncatable for s in self.layers) and not kv_truncation_works():
+            return 0
         points = [k for k in self._snapshots if k <= n]
         return max(points, default=0)
 
@@ -388,6 +443,17 @@ class Cache:
 
     def bytes(self) -> int:
         return sum(s.bytes() for s in self.layers)
+
+    def state_arrays(self) -> dict:
+        """{(layer, name): array} of the fixed-size states whose manifest entry names its layer
+        and parts (``"layer"``, ``"names"``), for comparison with a reference's cache."""
+        out = {}
+        for spec, s in zip(self.specs, self.layers):
+            if s.truncatable or s.mats is None or "layer" not in spec:
+                continue
+            for name, m in zip(spec.get("names", range(len(s.mats))), s.mats):
+                out[(int(spec["layer"]), str(name))] = from_mat(m)
+        return out
 
 
 def state_bytes(specs: list, n_tokens: int, kv_elem_bytes: int = 4) -> int:
@@ -504,7 +570,10 @@ class Decoder:
     extracts some blobs, hands them to ``hooks[pass["hook"]](blobs, **pass.get("args", {}))``
     and feeds the arrays it returns back into the graph by blob name (ncnn skips a fed blob's
     producer), before the next pass or the final extraction — e.g. routing to experts in numpy.
-    A pass with ``"when": "prefill"`` runs only for inputs of more than one token."""
+    A pass with ``"when": "prefill"`` runs only for inputs of more than one token; a pass with
+    ``"state": k`` also hands the hook ``state=`` the cache's k-th state (``info["state"][k]``),
+    e.g. a ``host`` state the hook reads and replaces; with ``"mats": true`` the hook gets the
+    extracted blobs as ncnn Mats (valid during the call; no numpy copies)."""
 
     def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
@@ -532,7 +601,7 @@ class Decoder:
         names = self.info["inputs"]
         feeds = {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
                  names["sin"]: sin, **cache.feeds()}
-        passes = [(p["extract"], self._hook(p, seq)) for p in self.passes
+        passes = [(p["extract"], self._hook(p, seq, cache), bool(p.get("mats"))) for p in self.passes
                   if p.get("when", "always") == "always" or seq > 1]
         # intermediate blobs first (they must be extracted before consumers free them); state
         # outputs with their kind's extraction type
@@ -543,8 +612,10 @@ class Decoder:
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
 
-    def _hook(self, p: dict, seq: int):
-        fn, args = self.hooks[p["hook"]], p.get("args", {})
+    def _hook(self, p: dict, seq: int, cache: Cache):
+        fn, args = self.hooks[p["hook"]], dict(p.get("args", {}))
+        if "state" in p:
+            args["state"] = cache.layers[int(p["state"])]
         return lambda blobs: fn(blobs, seq=seq, **args)
 
 

@@ -26,6 +26,10 @@ Design:
   llama-server does, unless ``strict_model``. Boxes the answer names come back as an extra
   ``boxes`` field of the message (streaming: of the last delta), in original-image pixels. ``usage.completion_tokens``
   counts every generated token, the end-of-text token included.
+- Models that think first (reasoning markers such as ``<think>``): the thinking comes back as
+  ``message.reasoning_content`` (streaming: ``delta.reasoning_content``), apart from ``content``,
+  as vLLM and llama-server do; ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``)
+  reaches the chat template, over the server's own defaults (``edgevl serve --no-thinking``).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from urllib.parse import unquote, urlsplit
 
 from . import __version__
 from .errors import EdgevlError
-from .generate import stream_events
+from .generate import stream_events, template_kwargs
 from .model import Model, load
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
@@ -337,12 +341,20 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
     seed = _number(req, "seed", None, int)
     if seed is not None and seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
+    # vLLM's extension: values for the chat template, e.g. {"enable_thinking": false}
+    ctk = req.get("chat_template_kwargs")
+    if ctk is not None and not isinstance(ctk, dict):
+        raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    try:
+        ctk = template_kwargs({**server.chat_template_kwargs, **(ctk or {})})
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "chat_template_kwargs") from None
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
-        max_image_patches=server.max_image_patches)
+        max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
     return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
 
 
@@ -554,6 +566,9 @@ class Handler(BaseHTTPRequestHandler):
                 decoded = None  # before the next request may decode its images
         head = self._head("chat.completion")
         message = {"role": "assistant", "content": "".join(e.text for e in evs)}
+        reasoning = "".join(e.reasoning for e in evs)
+        if reasoning:  # the model's thinking, apart from the answer (OpenAI-compatible servers' field)
+            message["reasoning_content"] = reasoning
         if evs[-1].boxes:
             message["boxes"] = [b.as_json() for b in evs[-1].boxes]
         self._send(200, {**head, "choices": [{
@@ -582,9 +597,11 @@ class Handler(BaseHTTPRequestHandler):
         chunk({"role": "assistant", "content": ""})
         try:
             for ev in events:
+                if ev.reasoning:
+                    chunk({"reasoning_content": ev.reasoning})
                 if ev.text:
                     chunk({"content": ev.text})
-                elif self._client_gone():  # no write to fail on (held-back text): look
+                elif not ev.reasoning and self._client_gone():  # no write to fail on (held-back text): look
                     raise ConnectionError("the client hung up")
         except (ConnectionError, TimeoutError):
             raise
@@ -623,7 +640,7 @@ class EdgevlServer(ThreadingHTTPServer):
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
-                 max_image_patches: int | None = None, strict_model: bool = False):
+                 max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -636,6 +653,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
+        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)  # defaults; requests override
         _one_malloc_arena()
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder
@@ -693,12 +711,13 @@ def _is_loopback(host: str) -> bool:
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
-          strict_model: bool = False) -> int:
+          strict_model: bool = False, chat_template_kwargs=None) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
-                          max_image_patches=max_image_patches, strict_model=strict_model)
+                          max_image_patches=max_image_patches, strict_model=strict_model,
+                          chat_template_kwargs=chat_template_kwargs)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

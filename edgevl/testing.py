@@ -46,16 +46,18 @@ def init_random(model, seed: int, scale: float = 0.15):
     return model
 
 
-def train_briefly(model, tok, steps: int, seed: int = 0):
-    """A few hundred Adam steps on CORPUS: peaked, trained-like logits (random nets are flat).
+def train_briefly(model, tok, steps: int, seed: int = 0, ids=None, lr: float = 3e-3):
+    """A few hundred Adam steps on CORPUS (or on token ``ids``): peaked, trained-like logits
+    (random nets are flat).
 
     ``model(ids, labels=ids)`` must return an object with ``.loss`` (transformers' convention)."""
     import torch
 
-    ids = [t for text in CORPUS[: len(CORPUS) // 4] for t in tok.encode(text).ids + [1]]
+    if ids is None:
+        ids = [t for text in CORPUS[: len(CORPUS) // 4] for t in tok.encode(text).ids + [1]]
     data = torch.tensor(ids)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(data) - 65, (8,), generator=g)

@@ -135,9 +135,9 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         rep.processor_max_diff = ref.processor_diff(images, infos)
         for k, (info, (merged, states)) in enumerate(zip(infos, ref.vision_states(ref_images))):
             tag = f"image {k} " if len(images) > 1 else ""
-            for i, ours in enumerate(info["layers"][:-1]):
-                rep.add("vision", f"{tag}layer {i}", ours, states[i])
-            rep.add("vision", f"{tag}post norm", info["layers"][-1], states[-1])
+            labels = info.get("layer_names") or [f"layer {i}" for i in range(len(info["layers"]) - 1)] + ["post norm"]
+            for label, ours, theirs in zip(labels, info["layers"], states):
+                rep.add("vision", f"{tag}{label}", ours, theirs)
             rep.add("vision", f"{tag}merger", prep.image_rows[k], merged)
     ids = prep.input_ids
     log(f"[{next(step)}/{steps}] language model, layer by layer ({len(ids)} prompt tokens)")
@@ -145,10 +145,16 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     embeds = model.embed(ids, prep.image_rows)
     rep.add("text", "embeddings", embeds, states[0])
     names = model.decoder.info["outputs"]["layers"]
-    hidden, extra = model.decoder.forward(embeds, model.decoder.new_cache(), model.positions(ids, prep.images),
-                                          extract=names)
+    cache = model.decoder.new_cache()
+    hidden, extra = model.decoder.forward(embeds, cache, model.positions(ids, prep.images), extract=names)
+    # fixed-size states (conv windows, recurrent matrices) after the prefill, against the reference's cache
+    ours_state = cache.state_arrays()
+    ref_state = ref.state_arrays(ref.start(ids, ref_images)[1]) if ours_state else {}
     for i, name in enumerate(names):
         rep.add("text", f"layer {i}", extra[name], states[i + 1])
+        for key in sorted(k for k in ours_state if k[0] == i):
+            if key in ref_state:
+                rep.add("state", f"layer {i} {key[1]}", ours_state[key], ref_state[key])
     rep.add("text", "final norm", hidden, states[-1])
     rep.add("text", "logits", model.logits(hidden), ref_logits)
     log(f"[{next(step)}/{steps}] {max_new_tokens} greedy tokens, ours and the reference's")

@@ -15,6 +15,8 @@ from ..errors import EdgevlError
 _TABLE = (
     ("youtu", ("youtu",), ("YoutuForCausalLM",)),
     ("youtu_vl", ("youtu_vl",), ("YoutuVLForConditionalGeneration",)),
+    # text-only checkpoints (Qwen3_5ForCausalLM, model_type qwen3_5_text) hold the same decoder
+    ("qwen3_5", ("qwen3_5", "qwen3_5_text"), ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")),
 )
 
 

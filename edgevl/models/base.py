@@ -265,3 +265,26 @@ def write_head_and_embedding(ckpt: Checkpoint, out, dtype: str, on_tensor, vocab
         embedding = {"file": "embed.bin", "dtype": sd, "segments": [{"rows": [0, vocab], "offset": 0}]}
     embedding.update(rows=vocab, dim=hidden)
     return head, embedding
+class RowStack:
+    """Several [N_i, K...] tensors as one lazy [sum N_i, prod K...] matrix: Linear layers that read
+    the same input written as one Gemm (one weight pass instead of several small ones), or a
+    convolution kernel flattened to a Gemm weight."""
+
+    def __init__(self, parts, name: str = "stack"):
+        self.parts = list(parts)
+        k = {int(np.prod(p.shape[1:])) for p in self.parts}
+        if len(k) != 1:
+            raise ValueError(f"{name}: stacked tensors need one input width, got {sorted(k)}")
+        self.starts = np.cumsum([0] + [int(p.shape[0]) for p in self.parts])
+        self.shape = (int(self.starts[-1]), k.pop())
+        self.name = name
+
+    def read_rows(self, a: int, b: int) -> np.ndarray:
+        out = []
+        for p, s0, s1 in zip(self.parts, self.starts[:-1], self.starts[1:]):
+            lo, hi = max(a, s0), min(b, s1)
+            if lo < hi:
+                rows = (p.read_rows(lo - s0, hi - s0) if hasattr(p, "read_rows")
+                        else np.asarray(p[lo - s0:hi - s0], np.float32))
+                out.append(rows.reshape(hi - lo, -1))
+        return np.concatenate(out, 0)

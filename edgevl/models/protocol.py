@@ -16,6 +16,9 @@ What an architecture decides, in the order data flows:
 - ``rope``: cos/sin tables for those positions, as the decoder graph expects them;
 - ``make_decoder``: the decoder driver (the generic ``runtime.Decoder`` fits any graph whose
   state is declared in the manifest; ``hooks`` lets it run host work between graph passes);
+- ``snapshot_points``: positions inside a prompt where the decoder state is worth keeping for
+  the next prompt (models with recurrent state can only go back to such points);
+- ``reasoning_tokens``: the markers around the model's thinking (hidden from answers by default);
 - ``output_processor``: post-processing of the generated text, streamed (e.g. grounding
   coordinates rescaled to the original images), with structured results (:class:`Box` list);
 - ``reference``: the PyTorch model it is verified against (transformers' class where one
@@ -49,6 +52,12 @@ class Architecture:
     options: dict = {}             # conversion options: name -> Option
     chat_template: str | None = None
     has_vision: bool = False       # takes images (make_vision returns an encoder)
+    # (start, end) marker tokens around the model's reasoning, e.g. ("<think>", "</think>"):
+    # generation returns that text apart from the answer (``Event.reasoning``)
+    reasoning_tokens: tuple | None = None
+    # extra arguments for llama.cpp's convert_hf_to_gguf.py when ``edgevl bench --compare llamacpp``
+    # converts this architecture's checkpoints (e.g. leaving out parts edgevl does not run either)
+    llamacpp_convert_args: tuple = ()
     tiny_variants: dict = {}       # name -> overrides for make_tiny (conformance suite)
 
     # -- conversion ------------------------------------------------------------------------------
@@ -79,7 +88,9 @@ class Architecture:
         return Decoder(net, info, self.rope(info), self.hooks(model))
 
     def hooks(self, model) -> dict:
-        """Host functions the decoder graph's ``passes`` name (see runtime.Decoder)."""
+        """Host functions the decoder graph's ``passes`` name (see runtime.Decoder); a pass
+        naming a state gets it as ``state=`` (e.g. a ``host`` state such as a recurrent matrix
+        updated by a helper net the architecture opens with ``model.open_net``)."""
         return {}
 
     def rope(self, info: dict) -> Callable:
@@ -92,6 +103,14 @@ class Architecture:
 
     def make_vision(self, model, net):
         return None
+
+    def snapshot_points(self, model, input_ids: list) -> list[int]:
+        """Lengths inside a prompt at which prefill also snapshots the decoder state (besides the
+        prompt's end). Recurrent state cannot be cut back, so prefix reuse returns only to a
+        snapshot: a model whose chat template re-renders earlier answers differently from how
+        they were generated (e.g. without their reasoning) names the points before each answer,
+        so the next turn prefills only from there."""
+        return []
 
     def output_processor(self, model, images: list) -> "OutputProcessor | None":
         """None, or an :class:`OutputProcessor` for one answer to a prompt with these images
@@ -162,6 +181,11 @@ class Reference:
 
     def state_bytes(self, state) -> int:
         return _tensor_bytes(state)
+
+    def state_arrays(self, state) -> dict:
+        """{(layer, name): array} of a prefilled state's fixed-size parts (conv windows, recurrent
+        matrices), named as the package's manifest names them (``Cache.state_arrays``)."""
+        return {}
 
     def greedy(self, ids, n: int, eos=(), images=None) -> list[int]:
         out = []

@@ -1,0 +1,456 @@
+"""`edgevl batch` on the demo model: folders and tables in, JSONL/Parquet out, bad rows, resume
+after a real SIGKILL, local worker processes and a local Ray on the loopback interface."""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import edgevl
+from edgevl import cli
+from edgevl.batch import Sink
+from edgevl.demo import demo_package
+from edgevl.demo.scenes import make_scene
+
+PROMPT = "Describe the image."
+N = 30
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pkg():
+    return demo_package()
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory):
+    """30 generated scenes in two folders (ids are relative paths, listed recursively)."""
+    d = tmp_path_factory.mktemp("scenes")
+    paths = {}
+    for i in range(N):
+        rel = f"{'b' if i % 3 == 0 else 'a'}/scene_{i:02d}.png"
+        (d / rel).parent.mkdir(exist_ok=True)
+        make_scene(9000 + i).image.save(d / rel)
+        paths[rel] = d / rel
+    return d, dict(sorted(paths.items()))
+
+
+@pytest.fixture(scope="module")
+def model(pkg):
+    return edgevl.load(pkg, threads=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model, scenes):
+    """What edgevl.generate answers for each image, id -> answer."""
+    return {rel: edgevl.generate(model, PROMPT, image=str(p)) for rel, p in scenes[1].items()}
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "edgevl", "batch", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def read_jsonl(path):
+    """Rows of a JSONL output; every line must be complete JSON (no torn lines)."""
+    data = Path(path).read_bytes()
+    assert data == b"" or data.endswith(b"\n"), "torn last line"
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def assert_complete(rows, reference):
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "duplicate rows"
+    assert ids == sorted(reference), "one row per input, in input order"
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["answer"] == reference[r["id"]], r["id"]
+
+
+def test_folder_of_30_scenes_gives_rows_equal_to_generate(pkg, scenes, reference, tmp_path):
+    folder, _ = scenes
+    out = tmp_path / "out.jsonl"
+    p = run_cli(pkg, "--input", folder, "--prompt", PROMPT, "--output", out, "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    rows = read_jsonl(out)
+    assert_complete(rows, reference)
+    r = rows[0]
+    assert list(r) == ["id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
+                       "seconds", "error"]
+    assert r["image"] == r["id"] and r["prompt"] == PROMPT and r["boxes"] == [] and r["finish_reason"] == "stop"
+    assert r["tokens_in"] > 16 and r["tokens_out"] >= 2 and r["seconds"] > 0  # 16 image tokens + the text
+    assert re.search(r"batch: \d+% \(\d+/30\) [0-9.e+]+ rows/s eta \d+s", p.stderr), p.stderr  # progress
+    assert f"batch: 30 of 30 rows in {out}; 30 new in" in p.stderr
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+    again = run_cli(pkg, "--input", folder, "--prompt", PROMPT, "--output", out)  # all done: nothing to run
+    assert again.returncode == 0 and "30 already done" in again.stderr
+    assert read_jsonl(out) == rows
+
+
+def _wait_lines(path, n, proc, timeout=120):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.002)
+    raise AssertionError(f"{path} did not reach {n} rows")
+
+
+def _children(pid):
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigkill_half_way_then_rerun_gives_exactly_30_rows(pkg, scenes, reference, tmp_path, workers):
+    """A real SIGKILL of the job half-way; the rerun skips what is done. With 2 workers the worker
+    processes must die with the job, and answers equal generate's as with 1."""
+    folder, _ = scenes
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder),
+                             "--prompt", PROMPT, "--output", str(out), "--workers", str(workers), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        _wait_lines(out, N // 2 - 3, proc)
+        os.kill(proc.pid, signal.SIGSTOP)  # freeze it mid-row, then kill it there
+        workers_pids = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    # the workers (and multiprocessing's resource tracker) must die with the job
+    assert len(workers_pids) >= (workers if workers > 1 else 0)
+    t0 = time.monotonic()
+    while any(Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
+              for w in workers_pids):
+        assert time.monotonic() - t0 < 10, "worker processes outlived the killed job"
+        time.sleep(0.05)
+
+    first = read_jsonl(out)
+    assert N // 2 - 3 <= len(first) < N and len({r["id"] for r in first}) == len(first)
+
+    p = run_cli(pkg, "--input", folder, "--prompt", PROMPT, "--output", out, "--workers", workers,
+                "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    assert f"{len(first)} already done" in p.stderr and f"{N - len(first)} new" in p.stderr
+    rows = read_jsonl(out)
+    assert len(rows) == N
+    assert_complete(rows, reference)
+    by_id = {r["id"]: r for r in rows}
+    assert all(by_id[f["id"]] == f for f in first)  # kept as they were (seconds too), not redone
+
+
+def test_torn_last_line_is_cut_and_the_row_redone(pkg, scenes, reference, tmp_path):
+    folder, paths = scenes
+    out = tmp_path / "out.jsonl"
+    gen = edgevl.batch(pkg, folder, PROMPT, output=out, threads=1)
+    done = [next(gen) for _ in range(5)]
+    gen.close()  # the API stops cleanly: the 5 finished rows stay
+    assert [r["id"] for r in read_jsonl(out)] == [r["id"] for r in done]
+    torn = b'{"id": "a/scene_99.png", "image": "a/sce'
+    with open(out, "ab") as f:  # what a kill during a write would leave
+        f.write(torn)
+    p = run_cli(pkg, "--input", folder, "--prompt", PROMPT, "--output", out, "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    assert f"cut a torn last line ({len(torn)} bytes)" in p.stderr and "5 already done" in p.stderr
+    assert_complete(read_jsonl(out), reference)
+
+
+def _write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "image", "prompt"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_csv_per_row_prompts_and_bad_rows(pkg, scenes, model, tmp_path):
+    folder, paths = scenes
+    rels = list(paths)
+    seed = lambda rel: 9000 + int(rel[-6:-4])  # noqa: E731 - as the scenes fixture made them
+    where_rel, where_q = next((r, q) for r in rels for q, _ in make_scene(seed(r)).qa() if q.startswith("Where"))
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    table = [
+        {"id": "count", "image": str(paths[rels[0]]), "prompt": "How many shapes are there?"},
+        {"id": "where", "image": str(paths[where_rel]), "prompt": where_q},
+        {"id": "default", "image": str(paths[rels[2]]), "prompt": ""},           # falls back to --prompt
+        {"id": "corrupt", "image": "corrupt.png", "prompt": "How many shapes are there?"},  # relative path
+        {"id": "missing", "image": "nowhere/missing.png", "prompt": ""},
+        {"id": "too-long", "image": str(paths[rels[3]]), "prompt": "red " * 3000},
+        {"id": "same-image", "image": str(paths[rels[0]]), "prompt": "Describe the image."},
+    ]
+    src, out = tmp_path / "rows.csv", tmp_path / "out.jsonl"
+    _write_csv(src, table)
+    p = run_cli(pkg, "--input", src, "--prompt", PROMPT, "--output", out, "--threads", 1)
+    assert p.returncode == 1, p.stderr
+    assert "3 failed (see their 'error' field" in p.stderr.splitlines()[-1]
+    rows = {r["id"]: r for r in read_jsonl(out)}
+    assert list(rows) == [t["id"] for t in table]
+    assert "Not a readable image file" in rows["corrupt"]["error"] and rows["corrupt"]["answer"] is None
+    assert "not found" in rows["missing"]["error"] and "missing.png" in rows["missing"]["error"]
+    assert "context is 2048" in rows["too-long"]["error"]
+    for t in table:
+        r = rows[t["id"]]
+        if r["error"] is None:
+            prompt = t["prompt"] or PROMPT
+            assert r["prompt"] == prompt
+            assert r["answer"] == edgevl.generate(model, prompt, image=t["image"]), t["id"]
+    # grounding answers come with structured boxes, the numbers of the <box> tokens
+    nums = [int(v) for v in re.findall(r"<[xy]_(\d+)>", rows["where"]["answer"])]
+    assert len(nums) == 4 and rows["where"]["boxes"] == [
+        {"box": [min(nums[0], nums[2]), min(nums[1], nums[3]), max(nums[0], nums[2]), max(nums[1], nums[3])],
+         "label": None}]
+
+    # fix the corrupt image: --retry-errors runs the failed rows again, the others stay
+    make_scene(4).image.save(tmp_path / "corrupt.png")
+    p = run_cli(pkg, "--input", src, "--prompt", PROMPT, "--output", out, "--retry-errors", "--threads", 1)
+    assert p.returncode == 1 and "3 new" in p.stderr and "4 already done" in p.stderr and "2 failed" in p.stderr
+    again = {r["id"]: r for r in read_jsonl(out)}
+    assert list(again) == list(rows) and again["corrupt"]["error"] is None
+    assert again["corrupt"]["answer"] == edgevl.generate(model, "How many shapes are there?",
+                                                         image=str(tmp_path / "corrupt.png"))
+    p = run_cli(pkg, "--input", src, "--prompt", PROMPT, "--output", out, "--overwrite", "--threads", 1)
+    assert "7 new" in p.stderr and len(read_jsonl(out)) == 7
+
+
+def test_jsonl_input_paths_relative_to_the_file(pkg, scenes, model, tmp_path):
+    folder, paths = scenes
+    src = folder / "rows.jsonl"  # inside the scene folder: paths relative to it
+    rels = list(paths)[:3]
+    src.write_text("".join(json.dumps({"image": r}) + "\n" for r in rels) + "\n")
+    try:
+        rows = list(edgevl.batch(model, src, "How many shapes are there?"))
+    finally:
+        src.unlink()
+    assert [r["id"] for r in rows] == rels and [r["image"] for r in rows] == rels
+    assert [r["answer"] for r in rows] == [edgevl.generate(model, "How many shapes are there?",
+                                                           image=str(paths[r])) for r in rels]
+
+
+def test_parquet_input_and_output_resume(pkg, scenes, reference, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder, paths = scenes
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.table({"id": list(paths), "image": [str(p) for p in paths.values()],
+                             "pixels": [b"\0" * 10] * N}), src)  # other columns are not read
+    gen = edgevl.batch(pkg, src, PROMPT, output=out, threads=1)
+    first = [next(gen) for _ in range(12)]
+    gen.close()
+    assert [r["id"] for r in pq.read_table(out).to_pylist()] == [r["id"] for r in first]
+    p = run_cli(pkg, "--input", src, "--prompt", PROMPT, "--output", out, "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    assert "12 already done" in p.stderr and "18 new" in p.stderr
+    table = pq.read_table(out)
+    assert table.schema.field("boxes").type == pa.list_(pa.struct([("box", pa.list_(pa.int64())),
+                                                                   ("label", pa.string())]))
+    assert_complete(table.to_pylist(), reference)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.parquet", "out.parquet"]  # no journal, no lock
+    mtime = out.stat().st_mtime_ns
+    assert list(edgevl.batch(pkg, src, PROMPT, output=out)) == []  # all done: nothing run or rewritten
+    assert out.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 2
+
+
+def _listening_ports_of(pids):
+    """(address, port) of every listening TCP socket owned by ``pids`` (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                addr, port = f[1].split(":")
+                found.append((addr, int(port, 16)))
+    return found
+
+
+def _is_loopback(hex_addr):
+    if len(hex_addr) == 8:
+        return hex_addr == "0100007F"                            # 127.0.0.1
+    return hex_addr in ("00000000000000000000000001000000",     # ::1
+                        "0000000000000000FFFF00000100007F")     # ::ffff:127.0.0.1
+
+
+def _descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def test_ray_local_on_loopback_gives_the_same_answers(pkg, scenes, reference, tmp_path):
+    import ray
+
+    folder, _ = scenes
+    out = tmp_path / "out.parquet"
+    # one actor: the two-actor run is the next test's; this one is about the Ray that edgevl starts
+    gen = edgevl.batch(pkg, folder, PROMPT, output=out, ray=True, workers=1, threads=1)
+    rows = [next(gen)]
+    assert ray.is_initialized()
+    ports = _listening_ports_of(_descendants(os.getpid()) + [os.getpid()])
+    assert len(ports) >= 3 and all(_is_loopback(a) for a, _ in ports), ports  # gcs, raylet, workers
+    rows += list(gen)
+    assert not ray.is_initialized()  # the Ray it started is shut down
+    assert len(rows) == N
+    import pyarrow.parquet as pq
+
+    assert_complete(pq.read_table(out).to_pylist(), reference)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out.parquet"]  # shards merged and removed
+
+
+def test_ray_shards_of_a_killed_run_are_merged_once(tmp_path):
+    out = tmp_path / "out.jsonl"
+    row = lambda i: {"id": f"r{i}", "answer": str(i), "error": None}  # noqa: E731
+    out.write_text(json.dumps(row(1)) + "\n")
+    shards = tmp_path / "out.jsonl.ray-shards"
+    shards.mkdir()
+    (shards / "node-1.jsonl").write_text(json.dumps(row(1)) + "\n" + json.dumps(row(2)) + "\n" + '{"id": "r3"')
+    (shards / "node-2.jsonl").write_text(json.dumps(row(4)) + "\n")
+    sink = Sink(out)
+    try:
+        assert sink.recovered == 2 and set(sink.rows) == {"r1", "r2", "r4"}
+    finally:
+        sink.close()
+    assert not shards.exists()
+    assert [r["id"] for r in read_jsonl(out)] == ["r1", "r2", "r4"]
+
+
+def _one_line_error(capsys, argv, *needles):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "Traceback" not in "\n".join(err), err
+    for n in needles:
+        assert n in err[-1], err[-1]
+
+
+def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
+    folder, paths = scenes
+    base = ["batch", str(pkg), "--prompt", PROMPT]
+    _one_line_error(capsys, base + ["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o.jsonl")],
+                    "does not exist")
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.txt")],
+                    ".jsonl or .parquet")
+    _one_line_error(capsys, ["batch", str(pkg), "--input", str(folder), "--output", str(tmp_path / "o.jsonl")],
+                    "--prompt is required")
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.jsonl"), "--workers", "0"],
+                    "workers must be >= 1")
+    src = tmp_path / "dup.csv"
+    _write_csv(src, [{"id": "", "image": "a.png", "prompt": "x"}, {"id": "", "image": "a.png", "prompt": "y"}])
+    _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl")],
+                    "appears twice", "add an 'id' column")
+    _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                                    "--image-column", "path"], "no 'path' column")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"image": "a.png"}\n[1, 2]\n')
+    _one_line_error(capsys, base + ["--input", str(bad), "--output", str(tmp_path / "o.jsonl")], "line 2")
+    _one_line_error(capsys, ["batch", "--input", str(folder), "--ray", str(pkg), "--prompt", PROMPT,
+                             "--output", str(tmp_path / "o.jsonl")], "put MODEL before --ray")
+    not_ours = tmp_path / "notes.jsonl"
+    not_ours.write_text("hello\n")
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(not_ours)], "--overwrite")
+
+    held = Sink(tmp_path / "busy.jsonl")  # another job holds this output
+    try:
+        _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "busy.jsonl")],
+                        "another edgevl batch job")
+    finally:
+        held.close()
+
+    # without the optional extras: one line that says what to install
+    monkeypatch.setitem(sys.modules, "ray", None)
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.jsonl"), "--ray"],
+                    "pip install 'edgevl[ray]'")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.parquet")],
+                    "pip install 'edgevl[parquet]'")
+
+
+def test_default_threads_keep_threads_times_workers_within_the_cores(pkg, scenes, monkeypatch):
+    from edgevl.batch import BatchJob, _physical_cores
+
+    monkeypatch.delenv("EDGEVL_THREADS", raising=False)
+    cores = _physical_cores()
+    for workers in (1, 2, cores, cores + 1):
+        job = BatchJob(pkg, scenes[0], PROMPT, workers=workers)
+        assert job.threads == max(1, cores // workers)
+        assert job.oversubscribed() == (workers > cores)  # the CLI then prints a warning
+    assert BatchJob(pkg, scenes[0], PROMPT, workers=1, threads=cores + 1).oversubscribed()
+    monkeypatch.setenv("EDGEVL_THREADS", "3")
+    assert BatchJob(pkg, scenes[0], PROMPT, workers=2).threads == 3  # the user's own setting wins
+
+
+def test_a_crashed_worker_fails_only_its_row(pkg, scenes, reference, tmp_path):
+    folder, _ = scenes
+    out = tmp_path / "out.jsonl"
+    gen = edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1)
+    rows = [next(gen)]
+    spawned = [p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(spawned) == 2
+    os.kill(spawned[0], signal.SIGKILL)
+    rows += list(gen)  # the job goes on with a replacement worker
+    assert len(rows) == N and len({r["id"] for r in rows}) == N
+    died = [r for r in rows if r["error"]]
+    assert len(died) <= 1 and all("worker process died on this row (killed by signal 9)" in r["error"] for r in died)
+    assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
+    list(edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1, retry_errors=True))
+    assert_complete(read_jsonl(out), reference)
+
+
+def test_ray_address_of_a_running_cluster(pkg, scenes, reference, tmp_path):
+    """`--ray ADDRESS` joins a Ray the test started itself (loopback only) and leaves it running."""
+    folder, _ = scenes
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # Ray's own switch for a loopback-only node
+               RAY_AUTH_MODE="token")  # the head's token (~/.ray/auth_token) lets the driver in
+    head = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, "
+         "_node_ip_address='127.0.0.1', logging_level='ERROR'); "
+         "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = head.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), address
+        out = tmp_path / "out.jsonl"
+        p = subprocess.run([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder), "--prompt",
+                            PROMPT, "--output", str(out), "--ray", address, "--workers", "2", "--threads", "1"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr
+        assert f"2 actor(s) x 1 thread(s), Ray ({address})" in p.stderr
+        assert_complete(read_jsonl(out), reference)
+        assert head.poll() is None  # a cluster it did not start is left alone
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()

@@ -1,0 +1,96 @@
+"""The delta-rule core nets (fp32) against transformers' own torch kernels."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                          torch_recurrent_gated_delta_rule)
+
+from edgevl.models import gated_delta as gd
+from edgevl.runtime import from_mat, to_mat
+
+
+@pytest.fixture(scope="module", params=[(2, 4, 16, 24), (2, 2, 32, 32)], ids=["Hv=2Hk", "Hv=Hk"])
+def core(request, tmp_path_factory):
+    hk, hv, dk, dv = request.param
+    d = gd.DeltaDims(hk, hv, dk, dv)
+    root = tmp_path_factory.mktemp("core")
+    nets = {}
+    for name, rows in (("step", 1), ("chunk", gd.CHUNK)):
+        info = gd.build_core_net(root / f"{name}.param", root / f"{name}.bin", d, rows)
+        nets[name] = info
+    return gd.DeltaRuleCore.open(root, nets["step"], nets["chunk"], 1), d
+
+
+def _inputs(d, seq, seed, similar=False):
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((seq, d.conv_channels)).astype(np.float32)
+    if similar:  # near-identical keys inside a chunk: the case the product-form inverse blew up on
+        k0 = d.keys
+        qkv[:, k0:2 * k0] = qkv[:1, k0:2 * k0] + 0.01 * qkv[:, k0:2 * k0]
+    ba = rng.standard_normal((seq, 2 * d.value_heads)).astype(np.float32) * 2
+    a_log = np.log(rng.uniform(0.05, 4, d.value_heads)).astype(np.float32)
+    dt = rng.standard_normal(d.value_heads).astype(np.float32)
+    return qkv, ba, a_log, dt
+
+
+def _reference(d, qkv, ba, a_log, dt, state, recurrent):
+    x = torch.from_numpy(qkv)[None]
+    q, k, v = torch.split(x, [d.keys, d.keys, d.values], -1)
+    q = q.reshape(1, -1, d.key_heads, d.key_dim)
+    k = k.reshape(1, -1, d.key_heads, d.key_dim)
+    v = v.reshape(1, -1, d.value_heads, d.value_dim)
+    b, a = torch.from_numpy(ba)[None].split(d.value_heads, -1)
+    beta = b.sigmoid()
+    g = -torch.from_numpy(a_log).float().exp() * F.softplus(a.float() + torch.from_numpy(dt))
+    fn = torch_recurrent_gated_delta_rule if recurrent else torch_chunk_gated_delta_rule
+    o, s = fn(q, k, v, g=g, beta=beta, initial_state=None if state is None else torch.from_numpy(state)[None],
+              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o[0].reshape(qkv.shape[0], -1).numpy(), s[0].numpy()
+
+
+@pytest.mark.parametrize("seq", [1, 5, 64, 150])
+def test_core_matches_transformers(core, seq):
+    run, d = core
+    qkv, ba, a_log, dt = _inputs(d, seq, seed=seq)
+    gates = run.gate_params(-np.exp(a_log), dt)
+    state0 = np.random.default_rng(1).standard_normal(d.state_shape).astype(np.float32) * 0.3
+    for start in (None, state0):
+        o, s = run(qkv, ba, gates, run.new_state(start))
+        ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, start, recurrent=(seq == 1 and start is not None))
+        assert np.abs(from_mat(o) - ref_o).max() < 1e-5 * max(1, np.abs(ref_o).max())
+        assert np.abs(run.matrix(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
+
+
+def test_chunk_inverse_is_stable_on_similar_keys(core):
+    run, d = core
+    qkv, ba, a_log, dt = _inputs(d, 128, seed=7, similar=True)
+    o, s = run(qkv, ba, run.gate_params(-np.exp(a_log), dt), run.new_state())
+    ref_o, ref_s = _reference(d, qkv, ba, a_log, dt, None, recurrent=True)
+    assert np.abs(from_mat(o) - ref_o).max() < 1e-4 and np.abs(run.matrix(s) - ref_s).max() < 1e-4
+
+
+def test_steps_equal_one_chunk(core):
+    """Token-by-token decoding (updates deferred in a window, folded every WINDOW tokens) and the
+    chunked prefill give the same outputs and reach the same state, also mid-window."""
+    run, d = core
+    qkv, ba, a_log, dt = _inputs(d, 40, seed=3)
+    gates = run.gate_params(-np.exp(a_log), dt)
+    start = np.random.default_rng(2).standard_normal(d.state_shape).astype(np.float32) * 0.3
+    o_chunk, s_chunk = run(qkv, ba, gates, run.new_state(start))
+    s = run.new_state(start)
+    outs = []
+    for t in range(40):
+        o, s = run(qkv[t:t + 1], ba[t:t + 1], gates, s)
+        outs.append(from_mat(o).reshape(-1))
+        if t + 1 in (5, gd.WINDOW, 40):   # mid-window, right after a fold, the end
+            _, ref_s = _reference(d, qkv[:t + 1], ba[:t + 1], a_log, dt, start, recurrent=True)
+            assert np.abs(run.matrix(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max()), f"after {t + 1}"
+    assert np.abs(np.stack(outs) - o_chunk).max() < 1e-5 * max(1, np.abs(o_chunk).max())
+    assert np.abs(run.matrix(s) - run.matrix(s_chunk)).max() < 1e-5
+    # a prefill after some decoded tokens folds the pending window first
+    o2, s2 = run(qkv[:7], ba[:7], gates, s)
+    _, ref_s = _reference(d, np.concatenate([qkv, qkv[:7]]), np.concatenate([ba, ba[:7]]), a_log, dt, start,
+                          recurrent=True)
+    assert np.abs(run.matrix(s2) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
