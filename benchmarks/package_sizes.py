@@ -9,7 +9,8 @@ Bytes follow what ``edgevl convert`` writes (``package_bytes``; tests/test_ux.py
 against real conversions of tiny checkpoints in every dtype):
 
 - Gemm weights in the package dtype: 4 bytes (fp32), 2 (fp16, bf16), or for q8 one byte per
-  value plus an fp32 scale per block of 32 (vision tower and merger stay bf16 in q8 packages);
+  value plus an fp32 scale per row (int8 Gemm), except the Gemms q8 keeps in bf16 (the
+  attention projections but q_b_proj: ``youtu.q8_keeps_bf16``; the vision tower and merger);
 - norm weights and biases in fp32;
 - a tied float lm_head doubles as the embedding table; q8 (or untied) packages store the table
   separately in bf16 (or the package dtype).
@@ -20,7 +21,6 @@ from __future__ import annotations
 import math
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "q8": 2}   # float storage (q8: bf16 for what is not quantized)
-Q8_BLOCK = 32
 
 YOUTU_VL_4B = dict(  # spec §2.1/§2.2 (values marked C there; num_key_value_heads must be 32 for MLA)
     vocab_size=283386, hidden_size=2560, intermediate_size=9728, num_hidden_layers=40, num_attention_heads=32,
@@ -69,17 +69,23 @@ def package_bytes(shapes: dict, tied: bool, dtype: str) -> int:
                 total += fb * n                          # a table of its own
             if tied:                                     # ... and the head Gemm on the same weights
                 total += _gemm_bytes(shape, dtype, fb)
-        elif vision:
-            total += fb * n                              # vision stays float (bf16 for q8)
+        elif vision or (dtype == "q8" and q8_keeps_bf16(name)):
+            total += fb * n                              # float (bf16 in q8 packages)
         else:
             total += _gemm_bytes(shape, dtype, fb)
     return total
 
 
+def q8_keeps_bf16(name: str) -> bool:
+    from edgevl.models.youtu import q8_keeps_bf16 as keeps
+
+    return keeps(name.removesuffix(".weight"))
+
+
 def _gemm_bytes(shape, dtype: str, fb: int) -> int:
     rows, k = shape
     if dtype == "q8":
-        return rows * (k + 4 * math.ceil(k / Q8_BLOCK))
+        return rows * (k + 4)                            # int8 values, an fp32 scale per row
     return rows * k * fb
 
 

@@ -113,7 +113,86 @@ def worker_llamacpp(a: dict) -> dict:
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(), "kv_bytes_per_token": None}
 
 
-WORKERS = {"edgevl": worker_edgevl, "torch": worker_torch, "llamacpp": worker_llamacpp}
+def bench_image(width: int, height: int, seed: int = 0):
+    """The synthetic image every system encodes: smooth random colours (an RGB uint8 array)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8))
+    return np.asarray(small.resize((width, height), Image.BICUBIC))
+
+
+def _timed(fn):
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def worker_edgevl_image(a: dict) -> dict:
+    """Encode each image size once (preprocessing + vision tower + merger), after a warm-up."""
+    from PIL import Image
+
+    from .model import Model
+
+    m = Model(a["model"], threads=a["threads"], verify=False)
+    if m.vision is None:
+        raise RuntimeError(f"{a['model']} has no vision tower")
+    m.encode_image(Image.fromarray(bench_image(256, 256, 1)))  # warm-up: first-run allocations
+    out = {}
+    for w, h in a["images"]:
+        img = Image.fromarray(bench_image(w, h))
+        (rows, _), wall, cpu = _timed(lambda: m.encode_image(img))
+        out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": int(rows.shape[0])}
+    return {"images": out, "peak_rss_bytes": _peak_rss(), "dtype": m.dtype}
+
+
+def worker_llamacpp_image(a: dict) -> dict:
+    """The same through llama.cpp's mtmd (its own preprocessing + encoder), after a warm-up."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import mtmd_cpp as M
+
+    llm = llama_cpp.Llama(a["gguf"], n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False)
+    p = M.mtmd_context_params_default()
+    p.use_gpu, p.n_threads, p.print_timings, p.warmup = False, a["threads"], False, False
+    ctx = M.mtmd_init_from_file(a["mmproj"].encode(), llm.model, p)
+    if not ctx:
+        raise RuntimeError(f"mtmd could not load {a['mmproj']}")
+
+    def encode(pixels):
+        h, w = pixels.shape[:2]
+        data = np.ascontiguousarray(pixels, np.uint8)
+        bitmap = M.mtmd_bitmap_init(w, h, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+        chunks = M.mtmd_input_chunks_init()
+        prompt = M.mtmd_default_marker()
+        text = M.mtmd_input_text()
+        text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
+        try:
+            if M.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (M.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) != 0:
+                raise RuntimeError("mtmd_tokenize failed")
+            for i in range(M.mtmd_input_chunks_size(chunks)):
+                chunk = M.mtmd_input_chunks_get(chunks, i)
+                if M.mtmd_input_chunk_get_type(chunk) == 1:  # MTMD_INPUT_CHUNK_TYPE_IMAGE
+                    if M.mtmd_encode_chunk(ctx, chunk) != 0:
+                        raise RuntimeError("mtmd_encode_chunk failed")
+                    return int(M.mtmd_input_chunk_get_n_tokens(chunk))
+            raise RuntimeError("mtmd produced no image chunk")
+        finally:
+            M.mtmd_input_chunks_free(chunks)
+            M.mtmd_bitmap_free(bitmap)
+
+    encode(bench_image(256, 256, 1))
+    out = {}
+    for w, h in a["images"]:
+        img = bench_image(w, h)
+        tokens, wall, cpu = _timed(lambda: encode(img))  # mtmd_tokenize preprocesses the image
+        out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": tokens}
+    return {"images": out, "peak_rss_bytes": _peak_rss()}
+
+
+WORKERS = {"edgevl": worker_edgevl, "torch": worker_torch, "llamacpp": worker_llamacpp,
+           "edgevl-image": worker_edgevl_image, "llamacpp-image": worker_llamacpp_image}
 
 
 def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
@@ -127,7 +206,8 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
         except (IndexError, ValueError, KeyError, TypeError):
             err = (r.stderr.strip().splitlines() or ["?"])[-1]
         what = {"torch": f"the PyTorch reference ({args.get('reference')})", "edgevl": f"edgevl ({args.get('model')})",
-                "llamacpp": f"llama.cpp ({args.get('gguf')})"}.get(kind, kind)
+                "llamacpp": f"llama.cpp ({args.get('gguf')})", "edgevl-image": f"edgevl ({args.get('model')})",
+                "llamacpp-image": f"llama.cpp mtmd ({args.get('mmproj')})"}.get(kind, kind)
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", prefix=f"edgevl-bench-{kind}-", suffix=".log", delete=False) as f:
@@ -140,11 +220,12 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
 # llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
 
 
-def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=()) -> Path:
-    """``extra_args``: the architecture's ``llamacpp_convert_args``."""
+def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmproj: bool = False) -> Path:
+    """The checkpoint as a GGUF file (``mmproj``: its vision projector, for llama.cpp's mtmd;
+    ``extra_args``: the architecture's ``llamacpp_convert_args``)."""
     import tarfile
 
-    out = work / f"{hf_dir.name}-{outtype}.gguf"
+    out = work / f"{hf_dir.name}{'-mmproj' if mmproj else ''}-{outtype}.gguf"
     if out.exists():
         return out
     sdist = sorted(Path(os.environ.get("EDGEVL_LLAMACPP_SDIST", work / "sdist")).glob("llama_cpp_python-*.tar.gz"))
@@ -158,12 +239,13 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=()) -> 
                        ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
             t.extractall(src, members=members, filter="data")
     script = next(src.rglob("convert_hf_to_gguf.py"))
+    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra_args] + (["--mmproj"] if mmproj else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]))
     # Benchmark checkpoints carry a stand-in tokenizer whose pre-tokenizer hash llama.cpp does not
     # know; the benchmark feeds token ids, so any pre-tokenizer name will do.
     run = ("import runpy, sys, conversion.base as b; "
            "b.TextModel.get_vocab_base_pre = lambda self, tok: 'llama-bpe'; "
-           f"sys.argv = {[str(script), str(hf_dir), '--outfile', str(out), '--outtype', outtype, *extra_args]!r}; "
+           f"sys.argv = {argv!r}; "
            f"runpy.run_path({str(script)!r}, run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -199,6 +281,50 @@ def bench(systems: dict, prompt_tokens: int, gen_tokens: int, threads: int, repe
                                    for k in KEYS if rs[0].get(k) is not None}
         results[name].update({k: v for k, v in rs[0].items() if k not in KEYS})
     return {"results": results, "runs": runs}
+
+
+def bench_images(systems: dict, sizes: list, threads: int, repeats: int, progress=True) -> dict:
+    """Image encoding: ``systems`` name -> (worker kind, args); each run encodes every size once.
+    Runs are interleaved like ``bench``; returns per system and size the median and spread."""
+    from .progress import Progress
+
+    runs = {name: [] for name in systems}
+    names = list(systems)
+    bar = Progress(repeats * len(names), desc="bench images", unit="runs", enabled=progress)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            kind, args = systems[name]
+            runs[name].append(_run_worker(kind, dict(args, images=sizes, threads=threads)))
+            bar.update(1, name)
+    bar.close()
+    results = {}
+    for name, rs in runs.items():
+        results[name] = {"peak_rss_bytes": statistics.median(x["peak_rss_bytes"] for x in rs), "images": {}}
+        for w, h in sizes:
+            key = f"{w}x{h}"
+            cell = {}
+            for k in ("encode_s", "encode_cpu_s"):
+                vals = [x["images"][key][k] for x in rs]
+                cell[k] = statistics.median(vals)
+                cell.setdefault("spread", {})[k] = [min(vals), max(vals)]
+            cell["tokens"] = rs[0]["images"][key]["tokens"]
+            results[name]["images"][key] = cell
+    return {"results": results, "runs": runs}
+
+
+def images_table(results: dict, sizes: list) -> str:
+    keys = [f"{w}x{h}" for w, h in sizes]
+    lines = ["| system | " + " | ".join(f"{k} s (CPU-s)" for k in keys) + " | image tokens | peak RSS GiB |",
+             "|---" * (len(keys) + 3) + "|"]
+    for name, r in results.items():
+        cells = [f"{_cell(r['images'][k], 'encode_s', '%.2f')} ({_cell(r['images'][k], 'encode_cpu_s', '%.1f')})"
+                 for k in keys]
+        tokens = "/".join(str(r["images"][k]["tokens"]) for k in keys)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tokens} | {r['peak_rss_bytes'] / 2 ** 30:.2f} |")
+    lines.append("")
+    lines.append("Each cell: median wall seconds (min–max) per image, then CPU seconds of the process "
+                 "(all threads), over the interleaved runs.")
+    return "\n".join(lines)
 
 
 def _cell(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
@@ -278,11 +404,16 @@ def bench_cli(a) -> int:
     else:
         read_manifest(target)  # raises the clear error
     for extra in getattr(a, "extra_model", None) or []:
-        systems[label(read_manifest(extra))] = ("edgevl", {"model": str(extra)})
+        name = label(read_manifest(extra))
+        if name in systems:  # two packages of the same dtype and options: tell them apart by folder
+            name = f"{name} ({Path(extra).name})"
+        systems[name] = ("edgevl", {"model": str(extra)})
     if getattr(a, "low_memory", False):
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))
     compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
+    if getattr(a, "images", None):
+        return _bench_images_cli(a, systems, compare, ref, threads)
     for c in compare:
         if c == "torch":
             from .weights import Checkpoint
@@ -321,6 +452,47 @@ def bench_cli(a) -> int:
     if a.plot:
         plot(res["variants"], a.plot, f"{target.name}: {a.prompt_tokens}-token prompt, {a.gen_tokens} new tokens, "
                                       f"{threads} thread(s), median of {a.repeats}")
+    return 0
+
+
+def parse_sizes(text: str) -> list:
+    sizes = []
+    for part in text.split(","):
+        try:
+            w, h = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise EdgevlError(f"--images takes sizes like 640x480,1024x768; got {part.strip()!r}") from None
+        if not (16 <= w <= 8192 and 16 <= h <= 8192):
+            raise EdgevlError(f"--images: {w}x{h} is outside 16..8192 pixels per side")
+        sizes.append((w, h))
+    return sizes
+
+
+def _bench_images_cli(a, systems: dict, compare: list, ref: Path, threads: int) -> int:
+    sizes = parse_sizes(a.images)
+    systems = {name: ("edgevl-image", args) for name, (kind, args) in systems.items() if kind == "edgevl"}
+    for c in compare:
+        if not c.startswith("llamacpp"):
+            raise EdgevlError(f"--images compares with llamacpp only, not {c!r}")
+        try:
+            from llama_cpp import mtmd_cpp  # noqa: F401
+        except (ImportError, OSError):
+            raise EdgevlError("--images --compare llamacpp needs llama-cpp-python built with its multimodal "
+                              "library: CMAKE_ARGS=\"-DLLAVA_BUILD=ON\" pip install --no-binary :all: "
+                              "llama-cpp-python") from None
+        work = ref.resolve().parent
+        for outtype in (a.gguf_types or "bf16").split(","):
+            systems[f"llama.cpp mtmd {outtype}"] = ("llamacpp-image", {
+                "gguf": str(gguf_for(ref, work, outtype)), "mmproj": str(gguf_for(ref, work, outtype, mmproj=True))})
+    res = bench_images(systems, sizes, threads, a.repeats)
+    res["config"] = {"images": [f"{w}x{h}" for w, h in sizes], "threads": threads, "repeats": a.repeats,
+                     "cpu_count": os.cpu_count()}
+    table = images_table(res["results"], sizes)
+    print(table)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(table + "\n")
     return 0
 
 

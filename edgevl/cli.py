@@ -5,7 +5,7 @@
     edgevl verify [MODEL] [--reference HF_DIR] [--prompt ...] [--image PATH]
     edgevl chat [MODEL] [--image PATH|demo]
     edgevl serve [MODEL] [--host 127.0.0.1] [--port 8080]
-    edgevl bench [MODEL] [--compare torch,llamacpp]
+    edgevl bench [MODEL] [--compare torch,llamacpp] [--images 1024x768]
     edgevl cache [list|clear]
     edgevl check MODEL
     edgevl batch [MODEL] --input SRC --prompt "..." --output OUT.jsonl|.parquet [--workers N] [--ray [ADDRESS]]
@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another package to run side by side (repeatable)")
     b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
     b.add_argument("--low-memory", action="store_true", help="also run edgevl in low-memory mode")
+    b.add_argument("--images", default=None, metavar="WxH,...",
+                   help="time image encoding instead, at these sizes (e.g. 640x480,1024x768); with --compare "
+                        "llamacpp through llama.cpp's mtmd")
     b.set_defaults(fn=cmd_bench)
 
     kc = command("check", "re-hash every file of a package against its manifest (ignores the verified-stamp "

@@ -38,3 +38,28 @@ def test_bench_json_table_and_plot(tmp_path):
 def test_bench_bad_model_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "none"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_bench_images_json_and_table(tmp_path):
+    """--images times image encoding per size; the token counts are the model's own."""
+    from edgevl.models.youtu_vl import ARCH
+
+    ck = ARCH.make_tiny(tmp_path / "vl", "custom_full", seed=3)
+    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "96x64,40x200",
+                        "--threads", "1", "--repeats", "2", "--json", tmp_path / "r.json", "--markdown",
+                        tmp_path / "r.md"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "r.json").read_text())
+    (name, v), = res["results"].items()
+    model = edgevl.load(tmp_path / "pk")
+    for size, (w, h) in (("96x64", (96, 64)), ("40x200", (40, 200))):
+        cell = v["images"][size]
+        assert cell["tokens"] == model.vision.image_tokens(h, w)
+        lo, hi = cell["spread"]["encode_s"]
+        assert 0 < lo <= cell["encode_s"] <= hi
+    assert len(res["runs"][name]) == 2
+    assert "| 96x64 s (CPU-s) |" in (tmp_path / "r.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "640by480"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --images takes sizes like")

@@ -196,6 +196,63 @@ def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
     assert im.getpixel((4, 15)) != (255, 255, 255) and im.getpixel((40, 50)) == (255, 255, 255)
 
 
+@pytest.mark.parametrize("grid,classes", [((48, 64), 1), ((30, 64), 2), ((48, 40), 2), ((30, 40), 4), ((6, 10), 1)])
+def test_window_layout_packs_real_patches_only(grid, classes):
+    """Windows grouped by size into slots, no padding: every row is a real patch, each window's
+    rows are contiguous and hold exactly that window's patches."""
+    from edgevl.models.youtu_vl import WINDOW_SLOTS, VisionArgs, window_layout
+    from edgevl.processing import siglip2
+
+    v = VisionArgs()  # real geometry: 256-px windows = 16 x 16 patches
+    gh, gw = grid
+    lay = window_layout(gh, gw, v)
+    assert lay.rows == gh * gw and sorted(lay.position) == list(range(gh * gw))
+    assert len(lay.slots) == classes <= WINDOW_SLOTS
+    assert sum(n * s for n, s, _ in lay.slots) == gh * gw
+    assert [start for _, _, start in lay.slots] == list(np.cumsum([0] + [n * s for n, s, _ in lay.slots])[:-1])
+    window_index, cu = siglip2.window_partition(gh, gw, v.window_size, v.patch_size, v.spatial_merge_size)
+    for w in range(len(cu) - 1):
+        groups = window_index[cu[w] // 4:cu[w + 1] // 4]
+        rows = np.sort(lay.position[(groups[:, None] * 4 + np.arange(4)).ravel()])
+        assert rows[-1] - rows[0] == len(rows) - 1, f"window {w} is not contiguous"
+        n, s, start = next(x for x in lay.slots if x[1] == len(rows))
+        assert start <= rows[0] and rows[-1] < start + n * s and (rows[0] - start) % s == 0
+
+
+def test_vision_graph_feeds_real_rows_only(vl):
+    """640x480 on the real window size: 1200 patches fed as 1200 rows (the padded layout took
+    1536); unused slots stand in as one-row windows of the last row."""
+    _, pk, _, _ = vl["default"]
+    enc = edgevl.load(pk).vision
+    feeds, lay = enc.inputs(enc.preprocess(image(640, 480)))
+    names = enc.info["inputs"]
+    assert feeds[names["pixel_values"]].shape[0] == lay.rows == 1200
+    shapes = [feeds[n].shape for n in names["window_shapes"]]
+    assert len(lay.slots) == 4 and sum(n * s for n, s in shapes) == 1200  # 640x480: four window sizes
+    assert [feeds[n].shape[0] - 1 for n in names["window_starts"]] == [start for _, _, start in lay.slots]
+    feeds, lay = enc.inputs(enc.preprocess(image(512, 512)))  # one window size: three stand-in slots
+    assert len(lay.slots) == 1 and [feeds[n].shape for n in names["window_shapes"]][1:] == [(1, 1)] * 3
+    assert [feeds[n].shape[0] - 1 for n in names["window_starts"]][1:] == [lay.rows - 1] * 3
+
+
+def test_package_with_the_padded_window_layout_is_refused(vl, tmp_path):
+    """Packages converted before the packed window layout fed a key-bias input instead."""
+    import json
+    import shutil
+
+    _, pk, _, _ = vl["custom_full"]
+    old = tmp_path / "old"
+    shutil.copytree(pk, old)
+    m = json.loads((old / "manifest.json").read_text())
+    inputs = m["graphs"]["vision"]["inputs"]
+    for k in ("window_shapes", "window_starts"):
+        del inputs[k]
+    inputs["kbias"] = "kbias"
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EdgevlError, match="older window layout; convert the model again"):
+        edgevl.load(old)
+
+
 def test_low_memory_mode_matches_resident(vl):
     _, pk, _, _ = vl["custom_full"]
     img = image(120, 90, seed=4)

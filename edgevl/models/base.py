@@ -21,8 +21,12 @@ class Ctx:
     ckpt: Checkpoint
     g: G.Graph
     dtype: str = "fp32"                      # storage of large matrices: fp32 | fp16 | bf16
-    quant: object = None                     # Gemm weights: None, ncnn_graph.INT8, or (bits, block)
+    quant: object = None                     # Gemm weights: a ncnn_graph quant spec, or name -> spec
     progress: object = None                  # callable(LazyTensor), called as tensors are read
+
+    def quant_for(self, name: str):
+        """The quantization of the Gemm named ``name`` (a policy may choose per layer)."""
+        return self.quant(name) if callable(self.quant) else self.quant
 
     def tensor(self, name: str, shape=None):
         t = self.ckpt.get(name, shape)
@@ -38,7 +42,7 @@ class Ctx:
                out: str | None = None, quantize: bool = True, fp32_output: bool = False) -> str:
         w = self.tensor(f"{name}.weight", (out_features, in_features))
         b = self.array(f"{name}.bias", (out_features,)) if bias else None
-        q = self.quant if quantize else None
+        q = self.quant_for(name) if quantize else None
         return G.gemm(self.g, x, w, self.dtype, bias=b, quant=q, name=name, out=out, fp32_output=fp32_output)
 
     def rms_norm(self, x: str, name: str, size: int, eps: float, out: str | None = None) -> str:
@@ -172,12 +176,15 @@ def kv_state(i: int, floats_per_token: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # writing a package's language-model files (any decoder-only LM)
 
-# q8 packages: ncnn's block-quantized Gemm, block 32 (llama.cpp q8_0's layout). Larger blocks run
-# faster in this wheel but lost 4 points of top-1 agreement on the test models. The classic int8
-# Gemm (G.INT8, per-row scales) measured 2.5x faster than bf16 for one row (1.4x for 64 rows, a
-# chain of 6144x2048 Gemms, 1 thread; block-quantized: slower than bf16) but agreed top-1 on only
-# 176-180 of 192 teacher-forced tokens on the tiny untied test model (block: 184-186; bar: 0.95).
-Q8_QUANT = (8, 32)
+# q8 packages: ncnn's classic int8 Gemm (int8 weights with one scale per output row, activations
+# quantized per row at run time, VNNI kernels). Measured on a chain of 2B-shaped decoder layers
+# (1 thread, CPU time per layer): bf16 5.7 ms, int8 3.1 ms, block-quantized q8 (8, 32) 9.6 ms at
+# one row; 79 / 54 / 71 ms at 128 rows. Int8 everywhere lost too much on the tiny test models
+# (top-1 176-187 of 192 teacher-forced tokens, mean KL 2.6-4.2e-3), the attention projections
+# being the sensitive part, so an architecture may keep some Gemms in bf16 (``weight_ctx``,
+# ``float_layers``): Youtu keeps most attention projections, which measured more accurate than
+# the all-block q8 it replaces (youtu.py: q8_keeps_bf16).
+Q8_QUANT = G.INT8
 
 
 def storage_dtype(dtype: str) -> str:
@@ -185,9 +192,13 @@ def storage_dtype(dtype: str) -> str:
     return "bf16" if dtype == "q8" else dtype
 
 
-def weight_ctx(ckpt: Checkpoint, g: G.Graph, dtype: str, on_tensor, quantize: bool = True) -> Ctx:
-    """A Ctx writing the package dtype (q8: int8 Gemm weights, bf16 for the rest)."""
+def weight_ctx(ckpt: Checkpoint, g: G.Graph, dtype: str, on_tensor, quantize: bool = True,
+               float_layers=None) -> Ctx:
+    """A Ctx writing the package dtype (q8: int8 Gemm weights, bf16 for the rest, and for the
+    Gemms whose checkpoint name ``float_layers(name)`` accepts)."""
     quant = Q8_QUANT if dtype == "q8" and quantize else None
+    if quant is not None and float_layers is not None:
+        quant = lambda name: None if float_layers(name) else Q8_QUANT  # noqa: E731
     return Ctx(ckpt, g, storage_dtype(dtype), quant, on_tensor)
 
 
@@ -214,7 +225,7 @@ def build_lm_head(ctx: Ctx, vocab: int, hidden: int, weight_name: str) -> GraphI
         r1 = min(vocab, r0 + HEAD_SHARD_ROWS)
         name = f"lm_head.{len(outs)}"
         g.section(f"shard{len(outs)}")
-        outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant, name=name,
+        outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant_for(name), name=name,
                            out="logits" if r1 - r0 == vocab else None, fp32_output=True))
         shards.append({"rows": [r0, r1], "offset": g.weight_offsets[name][0]})
     if len(outs) > 1:
@@ -240,7 +251,7 @@ def write_head_and_embedding(ckpt: Checkpoint, out, dtype: str, on_tensor, vocab
     ctx = weight_ctx(ckpt, g, dtype, on_tensor)
     head = save_graph(g, out / "lm_head.param", build_lm_head(ctx, vocab, hidden, head_name))
     sd = storage_dtype(dtype)
-    if head_name == embed_name and ctx.quant is None:
+    if head_name == embed_name and ctx.quant_for("lm_head") is None:
         # Tied float head: its Gemm shards *are* the embedding table; read rows from lm_head.bin
         # (each shard's data follows its 4-byte type tag) instead of storing the table twice.
         embedding = {"file": "lm_head.bin", "dtype": sd,

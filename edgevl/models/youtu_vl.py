@@ -3,13 +3,17 @@
 The language half is ``youtu.py`` unchanged (text fields sit at the root of config.json). This
 file holds the vision graph (hold it next to spec youtu_vl.md §4–§5) and its host-side driver.
 
-One vision graph serves every image size. Tokens are laid out window by window, each window
-padded to the size P of the largest one (``T = n_windows * P`` rows):
-- window layers fold the windows into SDPA's head axis, (c=heads*nw, h=P), so each window
-  attends only to itself and no N×N mask exists (memory stays linear in the patch count);
-- padded keys are switched off by one extra q/k channel: q gets 1, k gets 0 (real) or -1e9
-  (padding), so their scores vanish in the softmax without any mask;
-- full-attention layers attend over all T rows with the same key bias.
+One vision graph serves every image size, and it computes on real patches only. Tokens are laid
+out window by window, the windows grouped by size (a raster tiling has at most four sizes: whole
+windows, the right column, the bottom row, the corner), each size class in one of
+``WINDOW_SLOTS`` slots:
+- window layers cut each slot's rows out (Crop with run-time bounds from the slot's shape
+  inputs) and fold its windows into SDPA's head axis, (c=heads*n, h=s), so each window attends
+  only to itself and no N×N mask exists (memory stays linear in the patch count); the slots'
+  outputs are concatenated back in row order;
+- an unused slot holds one copy of the last row as a window of its own, cut off again after the
+  concatenation (at most three such rows, in the window SDPAs only);
+- full-attention layers attend over all N rows as they are.
 The merger's groups of 4 stay contiguous in this layout; the host picks the real rows back out
 in the processor's (row-major merged-grid) order.
 """
@@ -33,8 +37,8 @@ from .youtu import YOUTU_VL_TEMPLATE
 from .base import Ctx, GraphInfo, config_args, heads_first, heads_last, save_graph, storage_dtype
 from .protocol import OutputProcessor, Reference, torch_dtype
 
-PAD_KEY_BIAS = -1e9  # added to q.k of padded keys (times the softmax scale): exp() underflows to 0
-
+# Window size classes of a raster tiling: whole windows, right column, bottom row, corner.
+WINDOW_SLOTS = 4
 
 
 
@@ -83,7 +87,7 @@ _GELU_TANH = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu": False}  # tan
 
 
 def emit_vision_attention(ctx: Ctx, x: str, p: str, v: VisionArgs, cos: str, sin: str, window: bool,
-                          bias: dict) -> str:
+                          slots: list) -> str:
     """Siglip2 attention with 2-D RoPE (rotate_half pairs, RotaryEmbed 0=0), per window or full."""
     g, D, nh, hd = ctx.g, v.hidden_size, v.num_attention_heads, v.head_dim
     q = heads_first(g, ctx.linear(x, f"{p}.q_proj", D, D, bias=True), hd, nh, f"{p}.q")
@@ -91,20 +95,29 @@ def emit_vision_attention(ctx: Ctx, x: str, p: str, v: VisionArgs, cos: str, sin
     val = heads_first(g, ctx.linear(x, f"{p}.v_proj", D, D, bias=True), hd, nh, f"{p}.v")
     q = G.rotary(g, q, cos, sin, interleaved=False, name=f"{p}.q_rope")
     k = G.rotary(g, k, cos, sin, interleaved=False, name=f"{p}.k_rope")
-    if window:
-        # (c=heads, h=nw*P) -> (c=heads*nw, h=P): shape read from the key-bias input at run time
-        q, k, val = (G.reshape_like(g, t, bias["kbias"], f"{hd},1h,1c", name=f"{p}.{n}_windows")
-                     for t, n in ((q, "q"), (k, "k"), (val, "v")))
-        ones, kb = bias["ones"], bias["kbias"]
+    if not window:
+        o = G.sdpa(g, q, k, val, scale=hd ** -0.5, name=f"{p}.sdpa")
     else:
-        ones, kb = bias["ones_full"], bias["kbias_full"]
-    q = G.concat(g, [q, ones], axis=2, name=f"{p}.q_cat")
-    k = G.concat(g, [k, kb], axis=2, name=f"{p}.k_cat")
-    o = G.sdpa(g, q, k, val, scale=hd ** -0.5, name=f"{p}.sdpa")
-    if window:
-        o = G.reshape(g, o, hd, -1, nh, name=f"{p}.unfold")
+        outs = [window_sdpa(g, q, k, val, shape, start, hd, nh, f"{p}.slot{i}")
+                for i, (shape, start) in enumerate(slots)]
+        o = G.concat(g, outs, axis=1, name=f"{p}.slots")
+        # drop the unused slots' stand-in rows (a no-op when every slot is used)
+        o = G.crop_expr(g, o, [q], "0", "1h", "1", name=f"{p}.real_rows")
     o = heads_last(g, o, hd, nh, f"{p}.o")
     return ctx.linear(o, f"{p}.out_proj", D, D, bias=True)
+
+
+def window_sdpa(g: G.Graph, q: str, k: str, v: str, shape: str, start: str, hd: int, nh: int, name: str) -> str:
+    """Attention inside the n windows of s rows that one slot holds: rows [start, start + n*s) of
+    q/k/v (c=heads, h=rows, w=hd), windows folded into heads. ``shape`` is a (h=n, w=s) input,
+    ``start`` a 1-D input of width start + 1."""
+    parts = []
+    for t, tag in ((q, "q"), (k, "k"), (v, "v")):
+        t = G.crop_expr(g, t, [shape, start], "-(2w,1)", "+(-(2w,1),*(1w,1h))", "1", name=f"{name}.{tag}_rows")
+        t = G.reshape_like(g, t, shape, f"{hd},1w,1h,0c", name=f"{name}.{tag}_4d")  # (w=hd, h=s, d=n, c=heads)
+        parts.append(G.reshape(g, t, hd, 0, -1, name=f"{name}.{tag}_windows"))    # (c=heads*n, h=s)
+    o = G.sdpa(g, *parts, scale=hd ** -0.5, name=f"{name}.sdpa")
+    return G.reshape(g, o, hd, -1, nh, name=f"{name}.unfold")                      # (c=heads, h=n*s)
 
 
 def emit_vision_mlp(ctx: Ctx, x: str, p: str, v: VisionArgs) -> str:
@@ -113,10 +126,10 @@ def emit_vision_mlp(ctx: Ctx, x: str, p: str, v: VisionArgs) -> str:
     return ctx.linear(h, f"{p}.fc2", v.hidden_size, v.intermediate_size, bias=True)
 
 
-def emit_encoder_layer(ctx: Ctx, x: str, p: str, v: VisionArgs, i: int, cos: str, sin: str, bias: dict) -> str:
+def emit_encoder_layer(ctx: Ctx, x: str, p: str, v: VisionArgs, i: int, cos: str, sin: str, slots: list) -> str:
     g, D, eps = ctx.g, v.hidden_size, v.layer_norm_eps
     h = ctx.layer_norm(x, f"{p}.layer_norm1", D, eps)
-    h = emit_vision_attention(ctx, h, f"{p}.self_attn", v, cos, sin, i not in v.fullatt_block_indexes, bias)
+    h = emit_vision_attention(ctx, h, f"{p}.self_attn", v, cos, sin, i not in v.fullatt_block_indexes, slots)
     x = G.binary(g, x, h, "add", name=f"{p}.attn_residual")
     h = ctx.layer_norm(x, f"{p}.layer_norm2", D, eps)
     h = emit_vision_mlp(ctx, h, f"{p}.mlp", v)
@@ -143,25 +156,21 @@ def vision_prefix(ckpt) -> str:
 
 def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     g = ctx.g
-    pv = g.input("pixel_values")                          # (h=T, w=patch_dim), padded window order
+    pv = g.input("pixel_values")                          # (h=N, w=patch_dim), packed window order
     cos, sin = g.input("vision_cos"), g.input("vision_sin")
-    kbias = g.input("kbias")                              # (c=heads*nw, h=P, w=1)
-    zero = G.binary_scalar(g, kbias, "mul", 0.0, name="kbias_zero")
-    ones = G.binary_scalar(g, zero, "add", 1.0, name="q_one")
-    nh = v.num_attention_heads
-    bias = {"kbias": kbias, "ones": ones,
-            "kbias_full": G.reshape(g, kbias, 1, -1, nh, name="kbias_full"),
-            "ones_full": G.reshape(g, ones, 1, -1, nh, name="q_one_full")}
+    slots = [(g.input(f"window_shape{i}"), g.input(f"window_start{i}")) for i in range(WINDOW_SLOTS)]
     g.section("embed")
     x = ctx.linear(pv, f"{prefix}.embeddings.patch_embedding", v.hidden_size, v.patch_dim, bias=True)
     for i in range(v.num_hidden_layers):
         g.section(f"layer{i}")
-        x = emit_encoder_layer(ctx, x, f"{prefix}.encoder.layers.{i}", v, i, cos, sin, bias)
+        x = emit_encoder_layer(ctx, x, f"{prefix}.encoder.layers.{i}", v, i, cos, sin, slots)
     g.section("merger")
     x = ctx.layer_norm(x, f"{prefix}.post_layernorm", v.hidden_size, v.layer_norm_eps, out="vision.post_ln")
     emit_merger(ctx, x, v)
     return GraphInfo(
-        inputs={"pixel_values": "pixel_values", "cos": "vision_cos", "sin": "vision_sin", "kbias": "kbias"},
+        inputs={"pixel_values": "pixel_values", "cos": "vision_cos", "sin": "vision_sin",
+                "window_shapes": [f"window_shape{i}" for i in range(WINDOW_SLOTS)],
+                "window_starts": [f"window_start{i}" for i in range(WINDOW_SLOTS)]},
         outputs={"merged": "merged", "post_ln": "vision.post_ln",
                  "layers": [f"vision.layer{i}.out" for i in range(v.num_hidden_layers)]},
         extra={"vision_args": vars(v)},
@@ -215,35 +224,47 @@ def configured_max_patches(folder) -> int:
 
 @dataclass
 class WindowLayout:
-    """Where each processor-order patch sits in the padded window layout."""
-    n_windows: int
-    window_len: int          # P
-    position: np.ndarray     # [N] row in the padded layout of processor-order patch n
-    sizes: np.ndarray        # [n_windows] real patches per window
+    """Where each processor-order patch sits in the packed window layout, and the slots."""
+    position: np.ndarray     # [N] row in the packed layout of processor-order patch n
+    slots: list              # per used slot: (windows n, rows per window s, first row)
 
     @property
     def rows(self) -> int:
-        return self.n_windows * self.window_len
+        return len(self.position)
 
 
 def window_layout(gh: int, gw: int, v: VisionArgs) -> WindowLayout:
+    """Windows in processor window order, regrouped by size (largest first) into slots."""
     window_index, cu = siglip2.window_partition(gh, gw, v.window_size, v.patch_size, v.spatial_merge_size)
     sizes = np.diff(cu)
-    nw, P = len(sizes), int(sizes.max())
+    classes = sorted(set(sizes.tolist()), reverse=True)
+    if len(classes) > WINDOW_SLOTS:  # a raster tiling has at most 4
+        raise EdgevlError(f"{len(classes)} window sizes in one image; at most {WINDOW_SLOTS} are supported")
+    order = np.concatenate([np.flatnonzero(sizes == c) for c in classes])     # windows, packed order
     m2 = v.spatial_merge_size ** 2
-    win_order = (window_index[:, None] * m2 + np.arange(m2)).ravel()  # processor ids in window order
-    window_of = np.repeat(np.arange(nw), sizes)
+    win_order = (window_index[:, None] * m2 + np.arange(m2)).ravel()        # processor ids in window order
+    packed_start = np.empty(len(sizes), np.int64)
+    packed_start[order] = np.concatenate([[0], np.cumsum(sizes[order])[:-1]])
+    window_of = np.repeat(np.arange(len(sizes)), sizes)
     offset_in = np.arange(gh * gw) - np.repeat(cu[:-1], sizes)
     position = np.empty(gh * gw, np.int64)
-    position[win_order] = window_of * P + offset_in
-    return WindowLayout(nw, P, position, sizes)
+    position[win_order] = packed_start[window_of] + offset_in
+    slots, start = [], 0
+    for c in classes:
+        n = int((sizes == c).sum())
+        slots.append((n, int(c), start))
+        start += n * int(c)
+    return WindowLayout(position, slots)
 
 
 class VisionEncoder:
-    """Runs the vision graph for one image: preprocessing, layout, RoPE tables, un-padding."""
+    """Runs the vision graph for one image: preprocessing, window layout, RoPE tables, row order."""
 
     def __init__(self, net: Net, info: dict):
         self.net, self.info = net, info
+        shapes = info["inputs"].get("window_shapes")
+        if not (isinstance(shapes, list) and len(shapes) == WINDOW_SLOTS):
+            raise EdgevlError("the package's vision graph uses an older window layout; convert the model again")
         # checked like a config: a damaged manifest must fail in one line, not divide by zero
         self.v = config_args(VisionArgs, info["extra"]["vision_args"], where="manifest.json vision_args")
         n = info["extra"].get("max_image_patches")
@@ -269,18 +290,19 @@ class VisionEncoder:
         v = self.v
         gh, gw = pre["spatial_shapes"]
         lay = window_layout(gh, gw, v)
-        T = lay.rows
-        pv = np.zeros((T, v.patch_dim), np.float32)
+        N = lay.rows
+        pv = np.empty((N, v.patch_dim), np.float32)
         pv[lay.position] = pre["pixel_values"]
-        ang = np.zeros((T, v.head_dim // 2), np.float32)
+        ang = np.empty((N, v.head_dim // 2), np.float32)
         ang[lay.position] = siglip2.vision_rope_angles(gh, gw, v.head_dim, v.rope_theta, v.spatial_merge_size)
-        real = np.arange(lay.window_len)[None, :] < lay.sizes[:, None]           # [nw, P]
-        kb = np.where(real, 0.0, PAD_KEY_BIAS).astype(np.float32)
-        kbias = np.broadcast_to(kb[None], (v.num_attention_heads,) + kb.shape)
-        kbias = np.ascontiguousarray(kbias.reshape(-1, lay.window_len, 1))      # (c=heads*nw, h=P, w=1)
         names = self.info["inputs"]
-        return {names["pixel_values"]: pv, names["cos"]: np.cos(ang), names["sin"]: np.sin(ang),
-                names["kbias"]: kbias}, lay
+        feeds = {names["pixel_values"]: pv, names["cos"]: np.cos(ang), names["sin"]: np.sin(ang)}
+        # only the shapes of these inputs are read (unused slots: the last row as a 1-row window)
+        slots = lay.slots + [(1, 1, N - 1)] * (WINDOW_SLOTS - len(lay.slots))
+        for (n, size, start), shape, first in zip(slots, names["window_shapes"], names["window_starts"]):
+            feeds[shape] = np.zeros((n, size), np.float32)
+            feeds[first] = np.zeros(start + 1, np.float32)
+        return feeds, lay
 
     def __call__(self, image, max_image_patches=None, extract_layers: bool = False):
         """Merger rows [N/4, hidden] in processor order, and the processor info (plus layers)."""
