@@ -64,8 +64,9 @@ def test_demo_answers_every_skill_and_matches_pytorch(capsys):
     assert parity == 1.0, lines[-1]
     # README (seed 777, 200 scenes): describe 0.89, count 1.0, colour 0.65, shape 0.99, background
     # 1.0, grounding 0.29 (below the 0.80 goal), reading 0.14, nothing 1.0. Floors about two to
-    # three standard deviations below those for 20 scenes (about 24 boxes, 30 colour questions).
-    assert describe >= 0.7 and count >= 0.95, lines[-1]
+    # three standard deviations below those for 20 scenes (about 24 boxes, 30 colour questions;
+    # these 20 scored describe 1.0, count 1.0, grounding 0.375, colour 0.71, shape 1.0).
+    assert describe >= 0.75 and count >= 0.95, lines[-1]
     # a shape-sized box at a random place has IoU > 0.5 with the asked shape about 1 time in 100
     # (a perfect box around a random shape of the scene: about 0.5; README)
     assert grounding >= 0.1, lines[-1]

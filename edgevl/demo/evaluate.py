@@ -214,7 +214,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=200, help="number of scenes")
     ap.add_argument("--model", default=None, help="package or checkpoint folder (default: the shipped demo model)")
     ap.add_argument("--reference", default=None, help="reference checkpoint folder for the parity check")
-    ap.add_argument("--threads", type=int, default=None, help="ncnn threads")
+    # The demo model is tiny: more threads gain nothing, and torch's and ncnn's OpenMP pools on
+    # the same few cores slow each other down (200 scenes: 72 s with 1, 14 min with the defaults
+    # on a loaded 2-core machine).
+    ap.add_argument("--threads", type=int, default=1, help="ncnn and torch threads (default 1)")
     ap.add_argument("--no-parity", action="store_true", help="skip the PyTorch parity check (parity=nan)")
     ap.add_argument("--show", type=int, default=5, metavar="K", help="print the first K wrong answers")
     args = ap.parse_args(argv)
