@@ -13,7 +13,9 @@ greedily, every question the scene answers (``Scene.qa_items``), through the pat
 - shape: "What is the blue shape?" (each colour the scene has once) names its shape;
 - background: "What color is the background?" names the background;
 - grounding: "Where is the star?" (each shape kind the scene has once) gives a box whose IoU
-  with the star's true box is above 0.5;
+  with the star's true box is above 0.5 (a detail line says how many wrong boxes land on another
+  shape of the scene and how many on none, the one-shape scenes' score, and what a perfect box
+  around a randomly chosen shape of the scene would score);
 - reading: "What is written?" on scenes that show a word gives that word (on the others the
   answer "Nothing." is counted separately).
 
@@ -21,7 +23,9 @@ Parity: for every question, the ncnn greedy tokens must be the PyTorch reference
 (``YoutuVLForConditionalGeneration`` in fp32) on the same input ids. It is checked with one
 batched reference forward pass per scene over the prompts followed by the ncnn tokens: the
 reference's argmax at every answer position must be the next ncnn token (the eos included), which
-holds exactly when the reference's own greedy decoding would produce the same tokens.
+holds exactly when the reference's own greedy decoding would produce the same tokens (up to
+rounding differences between one batched pass and step-by-step decoding, which matter only
+where two logits nearly tie).
 
 ``--model`` is a converted package (its reference checkpoint is the one it was converted from,
 or ``--reference``) or a checkpoint folder (converted to a temporary fp32 package). Without it
