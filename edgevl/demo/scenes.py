@@ -299,16 +299,18 @@ def _as_rng(rng_or_seed) -> random.Random:
     return random.Random(rng_or_seed)
 
 
-def make_scene(rng_or_seed=None, n_shapes: int | None = None) -> Scene:
+def make_scene(rng_or_seed=None, n_shapes: int | None = None, share: float = 0.0) -> Scene:
     """One random scene; ``rng_or_seed`` is a ``random.Random`` (advanced in place) or a seed.
 
-    ``n_shapes`` fixes the number of shapes (1-3); by default it is drawn uniformly.
+    ``n_shapes`` fixes the number of shapes (1-3); by default it is drawn uniformly. ``share`` is
+    the probability that a second or third shape takes the colour or the kind of one already
+    placed (harder scenes for training; 0 leaves the seeded streams unchanged).
     """
     rng = _as_rng(rng_or_seed)
     if n_shapes is not None and not 1 <= n_shapes <= 3:
         raise ValueError(f"n_shapes must be 1, 2 or 3, got {n_shapes}")
     while True:  # rejection sampling; a layout that does not fit is redrawn from scratch
-        scene = _try_scene(rng, n_shapes)
+        scene = _try_scene(rng, n_shapes, share)
         if scene is not None:
             return scene
 
@@ -319,7 +321,7 @@ def make_scenes(seed, n: int) -> list[Scene]:
     return [make_scene(rng) for _ in range(n)]
 
 
-def _try_scene(rng: random.Random, n_shapes: int | None = None) -> Scene | None:
+def _try_scene(rng: random.Random, n_shapes: int | None = None, share: float = 0.0) -> Scene | None:
     background = rng.choice(list(BACKGROUNDS))
     n = rng.randint(1, 3) if n_shapes is None else n_shapes
     text = rng.choice(WORDS) if rng.random() < TEXT_PROBABILITY else None
@@ -337,6 +339,9 @@ def _try_scene(rng: random.Random, n_shapes: int | None = None) -> Scene | None:
     for _ in range(n):
         for _attempt in range(50):
             shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+            if share and specs and rng.random() < share:
+                other = rng.choice(specs)
+                colour, shape = (other.colour, shape) if rng.random() < 0.5 else (colour, other.shape)
             if (colour, shape) in used:
                 continue
             size = rng.choice(list(SIZES))
