@@ -1,29 +1,57 @@
 #!/usr/bin/env bash
-# The benchmark behind the README table: a random Youtu-LLM-2B-shaped checkpoint (YoutuConfig
-# defaults), edgevl bf16 / q8 / bf16 with the expanded KV cache, transformers eager bf16, and
-# llama.cpp bf16 / q8_0 (llama-cpp-python built from source), interleaved, 128-token prompt.
+# The benchmarks behind the README tables, on random checkpoints with real shapes, interleaved:
+# - a Youtu-LLM-2B-shaped checkpoint (YoutuConfig defaults): edgevl bf16 and q8 against llama.cpp
+#   bf16 and q8_0, 128-token prompt, 32 new tokens;
+# - a Youtu-VL checkpoint with the 4B vision tower (1152 wide, 27 layers, 16 heads) and a 1-layer
+#   language model: image encoding, edgevl bf16 against llama.cpp's mtmd (2 threads);
+# - a Qwen3.5-0.8B-shaped checkpoint: edgevl bf16 and q8 against llama.cpp bf16 and q8_0.
 #   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
 # WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
 # thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
-# (default 3; the README tables used 5 at 2 threads and 2 at 1 thread, results/*.json "config").
-# Needs: pip install -e ".[dev]" llama-cpp-python, and llama-cpp-python's sdist in $WORK/sdist
-# (pip download --no-deps --no-binary :all: llama-cpp-python -d $WORK/sdist) for its converter.
+# (default 3, as in the README tables).
+# Needs: pip install -e ".[dev]" and llama-cpp-python built from source with its multimodal
+# library (CMAKE_ARGS="-DLLAVA_BUILD=ON" pip install --no-binary :all: llama-cpp-python), and its
+# sdist in $WORK/sdist (pip download --no-deps --no-binary :all: llama-cpp-python -d $WORK/sdist)
+# for the GGUF converter.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 WORK=${WORK:-$here/out}
+export EDGEVL_LLAMACPP_SDIST=$WORK/sdist
 mkdir -p "$WORK" "$here/results"
+convert() {  # checkpoint, package, dtype
+  [ -f "$2/manifest.json" ] || /usr/bin/time -v edgevl convert "$1" "$2" --dtype "$3" \
+      2> >(tee "$2.convert.log" >&2)
+}
 ck=$WORK/youtu2b
 [ -f "$ck/config.json" ] || python "$here/make_random_checkpoint.py" "$ck"
-for v in "bf16 absorbed" "q8 absorbed" "bf16 expanded"; do
-  set -- $v
-  pk=$WORK/pk2b-$1-$2
-  [ -f "$pk/manifest.json" ] || /usr/bin/time -v edgevl convert "$ck" "$pk" --dtype "$1" --kv-cache "$2" \
-      2> >(tee "$WORK/convert-$1-$2.log" >&2)
-done
+convert "$ck" "$WORK/pk2b-bf16" bf16
+convert "$ck" "$WORK/pk2b-q8" q8
+vl=$WORK/vl4b
+[ -f "$vl/config.json" ] || python -c "
+import sys; from edgevl.models.youtu_vl import ARCH
+ARCH.make_tiny(sys.argv[1], 'default', seed=0, dtype='bf16', hidden_size=2560, intermediate_size=512,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+               vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                  num_attention_heads=16, fullatt_block_indexes=[7, 15, 23, 26],
+                                  window_size=256, out_hidden_size=2560))" "$vl"
+convert "$vl" "$WORK/pk-vl4b" bf16
+qw=$WORK/qwen35-0.8b
+[ -f "$qw/config.json" ] || python "$here/make_random_qwen3_5.py" "$qw"
+convert "$qw" "$WORK/q35-bf16" bf16
+convert "$qw" "$WORK/q35-q8" q8
 for t in ${THREADS:-2 1}; do
-  edgevl bench "$WORK/pk2b-bf16-absorbed" --extra-model "$WORK/pk2b-q8-absorbed" \
-      --extra-model "$WORK/pk2b-bf16-expanded" --compare torch,llamacpp --gguf-types bf16,q8_0 \
+  edgevl bench "$WORK/pk2b-bf16" --extra-model "$WORK/pk2b-q8" --compare llamacpp --gguf-types bf16,q8_0 \
       --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
       --json "$here/results/youtu2b-t$t.json" --plot "$here/results/youtu2b-t$t.png" \
       --markdown "$here/results/youtu2b-t$t.md"
+  edgevl bench "$WORK/q35-bf16" --extra-model "$WORK/q35-q8" --compare llamacpp --gguf-types bf16,q8_0 \
+      --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
+      --json "$here/results/qwen3_5-0.8b-t$t.json" --plot "$here/results/qwen3_5-0.8b-t$t.png" \
+      --markdown "$here/results/qwen3_5-0.8b-t$t.md"
 done
+for size in 640x480 1024x768; do
+  edgevl bench "$WORK/pk-vl4b" --images "$size" --compare llamacpp --threads 2 --repeats "${REPEATS:-3}" \
+      --json "$here/results/vl4b-images-$size-t2.json" --markdown "$here/results/vl4b-images-$size-t2.md"
+done
+python "$here/bench_qwen3_5.py" "$WORK/q35-bf16" --threads 1 --repeat "${REPEATS:-3}"
