@@ -575,7 +575,14 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                     s["proc"].join(5)
                     why = _exit_text(s["proc"].exitcode)
                     if not s["ready"]:
-                        raise EdgevlError(f"a batch worker process died while loading the model ({why})") from None
+                        # Killed while loading: start it again if the model loads elsewhere (a
+                        # one-off kill), fail the job if loading itself keeps failing.
+                        s["load_deaths"] = s.get("load_deaths", 0) + 1
+                        if s["load_deaths"] > 2 or not any(o["ready"] for o in slots if o is not s):
+                            raise EdgevlError(f"a batch worker process died while loading the model ({why})") from None
+                        conn.close()
+                        s.update(start())
+                        continue
                     if s["items"]:
                         row = empty_row(s["items"].popleft())
                         row["error"] = f"the worker process died on this row ({why})"
