@@ -196,3 +196,53 @@ def test_missing_experts_is_a_one_line_error(models, tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgevl", "convert", str(bad), str(tmp_path / "out2"), "--quiet"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_q8_package_differs_only_by_rounding(tmp_path, monkeypatch):
+    """A q8 package (q8 experts by default) of a briefly trained bf16 checkpoint, teacher-forced
+    against transformers in fp32: top-1 agreement, and with the fp32 package's expert choices
+    forced every row's logits are close — what remains beyond that is a near-tied expert choice
+    flipped by rounding (transformers' own bf16 run flips them too), not a wrong q8 expert."""
+    from edgevl.models import moe
+
+    ck = ARCH.make_tiny(tmp_path / "ck", CONFIGS[0], seed=11, dtype="bf16", train_steps=40)
+    q8 = edgevl.load(edgevl.convert(ck, tmp_path / "q8", dtype="q8", progress=False))
+    f32 = edgevl.load(edgevl.convert(ck, tmp_path / "fp32", dtype="fp32", progress=False))
+    assert q8.manifest["experts"]["dtype"] == "q8" and f32.manifest["experts"]["dtype"] == "fp32"
+    ref = ARCH.reference(ck)
+    route, chosen = moe.softmax_topk, []
+
+    def record(logits, k, renormalize=True):
+        idx, w = route(logits, k, renormalize)
+        chosen.append(idx)
+        return idx, w
+
+    def replay(logits, k, renormalize=True):     # the fp32 choice, weighted by our own logits
+        idx = chosen.pop(0)
+        z = np.asarray(logits, np.float32)
+        p = np.exp(z - z.max(1, keepdims=True))
+        w = np.take_along_axis(p, idx, 1)
+        return idx, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+    def logits(model, seq, n):
+        h, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache(), model.positions(seq))
+        return model.logits(h[n - 1:-1])
+
+    agree = total = 0
+    forced_cos = []
+    for prompt in (CORPUS[0], CORPUS[4], CORPUS[8]):
+        ids = prepare(q8, prompt).input_ids
+        seq = ids + ref.greedy(ids, 32)
+        want = ref.text_states(seq)[1][len(ids) - 1:-1]
+        agree += int((logits(q8, seq, len(ids)).argmax(1) == want.argmax(1)).sum())
+        total += len(want)
+        monkeypatch.setattr(moe, "softmax_topk", record)
+        logits(f32, seq, len(ids))
+        monkeypatch.setattr(moe, "softmax_topk", replay)
+        got = logits(q8, seq, len(ids))
+        monkeypatch.setattr(moe, "softmax_topk", route)
+        assert not chosen
+        forced_cos += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(got, want)]
+    print(f"q8: top-1 {agree}/{total}; min logit cosine with fp32 routing {min(forced_cos):.4f}")
+    assert agree / total >= 0.9, f"q8 top-1 agreement {agree}/{total}"
+    assert min(forced_cos) >= 0.97, f"q8 with the fp32 routing: min logit cosine {min(forced_cos):.4f}"
