@@ -842,16 +842,15 @@ def batch(model, rows, prompt: str | None = None, output=None, **kwargs) -> Iter
     yield from BatchJob(model, rows, prompt, output, **kwargs).run()
 
 
-def batch_cli(a, model_path: str, sampling: dict) -> int:
-    """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line)."""
-    from .cli import runtime_option_values
-
+def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None) -> int:
+    """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line).
+    ``model_options``: the architecture's load-time options (e.g. expert_cache_mb)."""
     if a.ray not in (None, "local") and (Path(a.ray) / "manifest.json").is_file():
         raise EdgevlError(f"--ray took {a.ray!r} as the Ray address; put MODEL before --ray or write --ray=ADDRESS")
     job = BatchJob(model_path, a.input, a.prompt, a.output, workers=a.workers, threads=a.threads, ray=a.ray,
                    overwrite=a.overwrite, retry_errors=a.retry_errors, image_column=a.image_column,
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
-                   low_memory=a.low_memory, progress=not a.quiet, model_options=runtime_option_values(a), **sampling)
+                   low_memory=a.low_memory, progress=not a.quiet, model_options=model_options, **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
           f"thread(s), {where}", file=sys.stderr)

@@ -265,9 +265,7 @@ def bench_cli(a) -> int:
                  if k in opts]
         return " ".join([f"edgevl {m['dtype']}"] + extra)
 
-    from .cli import runtime_option_values
-
-    opts = runtime_option_values(a)   # load-time options (e.g. --expert-cache-mb) for every edgevl run
+    opts = dict(getattr(a, "model_options", None) or {})   # load-time options (e.g. --expert-cache-mb)
     tag = "".join(f" {k.replace('_', '-')} {v:g}" for k, v in opts.items())
     if (target / "manifest.json").is_file():
         m = read_manifest(target)

@@ -284,6 +284,7 @@ def cmd_bench(a) -> int:
     from .bench import bench_cli
 
     a.model = resolve_model(a.model)
+    a.model_options = runtime_option_values(a)
     return bench_cli(a)
 
 
@@ -326,7 +327,7 @@ def _convert_options() -> dict:
 def cmd_batch(a) -> int:
     from .batch import batch_cli
 
-    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a))
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
