@@ -144,6 +144,10 @@ def test_runtime_option_errors(models):
         edgevl.load(pk, expert_cache_mb="lots")
     with pytest.raises(EdgevlError, match="no option 'expert_cache'.*they have: expert_cache_mb"):
         edgevl.load(pk, expert_cache=3)
+    from edgevl.demo import demo_package
+
+    with pytest.raises(EdgevlError, match=r"youtu_vl models have no option 'expert_cache_mb' \(--expert-cache-mb\)"):
+        edgevl.load(demo_package(), expert_cache_mb=64)   # a dense model
 
 
 def _rewrite(src, dst, fn):
