@@ -499,7 +499,8 @@ def _run_inline(settings: dict, model, todo: list[dict]) -> Iterator[dict]:
     if model is None:
         from .model import load
 
-        model = load(settings["model"], threads=settings["threads"], low_memory=settings["low_memory"])
+        model = load(settings["model"], threads=settings["threads"], low_memory=settings["low_memory"],
+                     options=settings.get("model_options"))
     for item in todo:
         yield process_row(model, item, settings["options"])
 
@@ -521,7 +522,8 @@ def _pool_worker(conn, settings: dict, parent_pid: int) -> None:
     try:
         from .model import load
 
-        model = load(settings["model"], threads=settings["threads"], low_memory=settings["low_memory"])
+        model = load(settings["model"], threads=settings["threads"], low_memory=settings["low_memory"],
+                     options=settings.get("model_options"))
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         conn.send(("fatal", str(e) if isinstance(e, EdgevlError) else f"{type(e).__name__}: {e}"))
         return
@@ -621,7 +623,7 @@ class RayWorker:
         from .model import load
 
         s = self.settings
-        self.model = load(s["model"], threads=s["threads"], low_memory=s["low_memory"])
+        self.model = load(s["model"], threads=s["threads"], low_memory=s["low_memory"], options=s.get("model_options"))
         self.shard = None
         self.shard_failed = False
 
@@ -744,7 +746,7 @@ class BatchJob:
                  threads: int | None = None, ray=None, overwrite: bool = False, retry_errors: bool = False,
                  image_column: str = "image", prompt_column: str = "prompt", id_column: str = "id",
                  max_image_patches: int | None = None, low_memory: bool = False, progress: bool = False,
-                 **sampling):
+                 model_options: dict | None = None, **sampling):
         from .model import Model
         from .sample import Sampler
 
@@ -770,7 +772,8 @@ class BatchJob:
         Sampler(given("temperature", 0.0), given("top_k", 0), given("top_p", 1.0),
                 given("repetition_penalty", 1.0))  # a bad value fails now, not on every row
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
-                         "options": dict(sampling, max_image_patches=max_image_patches)}
+                         "options": dict(sampling, max_image_patches=max_image_patches),
+                         "model_options": dict(model_options or {})}   # the architecture's load-time options
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column)
         self.output, self.overwrite, self.retry_errors = output, overwrite, retry_errors
         self.progress = progress
@@ -846,14 +849,15 @@ def batch(model, rows, prompt: str | None = None, output=None, **kwargs) -> Iter
     yield from BatchJob(model, rows, prompt, output, **kwargs).run()
 
 
-def batch_cli(a, model_path: str, sampling: dict) -> int:
-    """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line)."""
+def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None) -> int:
+    """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line).
+    ``model_options``: the architecture's load-time options (e.g. expert_cache_mb)."""
     if a.ray not in (None, "local") and (Path(a.ray) / "manifest.json").is_file():
         raise EdgevlError(f"--ray took {a.ray!r} as the Ray address; put MODEL before --ray or write --ray=ADDRESS")
     job = BatchJob(model_path, a.input, a.prompt, a.output, workers=a.workers, threads=a.threads, ray=a.ray,
                    overwrite=a.overwrite, retry_errors=a.retry_errors, image_column=a.image_column,
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
-                   low_memory=a.low_memory, progress=not a.quiet, **sampling)
+                   low_memory=a.low_memory, progress=not a.quiet, model_options=model_options, **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
           f"thread(s), {where}", file=sys.stderr)

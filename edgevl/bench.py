@@ -42,7 +42,8 @@ def worker_edgevl(a: dict) -> dict:
     from .model import Model
 
     t0 = time.perf_counter()
-    m = Model(a["model"], threads=a["threads"], verify=False, low_memory=a.get("low_memory", False))
+    m = Model(a["model"], threads=a["threads"], verify=False, low_memory=a.get("low_memory", False),
+              options=a.get("options"))
     load = time.perf_counter() - t0
     ids = _prompt_ids(a["prompt_tokens"], m.vocab_size)
     m.prefill(ids[:4], reuse_cache=False)  # warm-up: first-run allocations
@@ -57,7 +58,8 @@ def worker_edgevl(a: dict) -> dict:
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
             "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
-            "dtype": m.dtype, "options": m.manifest.get("options", {})}
+            "dtype": m.dtype, "options": m.manifest.get("options", {}), "load_options": m.options,
+            "runtime": m.runtime_stats()}
 
 
 def worker_torch(a: dict) -> dict:
@@ -134,7 +136,7 @@ def worker_edgevl_image(a: dict) -> dict:
 
     from .model import Model
 
-    m = Model(a["model"], threads=a["threads"], verify=False)
+    m = Model(a["model"], threads=a["threads"], verify=False, options=a.get("options"))
     if m.vision is None:
         raise RuntimeError(f"{a['model']} has no vision tower")
     m.encode_image(Image.fromarray(bench_image(256, 256, 1)))  # warm-up: first-run allocations
@@ -389,10 +391,12 @@ def bench_cli(a) -> int:
                  if k in opts]
         return " ".join([f"edgevl {m['dtype']}"] + extra)
 
+    opts = dict(getattr(a, "model_options", None) or {})   # load-time options (e.g. --expert-cache-mb)
+    tag = "".join(f" {k.replace('_', '-')} {v:g}" for k, v in opts.items())
     if (target / "manifest.json").is_file():
         m = read_manifest(target)
         ref = Path(a.reference or m["source"]["path"])
-        systems[label(m)] = ("edgevl", {"model": str(target)})
+        systems[label(m) + tag] = ("edgevl", {"model": str(target), "options": opts})
     elif (target / "config.json").is_file():
         ref = target
         pkg = target.resolve().parent / f"{target.name}-edgevl-bf16"
@@ -400,14 +404,14 @@ def bench_cli(a) -> int:
             from .convert import convert
 
             convert(target, pkg, dtype="bf16", overwrite=pkg.exists())
-        systems["edgevl bf16"] = ("edgevl", {"model": str(pkg)})
+        systems["edgevl bf16" + tag] = ("edgevl", {"model": str(pkg), "options": opts})
     else:
         read_manifest(target)  # raises the clear error
     for extra in getattr(a, "extra_model", None) or []:
-        name = label(read_manifest(extra))
+        name = label(read_manifest(extra)) + tag
         if name in systems:  # two packages of the same dtype and options: tell them apart by folder
             name = f"{name} ({Path(extra).name})"
-        systems[name] = ("edgevl", {"model": str(extra)})
+        systems[name] = ("edgevl", {"model": str(extra), "options": opts})
     if getattr(a, "low_memory", False):
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))

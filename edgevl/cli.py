@@ -73,6 +73,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
+    add_runtime_option_args(p)
+
+
+def _runtime_options() -> dict:
+    """name -> (RuntimeOption, architectures offering it), over every registered architecture."""
+    from . import models
+
+    out: dict = {}
+    for arch in models.all_architectures():
+        for name, opt in arch.runtime_options.items():
+            out.setdefault(name, (opt, []))[1].append(arch.name)
+    return out
+
+
+def add_runtime_option_args(p: argparse.ArgumentParser) -> None:
+    """The architectures' load-time options as flags (e.g. --expert-cache-mb)."""
+    for name, (opt, archs) in _runtime_options().items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.type, default=None, metavar=opt.metavar,
+                       help=f"{opt.help} ({', '.join(archs)} models)")
+
+
+def runtime_option_values(a) -> dict:
+    """The load-time options given on the command line (for ``load(..., options=)``)."""
+    return {name: getattr(a, name) for name in _runtime_options() if getattr(a, name, None) is not None}
 
 
 def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
@@ -174,7 +198,7 @@ def cmd_run(a) -> int:
                 out = str(Path(out).with_name(f"{Path(out).stem}-{k + 1}{Path(out).suffix or '.png'}"))
             images[k], saved = save_demo_scene(out, None if a.seed is None else a.seed + k)
             print(f"[demo scene saved to {saved}]", file=sys.stderr)
-    model = load(model_path, threads=a.threads, low_memory=a.low_memory)
+    model = load(model_path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     kwargs = sampling_kwargs(a)
     if a.verbose:
         settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty)
@@ -198,6 +222,8 @@ def cmd_run(a) -> int:
             if a.verbose:
                 print(f"\n[{ev.prompt_tokens} prompt tokens, {ev.prompt_tps:.1f} tok/s; {ev.generation_tokens} "
                       f"generated, {ev.generation_tps:.1f} tok/s; finish: {ev.finish_reason}]", file=sys.stderr)
+                for stat in model.runtime_stats().values():
+                    print(f"[{stat['summary']}]", file=sys.stderr)
     sys.stdout.write("\n")
     if a.draw_boxes:
         if not images:
@@ -216,7 +242,8 @@ def cmd_verify(a) -> int:
     from .verify import verify
 
     ok = verify(resolve_model(a.model), a.reference, prompt=a.prompt, image=a.image,
-                max_new_tokens=a.max_new_tokens, max_image_patches=a.max_image_patches, threads=a.threads)
+                max_new_tokens=a.max_new_tokens, max_image_patches=a.max_image_patches, threads=a.threads,
+                options=runtime_option_values(a))
     return 0 if ok else 1
 
 
@@ -225,7 +252,7 @@ def cmd_chat(a) -> int:
     from .chat import chat_loop
 
     check_model_args(a)
-    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory)
+    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
                      allow_special_in_content=a.allow_special_in_content, chat_template_kwargs=template_args(a),
                      show_reasoning=a.show_thinking, **sampling_kwargs(a))
@@ -237,7 +264,7 @@ def cmd_serve(a) -> int:
 
     check_model_args(a)
     path = resolve_model(a.model)
-    model = load(path, threads=a.threads, low_memory=a.low_memory)
+    model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
@@ -257,6 +284,7 @@ def cmd_bench(a) -> int:
     from .bench import bench_cli
 
     a.model = resolve_model(a.model)
+    a.model_options = runtime_option_values(a)
     return bench_cli(a)
 
 
@@ -299,7 +327,7 @@ def _convert_options() -> dict:
 def cmd_batch(a) -> int:
     from .batch import batch_cli
 
-    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a))
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--images", default=None, metavar="WxH,...",
                    help="time image encoding instead, at these sizes (e.g. 640x480,1024x768); with --compare "
                         "llamacpp through llama.cpp's mtmd")
+    add_runtime_option_args(b)
     b.set_defaults(fn=cmd_bench)
 
     kc = command("check", "re-hash every file of a package against its manifest (ignores the verified-stamp "

@@ -52,10 +52,10 @@ def _read_generation_config(path: Path) -> dict:
 
 class Model:
     def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True,
-                 low_memory: bool = False):
+                 low_memory: bool = False, options: dict | None = None):
         self.low_memory = low_memory
         try:
-            self._init(path, threads, verify, light_mode)
+            self._init(path, threads, verify, light_mode, options)
         except KeyError as e:
             raise EdgevlError(f"{path}: manifest.json lacks {e}; the package comes from another edgevl "
                               "version — convert the model again") from None
@@ -64,13 +64,15 @@ class Model:
             raise EdgevlError(f"{path}: manifest.json has a malformed entry ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); convert the model again") from None
 
-    def _init(self, path, threads, verify, light_mode):
+    def _init(self, path, threads, verify, light_mode, options):
         self.path = Path(path)
         self.manifest = m = read_manifest(self.path)
         if verify:
             verify_files(self.path, m)
         check_listed(self.path, m)  # nothing beside the graphs is read unverified
         self.arch = models.get(m["architecture"])
+        # the architecture's load-time options (Architecture.runtime_options), checked
+        self.options = self.arch.resolve_runtime_options(options or {})
         self.config = m["config"]
         self.dtype = m["dtype"]
         self.threads = check_threads(threads) if threads else default_threads()
@@ -104,6 +106,11 @@ class Model:
     @property
     def family(self) -> str:
         return self.arch.name
+
+    def runtime_stats(self) -> dict:
+        """What the runtime measured beyond speed (e.g. an expert cache's hit rate):
+        {name: {..., "summary": one line}}; empty for most models."""
+        return self.arch.runtime_stats(self)
 
     def _net(self, name: str, light_mode: bool = True) -> Net:
         return self.open_net(name, light_mode=light_mode)
@@ -266,10 +273,14 @@ class Model:
         return rows, infos
 
 
-def load(path, threads: int | None = None, verify: bool = True, low_memory: bool = False) -> Model:
+def load(path, threads: int | None = None, verify: bool = True, low_memory: bool = False,
+         options: dict | None = None, **runtime_options) -> Model:
     """Load a converted package folder.
 
     ``low_memory=True`` keeps no weights resident: each decoder layer / lm_head shard is loaded
     only while it runs (much slower; for models that do not fit in RAM).
+    ``options`` / keyword arguments: the architecture's load-time options, e.g.
+    ``expert_cache_mb=512`` for mixture-of-experts models (``edgevl run --help`` lists them).
     """
-    return Model(path, threads=threads, verify=verify, low_memory=low_memory)
+    return Model(path, threads=threads, verify=verify, low_memory=low_memory,
+                 options={**(options or {}), **runtime_options})

@@ -105,7 +105,7 @@ def source_of(package) -> Path:
 
 
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
-            max_image_patches=None, threads=None, log=None) -> Report:
+            max_image_patches=None, threads=None, log=None, options=None) -> Report:
     """``log`` (a callable taking one line) hears what is being compared and each step."""
     _require_torch()
     from .generate import prepare
@@ -117,7 +117,7 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     steps = 5 if images else 4
     step = iter(range(1, steps + 1))
     log(f"[{next(step)}/{steps}] loading the package {package}")
-    model = Model(package, threads=threads, light_mode=False)
+    model = Model(package, threads=threads, light_mode=False, options=options)
     if images and model.vision is None:
         raise EdgevlError("--image given but this is a text-only model")
     rep = Report(dtype=model.dtype)
@@ -164,9 +164,10 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
 
 
 def verify(package, reference_dir=None, prompt: str = "Describe the image in one sentence.", image=None,
-           max_new_tokens: int = 32, max_image_patches=None, threads=None, out=None) -> bool:
-    """Print the comparison (progress on stderr); ``reference_dir`` None: the package's source."""
+           max_new_tokens: int = 32, max_image_patches=None, threads=None, out=None, options=None) -> bool:
+    """Print the comparison (progress on stderr); ``reference_dir`` None: the package's source.
+    ``options``: the architecture's load-time options (e.g. an expert cache size)."""
     rep = compare(package, reference_dir, prompt, image, max_new_tokens, max_image_patches, threads,
-                  log=lambda line: print(line, file=sys.stderr, flush=True))
+                  log=lambda line: print(line, file=sys.stderr, flush=True), options=options)
     rep.print(out or sys.stdout)
     return rep.ok

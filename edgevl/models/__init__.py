@@ -17,6 +17,8 @@ _TABLE = (
     ("youtu_vl", ("youtu_vl",), ("YoutuVLForConditionalGeneration",)),
     # text-only checkpoints (Qwen3_5ForCausalLM, model_type qwen3_5_text) hold the same decoder
     ("qwen3_5", ("qwen3_5", "qwen3_5_text"), ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")),
+    ("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"),
+     ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")),
 )
 
 

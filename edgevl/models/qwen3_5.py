@@ -26,6 +26,7 @@ import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -66,10 +67,12 @@ class TextArgs:
     partial_rotary_factor: float = 0.25
     mrope_section: list = field(default_factory=lambda: [11, 11, 10])
 
+    # a text-only checkpoint (e.g. Qwen3_5ForCausalLM, model_type qwen3_5_text) has it at the root
+    text_model_types: ClassVar[tuple] = ("qwen3_5_text",)
+
     @classmethod
     def from_config(cls, cfg: dict) -> "TextArgs":
-        # a text-only checkpoint (Qwen3_5ForCausalLM, model_type qwen3_5_text) has it at the root
-        tc = dict(cfg.get("text_config") or (cfg if cfg.get("model_type") == "qwen3_5_text" else {}))
+        tc = dict(cfg.get("text_config") or (cfg if cfg.get("model_type") in cls.text_model_types else {}))
         if not tc:
             raise EdgevlError("config.json of a qwen3_5 model needs a text_config")
         if "tie_word_embeddings" not in tc and "tie_word_embeddings" in cfg:
@@ -209,8 +212,16 @@ def emit_gated_delta_net(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple
     return ctx.linear(y, f"{p}.out_proj", H, d.values), core_args
 
 
+def emit_dense_mlp(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple[str, None]:
+    """Qwen3_5MLP (SwiGLU); no host pass."""
+    return swiglu_mlp(ctx, x, p, a.hidden_size, a.intermediate_size), None
+
+
 def emit_decoder_layer(ctx: Ctx, x: str, a: TextArgs, i: int, cos: str, sin: str, mask: str,
-                       prefix: str) -> tuple[str, dict | None]:
+                       prefix: str, mlp=emit_dense_mlp) -> tuple[str, dict | None, dict | None]:
+    """``mlp(ctx, normed blob, prefix, args, layer) -> (blob, host pass or None)``: the dense
+    SwiGLU here, a sparse MoE block in Qwen3.5-MoE. Returns (output, the core's pass args, the
+    MLP's pass)."""
     g, p = ctx.g, f"{prefix}.layers.{i}"
     h = rms_norm(ctx, x, f"{p}.input_layernorm", a.hidden_size, a.rms_norm_eps)
     core = None
@@ -219,12 +230,13 @@ def emit_decoder_layer(ctx: Ctx, x: str, a: TextArgs, i: int, cos: str, sin: str
     else:
         h = emit_attention(ctx, h, f"{p}.self_attn", a, i, cos, sin, mask)
     h = G.binary(g, x, h, "add", name=f"{p}.attn_residual")
-    m = rms_norm(ctx, h, f"{p}.post_attention_layernorm", a.hidden_size, a.rms_norm_eps)
-    m = swiglu_mlp(ctx, m, f"{p}.mlp", a.hidden_size, a.intermediate_size)
-    return G.binary(g, h, m, "add", name=f"{p}.mlp_residual", out=f"layer{i}.out"), core
+    # a stable name: an MoE block's host pass extracts it
+    m = rms_norm(ctx, h, f"{p}.post_attention_layernorm", a.hidden_size, a.rms_norm_eps, out=f"layer{i}.mlp_in")
+    m, mlp_pass = mlp(ctx, m, f"{p}.mlp", a, i)
+    return G.binary(g, h, m, "add", name=f"{p}.mlp_residual", out=f"layer{i}.out"), core, mlp_pass
 
 
-def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
+def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX, mlp=emit_dense_mlp) -> GraphInfo:
     """Per layer state: attention layers an SDPA KV cache (``kv``); recurrent layers the conv
     window as a graph input/output (``recurrent``) and the delta-rule matrix on the host
     (``host``), which one host pass per layer updates: it extracts the layer's conv output and
@@ -240,9 +252,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
     d = a.delta
     for i in range(a.num_hidden_layers):
         g.section(f"layer{i}")
-        x, core = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix)
+        x, core, mlp_pass = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix, mlp)
         if core is None:
             states.append(dict(kv_state(i, 2 * a.num_key_value_heads * a.head_dim), layer=i))
+            passes += [mlp_pass] if mlp_pass else []
             continue
         states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
                        "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
@@ -255,6 +268,7 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
         # in light mode frees) the window the state output is cut from
         passes.append({"extract": [f"out_conv_state{i}", core["qkv"], core["ba"]], "hook": "gated_delta",
                        "args": core, "state": len(states) - 1, "mats": True})
+        passes += [mlp_pass] if mlp_pass else []
     g.section("norm")
     rms_norm(ctx, x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
     return GraphInfo(
@@ -333,20 +347,21 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str = VISION_PREFIX) -> GraphI
 # conversion
 
 
-def convert(ckpt, out, dtype: str, on_tensor) -> dict:
+def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emit_dense_mlp) -> dict:
     """Decoder, lm_head, the two delta-rule core nets, the vision tower and the embedding table.
 
     Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_step, gdn_chunk, vision),
     ``embedding``, ``context``, and ``mtp`` (the multi-token-prediction weights, kept out of the
-    decoder: the base for speculative decoding later)."""
+    decoder: the base for speculative decoding later). ``a`` and ``mlp``: the text arguments and
+    MLP emitter of a derived architecture (Qwen3.5-MoE)."""
     cfg = ckpt.config
-    a = TextArgs.from_config(cfg)
+    a = a or TextArgs.from_config(cfg)
     prefix = text_prefix(ckpt)
     parts = {"graphs": {}, "context": int(a.max_position_embeddings)}
 
     g = G.Graph(out / "decoder.bin")
     parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(weight_ctx(ckpt, g, dtype, on_tensor), a,
-                                                                                    prefix))
+                                                                                    prefix, mlp))
     for name, rows in (("gdn_step", 1), ("gdn_chunk", gd.CHUNK)):
         parts["graphs"][name] = gd.build_core_net(out / f"{name}.param", out / f"{name}.bin", a.delta, rows)
 
@@ -707,6 +722,11 @@ class Qwen3_5(Architecture):
                          linear_value_head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2),
     }
 
+    # transformers' classes of the family (the reference and the tiny checkpoints)
+    hf_classes = {"vlm": "Qwen3_5ForConditionalGeneration", "causal_lm": "Qwen3_5ForCausalLM",
+                  "config": "Qwen3_5Config", "text_config": "Qwen3_5TextConfig"}
+    text_args = TextArgs
+
     def __init__(self):
         import weakref
 
@@ -776,17 +796,18 @@ class Qwen3_5(Architecture):
         return VisionEncoder(net, info, table, qwen_vl.ProcessorConfig.from_folder(model.path))
 
     def reference(self, ref_dir, dtype="fp32"):
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+        import transformers
 
         cfg = json.loads((Path(ref_dir) / "config.json").read_text())
-        cls = Qwen3_5ForCausalLM if cfg.get("model_type") == "qwen3_5_text" else Qwen3_5ForConditionalGeneration
+        text_only = cfg.get("model_type") in self.text_args.text_model_types
+        cls = getattr(transformers, self.hf_classes["causal_lm" if text_only else "vlm"])
         return Qwen3_5Reference(cls.from_pretrained(ref_dir, dtype=torch_dtype(dtype)).eval(), ref_dir)
 
     def make_tiny(self, folder, variant="hv2hk-tied-i4-hd64", seed=0, dtype="fp32", train_steps=0, **overrides):
         """A random (or briefly trained) Qwen3_5ForConditionalGeneration with the real chat template;
         overrides are text_config kwargs (plus ``full_attention_interval``, ``vision`` for the
         vision_config, ``text_only`` for a Qwen3_5ForCausalLM checkpoint)."""
-        return make_tiny(folder, seed, dtype, train_steps=train_steps,
+        return make_tiny(folder, seed, dtype, train_steps=train_steps, classes=self.hf_classes,
                          **{**self.tiny_variants.get(variant, {}), **overrides})
 
 
@@ -907,12 +928,16 @@ def train_chat(model, tok, steps: int, seed: int = 0):
 
 def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.15, train_steps: int = 0,
               vision: dict | None = None, tie_word_embeddings: bool = True, text_only: bool = False,
-              **text_overrides) -> Path:
+              classes: dict | None = None, **text_overrides) -> Path:
+    """``classes``: the transformers class names (``Qwen3_5.hf_classes``) of the model to build."""
     import torch
-    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                              Qwen3_5TextConfig)
+    import transformers
 
     from ..testing import init_random
+
+    names = classes or Qwen3_5.hf_classes
+    (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig) = (
+        getattr(transformers, names[k]) for k in ("config", "causal_lm", "vlm", "text_config"))
 
     folder = Path(folder)
     tok = tiny_tokenizer()

@@ -152,8 +152,12 @@ def test_reduced_precision_top1(trained, tmp_path, name, dtype):
         top3 = np.argsort(-ref_logits, 1)[:, :3]
         far += int(sum(t not in row for t, row in zip(ours.argmax(1), top3)))
     top1, cos = TOLERANCE[dtype]
-    assert agree / total >= top1 and min(cosines) >= cos and far == 0, \
-        f"{name} {dtype}: top-1 {agree}/{total}, min logit cosine {min(cosines):.4f}, {far} outside the top 3"
+    # MoE models may have a few rows whose routing flipped on a near-tie (Architecture.precision_outlier_rows)
+    outliers = int(model.arch.precision_outlier_rows * total)
+    low = sorted(cosines)[outliers]
+    assert agree / total >= top1 and low >= cos and far == 0, \
+        f"{name} {dtype}: top-1 {agree}/{total}, logit cosine {low:.4f} at the {outliers + 1}th lowest row " \
+        f"(min {min(cosines):.4f}), {far} outside the top 3"
 
 
 @pytest.mark.parametrize("name", ARCHS)

@@ -1,0 +1,252 @@
+"""Qwen3.5-MoE packages (edgevl.convert + edgevl.load) vs transformers' Qwen3_5MoeForConditionalGeneration
+(fp32, random tiny configs with different expert counts, top-k and shared-expert widths): greedy
+tokens through the public API (text shorter and longer than a delta-rule chunk, and an image),
+the same tokens with an expert cache far smaller than the experts (hit rate reported by the API,
+`run --verbose` and `bench`), both checkpoint layouts of the experts, a reduced-precision package
+with q8 experts, and bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import edgevl
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare
+from edgevl.models import gated_delta as gd
+from edgevl.models.qwen3_5_moe import ARCH
+from helpers import CORPUS
+from qwen_helpers import hf_greedy, hf_inputs, hf_processor
+
+CONFIGS = list(ARCH.tiny_variants)
+N_NEW = 48
+LONG = " ".join(CORPUS[:9])   # over two chunks (ours 32 tokens, transformers' 64)
+
+
+def image(w, h, seed=0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
+
+
+PROMPTS = {
+    "short": ([{"role": "user", "content": "Describe it."}], []),
+    "long": ([{"role": "user", "content": LONG}], []),
+    "image": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+              [image(90, 150, 1)]),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen-moe")
+    out = {}
+    for i, name in enumerate(CONFIGS):
+        ck = ARCH.make_tiny(root / name, name, seed=50 + i)
+        out[name] = (ck, edgevl.convert(ck, root / f"{name}-fp32", dtype="fp32", progress=False))
+    return out
+
+
+_loaded = {}
+
+
+def _load(models, name):
+    if name not in _loaded:
+        from transformers import Qwen3_5MoeForConditionalGeneration
+
+        ck, pk = models[name]
+        ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(ck, dtype=torch.float32).eval()
+        _loaded[name] = (edgevl.load(pk), ref, hf_processor(ck))
+    return _loaded[name]
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fp32_greedy_token_exact(models, name, prompt):
+    model, ref, proc = _load(models, name)
+    cfg = ref.config.text_config
+    assert cfg.num_experts >= 8 and cfg.num_experts_per_tok >= 2 and cfg.shared_expert_intermediate_size > 0
+    msgs, images = PROMPTS[prompt]
+    ids, enc = hf_inputs(proc, msgs, images)
+    assert (len(ids) < gd.CHUNK) if prompt == "short" else (len(ids) > 2 * 64) if prompt == "long" else True
+    ours = list(model.generate_tokens(ids, N_NEW, image=images, ignore_eos=True, reuse_cache=False))
+    theirs = hf_greedy(ref, enc, N_NEW)
+    first = _first_diff(ours, theirs)
+    assert len(ours) == N_NEW and first is None, \
+        f"{name}/{prompt}: first differing token at {first}: ours {ours[first]} vs {theirs[first]}"
+
+
+def test_text_only_checkpoint(tmp_path):
+    """Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text: the decoder at the root, no vision)."""
+    ck = ARCH.make_tiny(tmp_path / "ck", CONFIGS[1], seed=3, text_only=True)
+    assert json.loads((ck / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    assert model.vision is None
+    ids = prepare(model, LONG).input_ids
+    ours = list(model.generate_tokens(ids, 24, ignore_eos=True))
+    assert ours == ARCH.reference(ck).greedy(ids, 24)
+
+
+def test_small_expert_cache_gives_identical_tokens(models):
+    """One expert resident, and a quarter of the experts: the tokens of the all-resident run, the
+    memory within the budget, and a hit rate below the all-resident run's."""
+    _, pk = models[CONFIGS[0]]
+    ids = prepare(edgevl.load(pk), LONG).input_ids
+    full = edgevl.load(pk)
+    want = list(full.generate_tokens(ids, N_NEW, ignore_eos=True))
+    s_full = full.runtime_stats()["experts"]
+    assert s_full["evictions"] == 0 and s_full["budget_bytes"] is None and "no limit" in s_full["summary"]
+    spec = full.manifest["experts"]
+    total = s_full["expert_cost_bytes"] * spec["num_experts"] * len(spec["layers"])
+    for budget in (1.5 * s_full["expert_cost_bytes"], total / 4):
+        small = edgevl.load(pk, expert_cache_mb=budget / 2 ** 20)
+        assert list(small.generate_tokens(ids, N_NEW, ignore_eos=True)) == want, f"{budget} B cache changed tokens"
+        s = small.runtime_stats()["experts"]
+        assert s["evictions"] > 0 and s["hit_rate"] < s_full["hit_rate"] < 1
+        assert s["peak_resident_bytes"] <= s["budget_bytes"] == int(budget)
+        assert f"{100 * s['hit_rate']:.1f} % hit rate" in s["summary"]
+    assert 0 < s["hit_rate"]          # a quarter of the experts still catches some repeats
+
+
+def test_cli_reports_the_hit_rate(models, tmp_path):
+    _, pk = models[CONFIGS[0]]
+    run = [sys.executable, "-m", "edgevl", "run", str(pk), "--prompt", "How many shapes?", "--max-new-tokens", "4",
+           "--threads", "1"]
+    r = subprocess.run(run + ["--verbose", "--expert-cache-mb", "0.05"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "% hit rate" in r.stderr and "(0 MB budget)" in r.stderr
+    r = subprocess.run(run + ["--expert-cache-mb", "-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: expert_cache_mb must be >= 0, got -1"]
+    r = subprocess.run([sys.executable, "-m", "edgevl", "bench", str(pk), "--prompt-tokens", "8", "--gen-tokens", "2",
+                        "--threads", "1", "--repeats", "1", "--expert-cache-mb", "0.05", "--json", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "b.json").read_text())["results"]["edgevl"]
+    ex = res["runtime"]["experts"]
+    assert res["load_options"] == {"expert_cache_mb": 0.05} and ex["budget_bytes"] == int(0.05 * 2 ** 20)
+    assert ex["misses"] > 0 and 0 <= ex["hit_rate"] < 1
+
+
+def test_runtime_option_errors(models):
+    _, pk = models[CONFIGS[0]]
+    with pytest.raises(EdgevlError, match="expert_cache_mb must be >= 0"):
+        edgevl.load(pk, expert_cache_mb=-2)
+    with pytest.raises(EdgevlError, match="must be a number"):
+        edgevl.load(pk, expert_cache_mb="lots")
+    with pytest.raises(EdgevlError, match="no option 'expert_cache'.*they have: expert_cache_mb"):
+        edgevl.load(pk, expert_cache=3)
+    from edgevl.demo import demo_package
+
+    with pytest.raises(EdgevlError, match=r"youtu_vl models have no option 'expert_cache_mb' \(--expert-cache-mb\)"):
+        edgevl.load(demo_package(), expert_cache_mb=64)   # a dense model
+
+
+def _rewrite(src, dst, fn):
+    """Copy checkpoint ``src`` to ``dst`` with its tensors passed through ``fn(dict) -> dict``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors.index.json").unlink(missing_ok=True)
+    files = sorted(dst.glob("*.safetensors"))
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+        f.unlink()
+    save_file(fn(tensors), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_fused_expert_tensors_convert_to_the_same_package(models, tmp_path):
+    """A checkpoint holding transformers' in-memory layout (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) gives byte-identical experts and decoder to the per-expert layout on disk."""
+    ck, pk = models[CONFIGS[0]]
+    cfg = json.loads((ck / "config.json").read_text())["text_config"]
+    E = cfg["num_experts"]
+
+    def fuse(t):
+        out = {k: v for k, v in t.items() if ".mlp.experts." not in k}
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.language_model.layers.{i}.mlp.experts"
+            out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]])
+                                                    for e in range(E)])
+            out[f"{p}.down_proj"] = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(E)])
+        return out
+
+    fused = _rewrite(ck, tmp_path / "fused", fuse)
+    pk2 = edgevl.convert(fused, tmp_path / "pk", dtype="fp32", progress=False)
+    for f in ("experts.bin", "experts.param", "decoder.bin", "decoder.param"):
+        assert (pk2 / f).read_bytes() == (pk / f).read_bytes(), f
+
+
+def test_missing_experts_is_a_one_line_error(models, tmp_path):
+    ck, _ = models[CONFIGS[0]]
+    gone = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
+    bad = _rewrite(ck, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != gone})
+    with pytest.raises(EdgevlError) as e:
+        edgevl.convert(bad, tmp_path / "out", dtype="bf16", progress=False)
+    assert gone in str(e.value) and "missing" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    r = subprocess.run([sys.executable, "-m", "edgevl", "convert", str(bad), str(tmp_path / "out2"), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_q8_package_differs_only_by_rounding(tmp_path, monkeypatch):
+    """A q8 package (q8 experts by default) of a briefly trained bf16 checkpoint, teacher-forced
+    against transformers in fp32: top-1 agreement, and with the fp32 package's expert choices
+    forced every row's logits are close — what remains beyond that is a near-tied expert choice
+    flipped by rounding (transformers' own bf16 run flips them too), not a wrong q8 expert."""
+    from edgevl.models import moe
+
+    ck = ARCH.make_tiny(tmp_path / "ck", CONFIGS[0], seed=11, dtype="bf16", train_steps=40)
+    q8 = edgevl.load(edgevl.convert(ck, tmp_path / "q8", dtype="q8", progress=False))
+    f32 = edgevl.load(edgevl.convert(ck, tmp_path / "fp32", dtype="fp32", progress=False))
+    assert q8.manifest["experts"]["dtype"] == "q8" and f32.manifest["experts"]["dtype"] == "fp32"
+    ref = ARCH.reference(ck)
+    route, chosen = moe.softmax_topk, []
+
+    def record(logits, k, renormalize=True):
+        idx, w = route(logits, k, renormalize)
+        chosen.append(idx)
+        return idx, w
+
+    def replay(logits, k, renormalize=True):     # the fp32 choice, weighted by our own logits
+        idx = chosen.pop(0)
+        z = np.asarray(logits, np.float32)
+        p = np.exp(z - z.max(1, keepdims=True))
+        w = np.take_along_axis(p, idx, 1)
+        return idx, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+    def logits(model, seq, n):
+        h, _ = model.decoder.forward(model.embed(seq), model.decoder.new_cache(), model.positions(seq))
+        return model.logits(h[n - 1:-1])
+
+    agree = total = 0
+    forced_cos = []
+    for prompt in (CORPUS[0], CORPUS[4], CORPUS[8]):
+        ids = prepare(q8, prompt).input_ids
+        seq = ids + ref.greedy(ids, 32)
+        want = ref.text_states(seq)[1][len(ids) - 1:-1]
+        agree += int((logits(q8, seq, len(ids)).argmax(1) == want.argmax(1)).sum())
+        total += len(want)
+        monkeypatch.setattr(moe, "softmax_topk", record)
+        logits(f32, seq, len(ids))
+        monkeypatch.setattr(moe, "softmax_topk", replay)
+        got = logits(q8, seq, len(ids))
+        monkeypatch.setattr(moe, "softmax_topk", route)
+        assert not chosen
+        forced_cos += [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(got, want)]
+    print(f"q8: top-1 {agree}/{total}; min logit cosine with fp32 routing {min(forced_cos):.4f}")
+    assert agree / total >= 0.9, f"q8 top-1 agreement {agree}/{total}"
+    assert min(forced_cos) >= 0.97, f"q8 with the fp32 routing: min logit cosine {min(forced_cos):.4f}"
