@@ -198,7 +198,8 @@ def emit_gated_delta_net(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple
              ctx.tensor(f"{p}.in_proj_z.weight", (d.values, H)),
              ctx.tensor(f"{p}.in_proj_b.weight", (d.value_heads, H)),
              ctx.tensor(f"{p}.in_proj_a.weight", (d.value_heads, H))]
-    proj = G.gemm(g, x, RowStack(parts, f"{p}.in_proj"), ctx.dtype, quant=ctx.quant, name=f"{p}.in_proj")
+    proj = G.gemm(g, x, RowStack(parts, f"{p}.in_proj"), ctx.dtype, quant=ctx.quant_for(f"{p}.in_proj"),
+                  name=f"{p}.in_proj")
     qkv, z, ba = G.slice_(g, proj, [d.conv_channels, d.values, 2 * d.value_heads], axis=1, name=f"{p}.in_split")
     conv = ctx.array(f"{p}.conv1d.weight", (d.conv_channels, 1, d.conv_kernel)).reshape(d.conv_channels, -1)
     qkv = gd.emit_causal_conv(g, qkv, conv, f"conv_state{i}", f"out_conv_state{i}", f"{p}.conv")
@@ -347,20 +348,22 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str = VISION_PREFIX) -> GraphI
 # conversion
 
 
-def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emit_dense_mlp) -> dict:
+def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emit_dense_mlp,
+            float_layers=None) -> dict:
     """Decoder, lm_head, the two delta-rule core nets, the vision tower and the embedding table.
 
     Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_step, gdn_chunk, vision),
     ``embedding``, ``context``, and ``mtp`` (the multi-token-prediction weights, kept out of the
     decoder: the base for speculative decoding later). ``a`` and ``mlp``: the text arguments and
-    MLP emitter of a derived architecture (Qwen3.5-MoE)."""
+    MLP emitter of a derived architecture (Qwen3.5-MoE); ``float_layers(name)``: the decoder Gemms
+    a q8 package keeps in bf16."""
     cfg = ckpt.config
     a = a or TextArgs.from_config(cfg)
     prefix = text_prefix(ckpt)
     parts = {"graphs": {}, "context": int(a.max_position_embeddings)}
 
     g = G.Graph(out / "decoder.bin")
-    parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(weight_ctx(ckpt, g, dtype, on_tensor), a,
+    parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(weight_ctx(ckpt, g, dtype, on_tensor, float_layers=float_layers), a,
                                                                                     prefix, mlp))
     for name, rows in (("gdn_step", 1), ("gdn_chunk", gd.CHUNK)):
         parts["graphs"][name] = gd.build_core_net(out / f"{name}.param", out / f"{name}.bin", a.delta, rows)
