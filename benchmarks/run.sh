@@ -4,7 +4,8 @@
 #   bf16 and q8_0, 128-token prompt, 32 new tokens;
 # - a Youtu-VL checkpoint with the 4B vision tower (1152 wide, 27 layers, 16 heads) and a 1-layer
 #   language model: image encoding, edgevl bf16 against llama.cpp's mtmd (2 threads);
-# - a Qwen3.5-0.8B-shaped checkpoint: edgevl bf16 and q8 against llama.cpp bf16 and q8_0.
+# - a Qwen3.5-0.8B-shaped checkpoint: edgevl bf16 and q8 against llama.cpp bf16 and q8_0;
+# - a 449 M-parameter Qwen3.5-MoE (32 experts, top-8) against llama.cpp's qwen35moe.
 #   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
 # WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
 # thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
@@ -40,6 +41,13 @@ qw=$WORK/qwen35-0.8b
 [ -f "$qw/config.json" ] || python "$here/make_random_qwen3_5.py" "$qw"
 convert "$qw" "$WORK/q35-bf16" bf16
 convert "$qw" "$WORK/q35-q8" q8
+mo=$WORK/qwen35moe-449m
+[ -f "$mo/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$mo"
+convert "$mo" "$WORK/moe-q8" q8
+[ -f "$WORK/moe-bf16/manifest.json" ] || edgevl convert "$mo" "$WORK/moe-bf16" --dtype bf16 --experts bf16
+edgevl bench "$WORK/moe-q8" --extra-model "$WORK/moe-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
+    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$here/results/qwen3_5moe-449m-t2.json" \
+    --plot "$here/results/qwen3_5moe-449m-t2.png" --markdown "$here/results/qwen3_5moe-449m-t2.md"
 for t in ${THREADS:-2 1}; do
   edgevl bench "$WORK/pk2b-bf16" --extra-model "$WORK/pk2b-q8" --compare llamacpp --gguf-types bf16,q8_0 \
       --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
