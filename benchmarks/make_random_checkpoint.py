@@ -11,7 +11,6 @@ BPE tokenizer is saved beside it (benchmarks feed random ids; the tokenizer is o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
     from transformers import YoutuConfig, YoutuForCausalLM
 
     from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
-    from random_weights import param_count, write_shards
+    from random_weights import param_count, write_config, write_shards
 
     cfg = YoutuConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if a.layers:
@@ -51,10 +50,7 @@ def main(argv=None) -> int:
         return 0.02 * torch.randn(shape, generator=g)
 
     write_shards(shapes, out, a.dtype, draw, a.shard_gb)
-    d = cfg.to_dict()
-    d["architectures"] = ["YoutuForCausalLM"]
-    d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.dtype]
-    (out / "config.json").write_text(json.dumps(d, indent=1))
+    write_config(cfg, out, "YoutuForCausalLM", a.dtype)
     tok = train_tokenizer(["The quick brown fox jumps over the lazy dog. " * 4, "你好，世界"], vocab_size=300,
                           vision=False)
     save_tokenizer(tok, out)

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
-    from random_weights import param_count, write_shards
+    from random_weights import param_count, write_config, write_shards
 
     text = dict(TEXT)
     if a.layers:
@@ -67,10 +67,7 @@ def main(argv=None) -> int:
         return 0.02 * torch.randn(shape, generator=g)
 
     write_shards(shapes, out, a.dtype, draw, a.shard_gb)
-    d = cfg.to_dict()
-    d["architectures"] = ["Qwen3_5ForConditionalGeneration"]
-    d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[a.dtype]
-    (out / "config.json").write_text(json.dumps(d, indent=1))
+    write_config(cfg, out, "Qwen3_5ForConditionalGeneration", a.dtype)
     (out / "preprocessor_config.json").write_text(json.dumps(
         {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
          "image_std": [0.5] * 3, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}))

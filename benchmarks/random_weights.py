@@ -46,3 +46,11 @@ def write_shards(shapes: dict, out: Path, dtype: str, draw, shard_gb: float = 2.
 
 def param_count(shapes: dict) -> int:
     return sum(int(np.prod(s)) for s in shapes.values())
+
+
+def write_config(cfg, out: Path, architecture: str, dtype: str) -> None:
+    """config.json as a download has it: the architecture's class name and the weights' dtype."""
+    d = cfg.to_dict()
+    d["architectures"] = [architecture]
+    d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    (Path(out) / "config.json").write_text(json.dumps(d, indent=1))

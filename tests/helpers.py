@@ -41,3 +41,8 @@ def config_of(folder) -> dict:
 def cosine(a, b) -> float:
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def first_diff(a, b):
+    """Index of the first differing token of two sequences (None when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)

@@ -15,7 +15,7 @@ from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.models import gated_delta as gd
 from edgevl.models import qwen3_5 as q
-from helpers import CORPUS
+from helpers import CORPUS, first_diff
 from qwen_helpers import cosine, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
 
 CONFIGS = list(q.ARCH.tiny_variants)   # Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
@@ -60,10 +60,6 @@ def _load(models, name):
     return _loaded[name]
 
 
-def _first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fp32_greedy_token_exact(models, name, prompt):
@@ -80,7 +76,7 @@ def test_fp32_greedy_token_exact(models, name, prompt):
     ours = list(model.generate_tokens(ids, N_NEW, image=images, ignore_eos=True, reuse_cache=False))
     theirs = hf_greedy(ref, enc, N_NEW)
     assert len(ours) == len(theirs) == N_NEW
-    first = _first_diff(ours, theirs)
+    first = first_diff(ours, theirs)
     assert first is None, f"{name}/{prompt}: first differing token at {first}: ours {ours[first]} vs {theirs[first]}"
 
 
@@ -159,7 +155,7 @@ def test_chat_second_turn_prefills_only_new_tokens(models, thinking):
     assert ids2[:header] == ids1[:header] and ids2[header:header + 2] != ids1[header:header + 2]
     assert model.last_prefill_tokens == len(ids2) - header   # the image and turn 1's prompt are not recomputed
     fresh = list(edgevl.load(pk).generate_tokens(ids2, 24, image=[img], ignore_eos=True))
-    assert second == fresh, f"first differing token at {_first_diff(second, fresh)}"
+    assert second == fresh, f"first differing token at {first_diff(second, fresh)}"
     assert fresh == hf_greedy(ref, enc2, 24)
 
 

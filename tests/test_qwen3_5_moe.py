@@ -18,7 +18,7 @@ from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.models import gated_delta as gd
 from edgevl.models.qwen3_5_moe import ARCH
-from helpers import CORPUS
+from helpers import CORPUS, first_diff
 from qwen_helpers import hf_greedy, hf_inputs, hf_processor
 
 CONFIGS = list(ARCH.tiny_variants)
@@ -65,10 +65,6 @@ def _load(models, name):
     return _loaded[name]
 
 
-def _first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fp32_greedy_token_exact(models, name, prompt):
@@ -80,7 +76,7 @@ def test_fp32_greedy_token_exact(models, name, prompt):
     assert (len(ids) < gd.CHUNK) if prompt == "short" else (len(ids) > 2 * 64) if prompt == "long" else True
     ours = list(model.generate_tokens(ids, N_NEW, image=images, ignore_eos=True, reuse_cache=False))
     theirs = hf_greedy(ref, enc, N_NEW)
-    first = _first_diff(ours, theirs)
+    first = first_diff(ours, theirs)
     assert len(ours) == N_NEW and first is None, \
         f"{name}/{prompt}: first differing token at {first}: ours {ours[first]} vs {theirs[first]}"
 
