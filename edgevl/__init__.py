@@ -5,7 +5,7 @@
     print(edgevl.generate(model, "Describe the image.", image="photo.jpg"))
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .batch import batch
 from .convert import convert

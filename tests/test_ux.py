@@ -367,3 +367,14 @@ def test_readme_package_sizes_follow_what_convert_writes(tmp_path, arch):
         got = sum(f["bytes"] for name, f in files.items() if name.endswith((".bin")))
         want = package_bytes(shapes, tied, dtype)
         assert 0 <= got - want <= 2048, (dtype, got, want)  # ncnn's per-weight type tags
+
+
+def test_demo_cache_is_keyed_by_the_edgevl_version(monkeypatch, tmp_path):
+    """An upgrade converts the demo again instead of loading (or refusing) an older release's copy."""
+    from edgevl.demo import demo_package_path
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path))
+    now = demo_package_path()
+    assert now.parent == tmp_path and now.name.endswith(f"-{edgevl.__version__}")
+    monkeypatch.setattr(edgevl, "__version__", "9.9.9")
+    assert demo_package_path() != now

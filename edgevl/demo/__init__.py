@@ -23,6 +23,7 @@ def demo_checkpoint() -> Path:
 
 def demo_package_path() -> Path:
     """Where the converted demo package lives (it may not exist yet)."""
+    from .. import __version__
     from ..package import FORMAT_VERSION, cache_dir
 
     ck = demo_checkpoint()
@@ -31,9 +32,10 @@ def demo_package_path() -> Path:
         if p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
-    # keyed by the package format too: a newer edgevl converts the demo again instead of
-    # refusing the cached package of an older one
-    return cache_dir() / f"demo-{h.hexdigest()[:12]}-v{FORMAT_VERSION}"
+    # keyed by the package format and the edgevl version too: a newer edgevl converts the demo
+    # again (about a second) instead of refusing the cached package of an older one, also when a
+    # release changes a graph's layout within one format version
+    return cache_dir() / f"demo-{h.hexdigest()[:12]}-v{FORMAT_VERSION}-{__version__}"
 
 
 def demo_package(progress: bool = False) -> Path:
