@@ -7,7 +7,6 @@ handling, progress, source hashes, tokenizer files and the manifest.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,20 +14,10 @@ from . import models
 from .errors import EdgevlError
 from .package import check_output, finalize, temp_dir_for
 from .progress import Progress
-from .tokenizer import TOKENIZER_FILES, Tokenizer
+from .tokenizer import TOKENIZER_FILES, Tokenizer, read_json_object
 from .weights import Checkpoint, sha256_file
 
 DTYPES = ("fp32", "fp16", "bf16", "q8")
-
-
-def _json_object(path: Path) -> dict:
-    try:
-        v = json.loads(path.read_text())
-    except (ValueError, RecursionError) as e:
-        raise EdgevlError(f"{path} is not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(v, dict):
-        raise EdgevlError(f"{path} must be a JSON object, got {type(v).__name__}; fix or re-download it")
-    return v
 
 
 def check_token_ids(cfg: dict, where: str) -> None:
@@ -56,7 +45,7 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     check_token_ids(ckpt.config, "config.json")
     gen = ckpt.folder / "generation_config.json"
     if gen.is_file():
-        check_token_ids(_json_object(gen), "generation_config.json")
+        check_token_ids(read_json_object(gen), "generation_config.json")
     # the tokenizer and chat template must work now, not first at run time
     Tokenizer(ckpt.folder, fallback_template=arch.chat_template).compile_template()
     out_dir = Path(out_path)

@@ -20,7 +20,8 @@ def _raise(msg):
     raise EdgevlError(f"chat template error: {msg}")
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A checkpoint JSON file that must hold an object, or a one-line error naming the file."""
     try:
         v = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:
@@ -39,7 +40,7 @@ def _load_template(folder: Path, tok_cfg: dict) -> str | None:
             raise EdgevlError(f"{p} is not UTF-8 text; fix or re-download it") from None
     p = folder / "chat_template.json"
     if p.is_file():
-        t = _read_json(p).get("chat_template")
+        t = read_json_object(p).get("chat_template")
         if t:
             if not isinstance(t, str):
                 raise EdgevlError(f"{p}: chat_template must be a string; fix or re-download it")
@@ -72,7 +73,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise EdgevlError(f"{path} could not be read ({e}); re-download it") from None
         cfg_path = self.folder / "tokenizer_config.json"
-        self.config = _read_json(cfg_path) if cfg_path.is_file() else {}
+        self.config = read_json_object(cfg_path) if cfg_path.is_file() else {}
         self.chat_template = _load_template(self.folder, self.config) or fallback_template
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
