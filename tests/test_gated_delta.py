@@ -1,4 +1,4 @@
-"""The delta-rule core nets (fp32) against transformers' own torch kernels."""
+"""The delta-rule core (the fp32 chunk net, the numpy decode step) against transformers' own torch kernels."""
 
 import numpy as np
 import pytest
@@ -16,11 +16,8 @@ def core(request, tmp_path_factory):
     hk, hv, dk, dv = request.param
     d = gd.DeltaDims(hk, hv, dk, dv)
     root = tmp_path_factory.mktemp("core")
-    nets = {}
-    for name, rows in (("step", 1), ("chunk", gd.CHUNK)):
-        info = gd.build_core_net(root / f"{name}.param", root / f"{name}.bin", d, rows)
-        nets[name] = info
-    return gd.DeltaRuleCore.open(root, nets["step"], nets["chunk"], 1), d
+    info = gd.build_core_net(root / "chunk.param", root / "chunk.bin", d)
+    return gd.DeltaRuleCore.open(root, info, 1), d
 
 
 def _inputs(d, seq, seed, similar=False):

@@ -352,7 +352,7 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
             float_layers=None) -> dict:
     """Decoder, lm_head, the two delta-rule core nets, the vision tower and the embedding table.
 
-    Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_step, gdn_chunk, vision),
+    Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_chunk, vision),
     ``embedding``, ``context``, and ``mtp`` (the multi-token-prediction weights, kept out of the
     decoder: the base for speculative decoding later). ``a`` and ``mlp``: the text arguments and
     MLP emitter of a derived architecture (Qwen3.5-MoE); ``float_layers(name)``: the decoder Gemms
@@ -365,8 +365,7 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
     g = G.Graph(out / "decoder.bin")
     parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(weight_ctx(ckpt, g, dtype, on_tensor, float_layers=float_layers), a,
                                                                                     prefix, mlp))
-    for name, rows in (("gdn_step", 1), ("gdn_chunk", gd.CHUNK)):
-        parts["graphs"][name] = gd.build_core_net(out / f"{name}.param", out / f"{name}.bin", a.delta, rows)
+    parts["graphs"]["gdn_chunk"] = gd.build_core_net(out / "gdn_chunk.param", out / "gdn_chunk.bin", a.delta)
 
     embed_name = f"{prefix}.embed_tokens.weight"
     head, parts["embedding"] = write_head_and_embedding(
@@ -745,17 +744,14 @@ class Qwen3_5(Architecture):
         return Decoder(net, info, self.rope(info), self.hooks(model))
 
     def hooks(self, model) -> dict:
-        """The delta rule of every recurrent layer, in the two fp32 core nets (packing off: the
-        state stays in the plain layout from run to run, no repacking copies)."""
+        """The delta rule of every recurrent layer: decoding in numpy, prefill in the fp32 chunk
+        net (packing off: the state stays in the plain layout from run to run, no repacking
+        copies). Packages converted before the step moved to numpy also hold a ``gdn_step``
+        graph; it is not loaded."""
         gr = model.manifest["graphs"]
-        for name in ("gdn_step", "gdn_chunk"):
-            if name not in gr:
-                raise EdgevlError(f"manifest.json lacks graphs.{name}; convert the model again")
-        # The step net runs ~40 tiny layers per call (0.3-0.7 ms at 0.8B): on 2 threads the
-        # per-layer thread syncs cost more than they save, and on a busy machine (the 2-core
-        # one here) a descheduled thread made each step 10-40x slower. One thread for it.
-        core = gd.DeltaRuleCore(model.open_net("gdn_step", dtype="fp32", packing=False, threads=1),
-                                model.open_net("gdn_chunk", dtype="fp32", packing=False), gr["gdn_step"], gr["gdn_chunk"])
+        if "gdn_chunk" not in gr:
+            raise EdgevlError("manifest.json lacks graphs.gdn_chunk; convert the model again")
+        core = gd.DeltaRuleCore(model.open_net("gdn_chunk", dtype="fp32", packing=False), gr["gdn_chunk"])
         gates = {int(i): core.gate_params(g["neg_a"], g["dt_bias"])
                  for i, g in gr["decoder"]["extra"]["gates"].items()}
         return {"gated_delta": gd.core_hook(core, gates)}
