@@ -225,7 +225,8 @@ class Model:
 
     def step(self, token: int) -> np.ndarray:
         pos = np.full((1, 1), self.cache.next_position, np.int64)
-        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos, ids=[int(token)])
+        # no ids: a decoded token's row is always a text embedding, whatever its id
+        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos)
         self.cache_keys.append(int(token))
         return self.logits(hidden)[0]
 

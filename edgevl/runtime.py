@@ -574,8 +574,9 @@ class Decoder:
     ``"state": k`` also hands the hook ``state=`` the cache's k-th state (``info["state"][k]``),
     e.g. a ``host`` state the hook reads and replaces; with ``"mats": true`` the hook gets the
     extracted blobs as ncnn Mats (valid during the call; no numpy copies); with ``"ids": true``
-    it also gets ``ids=``, the token ids of the rows (None when the caller gave none), e.g. to
-    tell image-embedding rows from text rows."""
+    it also gets ``ids=``, the token ids of the rows, e.g. to tell image-embedding rows from text
+    rows: a prompt's rows carry them; None when the caller gave none (a decode step, whose row
+    is a text embedding whatever its id)."""
 
     def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
