@@ -330,8 +330,8 @@ def build_kda_step(path_param, path_bin, d: gd.DeltaDims, lower_bound: float) ->
 
 class KdaCore:
     """Runs a KDA layer's delta rule in the step net, one token per run (prefill too: the
-    per-channel decay has no practical chunked form in ncnn). The state is S [H, Dk, Dv], held
-    as an fp32 array between calls; within a call the net's own output Mat is fed back."""
+    per-channel decay has no practical chunked form in ncnn). The state is S [H, Dk, Dv] as the
+    net's own fp32 output Mat, fed back as it is (no copies; snapshots copy it out)."""
 
     def __init__(self, net, info: dict):
         self.net, self.info = net, info
@@ -344,8 +344,8 @@ class KdaCore:
         return to_mat(np.asarray(rate, np.float32)[None]), to_mat(np.asarray(dt_bias, np.float32)[None])
 
     def __call__(self, qkv, fb, consts: tuple, state):
-        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats); returns (o [seq, HD] array or a
-        Mat for one row, the new S as an array)."""
+        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats), S (a Mat or an array); returns
+        (o [seq, HD] array or a Mat for one row, the new S as a Mat)."""
         import ncnn
 
         from ..runtime import from_mat, to_mat
@@ -374,7 +374,7 @@ class KdaCore:
                 o = got["o"]
             else:
                 o[t] = from_mat(got["o"]).reshape(-1)
-        return o, from_mat(s).reshape(self.d.state_shape)
+        return o, s
 
 
 def kda_hook(core: KdaCore, consts: dict):

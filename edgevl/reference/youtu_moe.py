@@ -54,10 +54,8 @@ MODEL_TYPE = "youtu_vl_moe"  # ASSUMED: no public config.json
 
 
 # --------------------------------------------------------------------------------------------
-# The checkpoint layout (ASSUMED, spec §2.4): the one table to change for a real checkpoint
-
-
-# CheckpointLayout / CHECKPOINT_LAYOUT live in a torch-free module the converter reads too
+# The checkpoint layout (ASSUMED, spec §2.4): the one table to change for a real checkpoint is
+# CHECKPOINT_LAYOUT, imported above from a torch-free module the converter reads too
 
 _EXPERT_KEYS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
