@@ -214,7 +214,7 @@ class Model:
         cuts = sorted(points | set(range(start + PREFILL_CHUNK, len(keys), PREFILL_CHUNK)) | {len(keys)})
         s = start
         for e in cuts:
-            hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e])
+            hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e], ids=input_ids[s:e])
             if e in points:
                 self.cache.snapshot()
             s = e
@@ -225,6 +225,7 @@ class Model:
 
     def step(self, token: int) -> np.ndarray:
         pos = np.full((1, 1), self.cache.next_position, np.int64)
+        # no ids: a decoded token's row is always a text embedding, whatever its id
         hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos)
         self.cache_keys.append(int(token))
         return self.logits(hidden)[0]

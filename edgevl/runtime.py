@@ -573,7 +573,10 @@ class Decoder:
     A pass with ``"when": "prefill"`` runs only for inputs of more than one token; a pass with
     ``"state": k`` also hands the hook ``state=`` the cache's k-th state (``info["state"][k]``),
     e.g. a ``host`` state the hook reads and replaces; with ``"mats": true`` the hook gets the
-    extracted blobs as ncnn Mats (valid during the call; no numpy copies)."""
+    extracted blobs as ncnn Mats (valid during the call; no numpy copies); with ``"ids": true``
+    it also gets ``ids=``, the token ids of the rows, e.g. to tell image-embedding rows from text
+    rows: a prompt's rows carry them; None when the caller gave none (a decode step, whose row
+    is a text embedding whatever its id)."""
 
     def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
@@ -592,16 +595,19 @@ class Decoder:
         return Cache(self.info["state"])
 
     def forward(self, embeds: np.ndarray, cache: Cache, positions: np.ndarray,
-                extract: list[str] = ()) -> tuple[np.ndarray, dict]:
+                extract: list[str] = (), ids=None) -> tuple[np.ndarray, dict]:
         """Run ``embeds`` [S, H] at rotary ``positions`` [axes, S] on top of ``cache`` (updated
-        in place); returns the final hidden states [S, H] and the blobs named in ``extract``."""
+        in place); returns the final hidden states [S, H] and the blobs named in ``extract``.
+        ``ids``: the rows' token ids (for passes that ask for them)."""
         seq, past = embeds.shape[0], cache.length
         positions = np.asarray(positions).reshape(-1, seq)
         cos, sin = self.rope(positions)
         names = self.info["inputs"]
         feeds = {names["embeds"]: embeds, names["mask"]: causal_mask(past, seq), names["cos"]: cos,
                  names["sin"]: sin, **cache.feeds()}
-        passes = [(p["extract"], self._hook(p, seq, cache), bool(p.get("mats"))) for p in self.passes
+        if ids is not None and len(ids) != seq:
+            raise ValueError(f"{len(ids)} token ids for {seq} rows")
+        passes = [(p["extract"], self._hook(p, seq, cache, ids), bool(p.get("mats"))) for p in self.passes
                   if p.get("when", "always") == "always" or seq > 1]
         # intermediate blobs first (they must be extracted before consumers free them); state
         # outputs with their kind's extraction type
@@ -612,10 +618,12 @@ class Decoder:
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
 
-    def _hook(self, p: dict, seq: int, cache: Cache):
+    def _hook(self, p: dict, seq: int, cache: Cache, ids=None):
         fn, args = self.hooks[p["hook"]], dict(p.get("args", {}))
         if "state" in p:
             args["state"] = cache.layers[int(p["state"])]
+        if p.get("ids"):
+            args["ids"] = None if ids is None else np.asarray(ids, np.int64)
         return lambda blobs: fn(blobs, seq=seq, **args)
 
 

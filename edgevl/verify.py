@@ -146,7 +146,8 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     rep.add("text", "embeddings", embeds, states[0])
     names = model.decoder.info["outputs"]["layers"]
     cache = model.decoder.new_cache()
-    hidden, extra = model.decoder.forward(embeds, cache, model.positions(ids, prep.images), extract=names)
+    hidden, extra = model.decoder.forward(embeds, cache, model.positions(ids, prep.images), extract=names,
+                                           ids=ids)
     # fixed-size states (conv windows, recurrent matrices) after the prefill, against the reference's cache
     ours_state = cache.state_arrays()
     ref_state = ref.state_arrays(ref.start(ids, ref_images)[1]) if ours_state else {}

@@ -153,7 +153,8 @@ def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
     ids = np.array([5, 6, img, img, img, img, 7, 8, img, 9, 10, 11])
     modality = torch.from_numpy((ids == img).astype(np.int64))[None]
     want = block(torch.from_numpy(x)[None], modality)[0].numpy()
-    # the Decoder hands hooks no token ids yet (phase 2 wires them): call the hook as it will
+    # the hook as the Decoder calls it for a pass that asks for ids (the end-to-end path:
+    # tests/test_youtu_moe.py)
     spec = dec.passes[0]
     hook = dec.hooks["moe"]
     ex_blobs = {spec["args"]["input"]: x, spec["args"]["logits"]: x @ ckpt.numpy(f"{p}.gate.weight").T}

@@ -195,6 +195,25 @@ def test_host_hook_pass_replaces_a_blob(tmp_path):
         runtime.Decoder(net, dict(info, passes=[{"extract": ["mid"], "hook": "missing"}]), rope, {})
 
 
+def test_host_hook_gets_the_rows_token_ids_when_it_asks(tmp_path):
+    seen = []
+
+    def hook(blobs, seq, ids=None):
+        seen.append(None if ids is None else ids.tolist())
+        return {}
+
+    passes = [{"extract": ["mid"], "hook": "ids", "ids": True}, {"extract": ["mid"], "hook": "plain"}]
+    net, info, rope = toy_decoder(tmp_path, passes=passes)
+    dec = runtime.Decoder(net, info, rope, {"ids": hook, "plain": lambda blobs, seq, **kw: seen.append(kw) or {}})
+    x = np.random.default_rng(2).standard_normal((3, H)).astype(np.float32)
+    cache = dec.new_cache()
+    dec.forward(x, cache, np.arange(3)[None], ids=[7, 8, 9])
+    dec.forward(x[:1], cache, np.array([[3]]))          # a decode step passes none
+    assert seen == [[7, 8, 9], {}, None, {}]
+    with pytest.raises(ValueError, match="2 token ids for 3 rows"):
+        dec.forward(x, dec.new_cache(), np.arange(3)[None], ids=[1, 2])
+
+
 def test_kv_truncation_probe_and_fallback(monkeypatch):
     assert runtime.kv_truncation_works()
     monkeypatch.setattr(runtime, "_KV_TRUNCATION_OK", False)

@@ -19,6 +19,8 @@ _TABLE = (
     ("qwen3_5", ("qwen3_5", "qwen3_5_text"), ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")),
     ("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"),
      ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")),
+    # the Youtu MoE hybrid: no public checkpoint yet, model_type and layout assumed (youtu_moe_layout.py)
+    ("youtu_moe", ("youtu_vl_moe",), ("YoutuVLMoEForConditionalGeneration",)),
 )
 
 

@@ -71,6 +71,13 @@ class ModelArgs:
 def emit_mla_attention(ctx: Ctx, x: str, p: str, a: ModelArgs, i: int, cos: str, sin: str, mask: str,
                        absorbed: bool) -> str:
     """YoutuAttention: q path, kv_a_proj_with_mqa -> [latent | rope], kv_b_proj, RoPE, SDPA, o_proj."""
+    o = emit_mla_core(ctx, x, p, a, i, cos, sin, mask, absorbed)
+    return ctx.linear(o, f"{p}.o_proj", a.hidden_size, a.num_attention_heads * a.v_head_dim, bias=a.attention_bias)
+
+
+def emit_mla_core(ctx: Ctx, x: str, p: str, a: ModelArgs, i: int, cos: str, sin: str, mask: str,
+                  absorbed: bool) -> str:
+    """YoutuAttention up to o_proj: the attention output (h=seq, w=heads*v_head_dim)."""
     g, H, nh = ctx.g, a.hidden_size, a.num_attention_heads
     nope, rope, vd, lat = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
 
@@ -117,7 +124,7 @@ def emit_mla_attention(ctx: Ctx, x: str, p: str, a: ModelArgs, i: int, cos: str,
         o, _, _ = G.sdpa(g, qf, kf, vf, mask, a.scale, cache_in, cache_out, name=f"{p}.sdpa",
                          out=f"{p}.attn_out")                               # (c=heads, h=seq, w=lat)
         o = per_head_gemm(ctx, o, [w_kv[h, nope:] for h in range(nh)], f"{p}.v_absorb", concat_axis=1)
-    return ctx.linear(o, f"{p}.o_proj", H, nh * vd, bias=a.attention_bias)
+    return o
 
 
 def per_head_gemm(ctx: Ctx, x: str, weights: list, name: str, concat_axis: int = 0) -> str:

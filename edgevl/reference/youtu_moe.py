@@ -47,34 +47,15 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfi
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, Qwen3VLVisionModel
 from transformers.models.youtu.modeling_youtu import YoutuAttention
 
+from ..models.youtu_moe_layout import CHECKPOINT_LAYOUT, CheckpointLayout  # noqa: F401 (re-exported)
+
 ARCHITECTURE = "YoutuVLMoEForConditionalGeneration"
 MODEL_TYPE = "youtu_vl_moe"  # ASSUMED: no public config.json
 
 
 # --------------------------------------------------------------------------------------------
-# The checkpoint layout (ASSUMED, spec §2.4): the one table to change for a real checkpoint
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """How this module's parameter names map to checkpoint tensor names.
-
-    ``renames``: (regex, replacement) applied in order to an internal name (``re.sub``);
-    ``experts``: ``"fused"`` stores ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and
-    ``mlp.experts.down_proj [E, H, I]``; ``"per_expert"`` stores
-    ``mlp.experts.{e}.{gate,up,down}.weight`` with the names in ``expert_names``."""
-    renames: tuple = ()
-    experts: str = "fused"
-    expert_names: tuple = ("gate_proj", "up_proj", "down_proj")
-
-    def name(self, internal: str) -> str:
-        for pattern, repl in self.renames:
-            internal = re.sub(pattern, repl, internal)
-        return internal
-
-
-# transformers' in-memory names, unchanged (spec §2.4's assumption).
-CHECKPOINT_LAYOUT = CheckpointLayout()
+# The checkpoint layout (ASSUMED, spec §2.4): the one table to change for a real checkpoint is
+# CHECKPOINT_LAYOUT, imported above from a torch-free module the converter reads too
 
 _EXPERT_KEYS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 

@@ -1,0 +1,237 @@
+"""Youtu MoE packages (edgevl.convert + edgevl.load) vs the project's PyTorch reference
+(edgevl/reference/youtu_moe.py: transformers' kimi_linear KDA with the lower-bounded gate, youtu
+MLA with an output gate and interleaved M-RoPE, quantile-balanced MoE, Qwen3-VL tower), fp32, on
+two tiny configs (heads/dims, q_lora on/off, headwise/elementwise gate, expert counts): greedy
+tokens through the public API for prompts of different lengths and an odd-sized image; image
+rows routed with their own qb_beta row end to end; a small expert cache; the assumed layout table;
+``</think>`` as the first token; bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+import edgevl
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare, stream_events
+from edgevl.models import moe
+from edgevl.models import youtu_moe as Y
+from edgevl.models.youtu_moe import ARCH
+from edgevl.reference import youtu_moe as R
+from helpers import CORPUS, first_diff
+
+CONFIGS = list(ARCH.tiny_variants)
+N_NEW = 48
+
+
+def image(w, h, seed=0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
+
+
+PROMPTS = {
+    "short": ("Hi.", None),
+    "long": (" ".join(CORPUS[:6]), None),
+    "image": ("What is in the picture?", (45, 77)),      # odd sizes: resized to the patch grid
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("youtu-moe")
+    out = {}
+    for i, name in enumerate(CONFIGS):
+        ck = ARCH.make_tiny(root / name, name, seed=30 + i)
+        out[name] = (ck, edgevl.convert(ck, root / f"{name}-fp32", dtype="fp32", progress=False))
+    return out
+
+
+_refs = {}
+
+
+def reference(built, name):
+    if name not in _refs:
+        _refs[name] = ARCH.reference(built[name][0])
+    return _refs[name]
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fp32_greedy_tokens_equal_the_reference(built, name, prompt):
+    _, pk = built[name]
+    model = edgevl.load(pk)
+    ref = reference(built, name)
+    text, size = PROMPTS[prompt]
+    img = image(*size, seed=len(name)) if size else None
+    prep = prepare(model, text, image=img)
+    ours = list(model.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
+    ref_images = ref.prepare_images([img], prep.images) if img is not None else None
+    theirs = ref.greedy(prep.input_ids, N_NEW, images=ref_images)
+    assert len(theirs) == N_NEW
+    assert ours == theirs, f"{name}/{prompt} ({len(prep.input_ids)} prompt tokens): first difference at " \
+                           f"{first_diff(ours, theirs)}"
+
+
+def test_prompt_lengths_differ():
+    # the parity prompts above cover different lengths (and so different token-by-token prefills)
+    lengths = {len(t) for t, _ in PROMPTS.values()}
+    assert len(lengths) == len(PROMPTS)
+
+
+def test_image_rows_route_with_the_image_row_of_qb_beta_end_to_end(built, monkeypatch):
+    """Through the ncnn path: at the first MoE layer (same router inputs either way), image rows
+    choose other experts than they would as text (their qb_beta row differs), text rows the same;
+    and the experts chosen equal the reference's, per row."""
+    name = CONFIGS[0]
+    ck, pk = built[name]
+    model = edgevl.load(pk)
+    first_moe = min(int(x["layer"]) for x in model.manifest["experts"]["layers"])
+    seen = []
+    real = moe.Router.__call__
+
+    def record(self, layer, logits, modality=None):
+        idx, w = real(self, layer, logits, modality)
+        if layer == first_moe:
+            seen.append(np.sort(idx, axis=1))
+        return idx, w
+
+    monkeypatch.setattr(moe.Router, "__call__", record)
+    img = image(45, 77, seed=1)
+    prep = prepare(model, "What is in the picture?", image=img)
+    ids = np.asarray(prep.input_ids)
+    embeds = model.embed(prep.input_ids, prep.image_rows)
+    positions = model.positions(prep.input_ids, prep.images)
+    model.decoder.forward(embeds, model.decoder.new_cache(), positions, ids=prep.input_ids)
+    model.decoder.forward(embeds, model.decoder.new_cache(), positions)   # no ids: every row as text
+    as_image, as_text = seen
+    is_img = ids == model.image_token_id
+    assert is_img.sum() >= 4
+    changed = (as_image != as_text).any(axis=1)
+    assert changed[is_img].any(), "image rows must use qb_beta's image row"
+    assert not changed[~is_img].any()
+
+    # the reference's choices at that layer, row by row
+    ref = reference(built, name)
+    chosen = []
+    router = ref.model.model.layers[first_moe].mlp.gate
+    handle = router.register_forward_hook(lambda m, i, o: chosen.append(np.sort(o[2].numpy(), axis=1)))
+    try:
+        ref.text_states(prep.input_ids, ref.prepare_images([img], prep.images))
+    finally:
+        handle.remove()
+    assert np.array_equal(chosen[0], as_image)
+
+
+def test_small_expert_cache_gives_identical_tokens_and_reports_hit_rate(built):
+    name = CONFIGS[1]
+    _, pk = built[name]
+    full = edgevl.load(pk)
+    spec = full.manifest["experts"]
+    total = spec["expert_bytes"] * spec["num_experts"] * len(spec["layers"])
+    prompt = prepare(full, " ".join(CORPUS[2:4]))
+    want = list(full.generate_tokens(prompt.input_ids, 32, ignore_eos=True))
+    budget_mb = 0.24 * total / 2 ** 20                      # under a quarter of the expert weights
+    small = edgevl.load(pk, expert_cache_mb=budget_mb)
+    got = list(small.generate_tokens(prompt.input_ids, 32, ignore_eos=True))
+    assert got == want, "tokens must not depend on the cache size"
+    s = small.runtime_stats()["experts"]
+    assert 0 < s["hit_rate"] < 1 and s["evictions"] > 0 and s["peak_resident_bytes"] <= s["budget_bytes"]
+    assert f"{100 * s['hit_rate']:.1f} % hit rate" in s["summary"]
+
+
+def test_think_close_as_first_token_is_a_thinking_block_close_not_text(built, monkeypatch):
+    """The base model emits </think> first; the answer must not contain it."""
+    _, pk = built[CONFIGS[0]]
+    model = edgevl.load(pk)
+    close = model.tokenizer.token_to_id("</think>")
+    assert close is not None
+    answer = model.tokenizer.encode("Hello there.")
+    eos = min(model.eos_ids)
+    monkeypatch.setattr(model, "generate_tokens", lambda *a, **k: iter([close] + answer + [eos]))
+    events = list(stream_events(model, "Hi."))
+    text = "".join(e.text for e in events)
+    assert text == "Hello there." and "think" not in "".join(e.reasoning for e in events) + text
+
+
+def test_layout_table_drives_the_converter(built, tmp_path):
+    """A checkpoint saved with another layout (renamed, experts per expert) converts to the same
+    package bytes when the converter is given that table."""
+    from edgevl.weights import Checkpoint
+
+    ck, pk = built[CONFIGS[1]]
+    layout = R.CheckpointLayout(renames=((r"^model\.", "language_model."), (r"\.self_attn\.", ".mixer.")),
+                                experts="per_expert", expert_names=("w1", "w3", "w2"))
+    model = R.YoutuVLMoEForConditionalGeneration.from_pretrained(ck)
+    other = tmp_path / "renamed"
+    model.save_pretrained(other, layout=layout)
+    assert any(k.startswith("language_model.layers.1.mlp.experts.0.w1") for k in Checkpoint(other).keys())
+    out = tmp_path / "pk"
+    out.mkdir()
+    Y.convert(Checkpoint(other), out, "fp32", {}, lambda t: None, layout=layout)
+    for f in ("decoder.bin", "experts.bin", "lm_head.bin", "vision.bin", "decoder.param"):
+        assert (out / f).read_bytes() == (pk / f).read_bytes(), f
+    (tmp_path / "pk2").mkdir()
+    with pytest.raises(EdgevlError, match="missing from the checkpoint"):   # the default table does not fit
+        Y.convert(Checkpoint(other), tmp_path / "pk2", "fp32", {}, lambda t: None)
+
+
+@pytest.mark.parametrize("case", ["deepstack", "lower_bound", "gate", "mrope"])
+def test_bad_config_gives_one_line(built, tmp_path, case):
+    import json
+    import shutil
+
+    ck, _ = built[CONFIGS[0]]
+    bad = tmp_path / "ck"
+    shutil.copytree(ck, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    want = {"deepstack": "deepstack", "lower_bound": "kda_gate_lower_bound", "gate": "mla_output_gate",
+            "mrope": "mrope_section"}[case]
+    if case == "deepstack":
+        cfg["vision_config"]["deepstack_visual_indexes"] = [0]
+    elif case == "lower_bound":
+        cfg["kda_gate_lower_bound"] = 5.0
+    elif case == "gate":
+        cfg["mla_output_gate"] = "channelwise"
+    else:
+        cfg["rope_parameters"]["mrope_section"] = [3, 3, 3]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EdgevlError, match=want):
+        edgevl.convert(bad, tmp_path / "out", dtype="fp32", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_kda_step_net_matches_the_recurrence(tmp_path):
+    """The fp32 step net against kimi_linear's ``recurrent_kimi_delta_attention`` with the
+    lower-bounded gate, over 20 tokens from a random state (per-channel decay: a scalar-decay
+    shortcut would fail here)."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
+
+    from edgevl.models import gated_delta as gd
+    from edgevl.runtime import open_net
+
+    H, D, T, lb = 3, 8, 20, -5.0
+    d = gd.DeltaDims(H, H, D, D)
+    info = Y.build_kda_step(tmp_path / "s.param", tmp_path / "s.bin", d, lb)
+    core = Y.KdaCore(open_net(tmp_path / "s.param", tmp_path / "s.bin", 1, "fp32", packing=False), info)
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((T, 3 * H * D)).astype(np.float32)
+    fb = rng.standard_normal((T, H * D + H)).astype(np.float32)
+    rate = np.exp(0.3 * rng.standard_normal(H)).astype(np.float32)
+    dt = (0.5 * rng.standard_normal(H * D)).astype(np.float32)
+    s0 = rng.standard_normal((H, D, D)).astype(np.float32)
+    o, s = core(qkv, fb, core.consts(np.repeat(rate, D), dt), s0.copy())
+    q, k, v = (torch.from_numpy(x).reshape(1, T, H, D) for x in np.split(qkv, 3, axis=1))
+    f = torch.from_numpy(fb[:, :H * D] + dt).reshape(1, T, H, D) * torch.from_numpy(rate)[None, None, :, None]
+    g = lb * torch.sigmoid(f)
+    beta = torch.sigmoid(torch.from_numpy(fb[:, H * D:]))[None]
+    want_o, want_s = recurrent_kimi_delta_attention(q, k, v, g, beta, torch.from_numpy(s0)[None], True,
+                                                    use_qk_l2norm_in_kernel=True)
+    assert np.abs(o - want_o.reshape(T, -1).numpy()).max() < 1e-4
+    assert np.abs(np.asarray(s).reshape(H, D, D) - want_s[0].numpy()).max() < 1e-4
+    # one row at a time (decode) gives the same
+    s1 = s0.copy()
+    for t in range(T):
+        o1, s1 = core(qkv[t:t + 1], fb[t:t + 1], core.consts(np.repeat(rate, D), dt), s1)
+        assert np.abs(np.asarray(o1).reshape(-1) - o[t]).max() < 1e-5
