@@ -202,36 +202,43 @@ def test_bad_config_gives_one_line(built, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
-def test_kda_step_net_matches_the_recurrence(tmp_path):
-    """The fp32 step net against kimi_linear's ``recurrent_kimi_delta_attention`` with the
-    lower-bounded gate, over 20 tokens from a random state (per-channel decay: a scalar-decay
-    shortcut would fail here)."""
+def test_kda_core_matches_the_recurrence():
+    """The fp32 numpy core against kimi_linear's ``recurrent_kimi_delta_attention`` with the
+    lower-bounded gate, over 40 tokens from a random state (per-channel decay: a scalar-decay
+    shortcut would fail here): as one prompt, and one row at a time (decode: updates deferred in
+    the window, folded every KDA_WINDOW tokens), the state checked mid-window and after folds."""
     from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
 
     from edgevl.models import gated_delta as gd
-    from edgevl.runtime import open_net
 
-    H, D, T, lb = 3, 8, 20, -5.0
-    d = gd.DeltaDims(H, H, D, D)
-    info = Y.build_kda_step(tmp_path / "s.param", tmp_path / "s.bin", d, lb)
-    core = Y.KdaCore(open_net(tmp_path / "s.param", tmp_path / "s.bin", 1, "fp32", packing=False), info)
+    H, D, T, lb = 3, 8, 40, -5.0
+    core = Y.KdaCore(gd.DeltaDims(H, H, D, D), lb)
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((T, 3 * H * D)).astype(np.float32)
     fb = rng.standard_normal((T, H * D + H)).astype(np.float32)
     rate = np.exp(0.3 * rng.standard_normal(H)).astype(np.float32)
     dt = (0.5 * rng.standard_normal(H * D)).astype(np.float32)
     s0 = rng.standard_normal((H, D, D)).astype(np.float32)
-    o, s = core(qkv, fb, core.consts(np.repeat(rate, D), dt), s0.copy())
-    q, k, v = (torch.from_numpy(x).reshape(1, T, H, D) for x in np.split(qkv, 3, axis=1))
-    f = torch.from_numpy(fb[:, :H * D] + dt).reshape(1, T, H, D) * torch.from_numpy(rate)[None, None, :, None]
-    g = lb * torch.sigmoid(f)
-    beta = torch.sigmoid(torch.from_numpy(fb[:, H * D:]))[None]
-    want_o, want_s = recurrent_kimi_delta_attention(q, k, v, g, beta, torch.from_numpy(s0)[None], True,
-                                                    use_qk_l2norm_in_kernel=True)
-    assert np.abs(o - want_o.reshape(T, -1).numpy()).max() < 1e-4
-    assert np.abs(np.asarray(s).reshape(H, D, D) - want_s[0].numpy()).max() < 1e-4
-    # one row at a time (decode) gives the same
-    s1 = s0.copy()
+    consts = core.consts(np.repeat(rate, D), dt)
+
+    def reference(n):
+        q, k, v = (torch.from_numpy(x[:n]).reshape(1, n, H, D) for x in np.split(qkv, 3, axis=1))
+        f = torch.from_numpy(fb[:n, :H * D] + dt).reshape(1, n, H, D) * torch.from_numpy(rate)[None, None, :, None]
+        beta = torch.sigmoid(torch.from_numpy(fb[:n, H * D:]))[None]
+        o, s = recurrent_kimi_delta_attention(q, k, v, lb * torch.sigmoid(f), beta, torch.from_numpy(s0)[None], True,
+                                              use_qk_l2norm_in_kernel=True)
+        return o.reshape(n, -1).numpy(), s[0].numpy()
+
+    want_o, want_s = reference(T)
+    o, st = core(qkv, fb, consts, core.new_state(s0))
+    assert np.abs(o - want_o).max() < 1e-4
+    assert np.abs(st[0] - want_s).max() < 1e-4 and st[5][0] == 0    # a prompt ends folded
+    st = core.new_state(s0)
     for t in range(T):
-        o1, s1 = core(qkv[t:t + 1], fb[t:t + 1], core.consts(np.repeat(rate, D), dt), s1)
-        assert np.abs(np.asarray(o1).reshape(-1) - o[t]).max() < 1e-5
+        o1, st = core(qkv[t:t + 1], fb[t:t + 1], consts, st)
+        assert np.abs(o1.reshape(-1) - o[t]).max() < 1e-5
+        if t + 1 in (5, Y.KDA_WINDOW, Y.KDA_WINDOW + 3, T):
+            assert np.abs(core.matrix(st) - reference(t + 1)[1]).max() < 1e-4, f"after {t + 1}"
+    # a prompt after decoded tokens (pending window) continues from the same state
+    o2, st = core(qkv[:7], fb[:7], consts, st)
+    assert np.all(np.isfinite(o2)) and st[5][0] == 0

@@ -11,10 +11,11 @@ Per decoder layer (``layer_types`` / ``mlp_layer_types``):
 
 - **KDA** (``KDAttention``): q/k/v, the forget gate's ``f_a``, ``b_proj`` and the output gate's
   ``g_a`` as one Gemm; the causal depthwise conv over q|k|v with its window (``gated_delta``'s
-  emitter); then a host pass runs the delta rule with a *per-channel* decay in a small fp32 step
-  net (:func:`build_kda_step`), one token per run — the chunked form needs [C, C, Dk] pairwise
-  decays and is not practical in ncnn (spec §3.1), so prefill is token by token too; then
-  ``o_norm`` (RMSNorm x sigmoid(g_b(g_a x))) and ``o_proj`` back in the graph.
+  emitter); then a host pass runs the delta rule with a *per-channel* decay in fp32 numpy
+  (:class:`KdaCore`), one token at a time with the state updates deferred in a window, as
+  ``gated_delta`` decodes GDN — the chunked form needs [C, C, Dk] pairwise decays and is not
+  practical in ncnn (spec §3.1), so prefill is token by token too; then ``o_norm`` (RMSNorm x
+  sigmoid(g_b(g_a x))) and ``o_proj`` back in the graph.
 - **Gated MLA** (``GatedMLA``): youtu's MLA (``youtu.emit_mla_core``), interleaved M-RoPE on the
   rope dims (host cos/sin, ``qwen3_5.mrope_tables``), the attention output times
   sigmoid(``g_proj`` x) per head (or per channel) before ``o_proj``.
@@ -248,7 +249,8 @@ def emit_decoder_layer(ctx: Ctx, x: str, a: TextArgs, i: int, cos: str, sin: str
 
 def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
     """Per layer state: MLA layers an SDPA KV cache; KDA layers the conv window (graph in/out)
-    and the delta-rule matrix S [H, Dk, Dv] on the host, updated by the layer's host pass."""
+    and, on the host, the delta-rule matrix S [H, Dk, Dv] with a window of deferred updates,
+    updated by the layer's host pass."""
     g = ctx.g
     x = g.input("embeds")
     mask = g.input("mask")
@@ -266,8 +268,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
         else:
             states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
                            "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
-            states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [], "names": ["recurrent"],
-                           "shapes": [list(d.state_shape)]})
+            # the delta-rule matrix and a window of deferred updates (KdaCore)
+            states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [],
+                           "names": ["recurrent", "window_k", "window_delta", "window_c", "c", "pending"],
+                           "shapes": kda_state_shapes(d)})
             gates[str(i)] = {"rate": core.pop("rate"), "dt_bias": core.pop("dt_bias")}
             # the conv window first: extracting the core's inputs runs the conv, which consumes
             # (and in light mode frees) the window the state output is cut from
@@ -287,103 +291,117 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
 
 
 # ---------------------------------------------------------------------------------------------
-# the KDA step net (fp32, weightless)
+# the KDA delta rule (host, fp32 numpy)
+
+KDA_WINDOW = 16     # decoded tokens whose state updates are deferred (folded into S0 together)
 
 
-def build_kda_step(path_param, path_bin, d: gd.DeltaDims, lower_bound: float) -> dict:
-    """One token of ``recurrent_kimi_delta_attention`` for all heads, in fp32:
-
-    g = lb * sigmoid(exp(A_log) * (f + dt_bias)) per channel; S <- diag(e^g) S (rows along Dk);
-    delta = beta (v - k^T S); S <- S + k delta^T; o = q^T S = q^T S_decayed + (q.k) delta,
-    with q, k l2-normalised (q also scaled by Dk^-1/2). Inputs ``qkv`` (h=1, w=3HD, after the
-    conv), ``fb`` (h=1, w=HD+H: f_b(f_a x) then b_proj x), ``rate`` = exp(A_log) and ``dt_bias``
-    (h=1, w=HD), ``state`` (c=H, h=Dk, w=Dv); outputs ``o`` (h=1, w=HD) and ``state_out``.
-    The decay is per channel, so gated_delta's deferred-window step (one scalar per head) does
-    not apply: S is rewritten every token."""
-    g = G.Graph(path_bin)
-    heads, dk, hd = d.key_heads, d.key_dim, d.keys
-    qkv, fb, rate, dt = g.input("qkv"), g.input("fb"), g.input("rate"), g.input("dt_bias")
-    state = g.input("state")
-    q, k, v = G.slice_(g, qkv, [hd, hd, d.values], axis=1, name="split")
-    q = gd.emit_l2norm_heads(g, q, d, 1, dk ** -0.5, "q")                  # (c=H, h=1, w=Dk)
-    k = gd.emit_l2norm_heads(g, k, d, 1, 1.0, "k")
-    v = heads_first(g, v, d.value_dim, d.value_heads, "v")                  # (c=H, h=1, w=Dv)
-    f, b = G.slice_(g, fb, [hd, heads], axis=1, name="gate_split")
-    f = G.binary(g, G.binary(g, f, dt, "add", name="dt"), rate, "mul", name="rate_mul")
-    f = G.binary_scalar(g, G.sigmoid(g, f, name="bounded"), "mul", float(lower_bound), name="log_decay")
-    decay = G.reshape(g, G.unary(g, f, "exp", name="decay"), 1, dk, heads, name="decay_rows")  # (c=H, h=Dk, w=1)
-    beta = G.reshape(g, G.sigmoid(g, b, name="beta"), 1, 1, heads, name="beta_heads")       # (c=H, h=1, w=1)
-    s = G.binary(g, state, decay, "mul", name="state_decay")
-    qk = G.concat(g, [q, k], axis=1, name="qk")                            # (c=H, h=2, w=Dk)
-    q_s, k_s = G.slice_(g, G.matmul(g, qk, s, name="read"), [1, 1], axis=1, name="read_split")
-    delta = G.binary(g, G.binary(g, v, k_s, "sub", name="delta"), beta, "mul", name="delta_beta")
-    kt = G.reshape(g, k, 1, dk, heads, name="k_col")                        # (c=H, h=Dk, w=1)
-    G.binary(g, s, G.matmul(g, kt, delta, name="write"), "add", name="state_update", out="state_out")
-    qdotk = G.matmul(g, q, kt, name="q_dot_k")                              # (c=H, h=1, w=1)
-    o = G.binary(g, q_s, G.binary(g, delta, qdotk, "mul", name="out_new"), "add", name="out")
-    o = heads_last(g, o, d.value_dim, d.value_heads, "o")
-    g.save(path_param)
-    return {"param": Path(path_param).name, "bin": Path(path_bin).name, "dims": d.to_dict(),
-            "inputs": {"qkv": "qkv", "fb": "fb", "rate": "rate", "dt_bias": "dt_bias", "state": "state"},
-            "outputs": {"o": o, "state": "state_out"}}
+def kda_state_shapes(d: gd.DeltaDims, window: int = KDA_WINDOW) -> list:
+    """A KDA layer's host state: S0 [H, Dk, Dv]; the pending keys, deltas and per-channel
+    cumulative log-decays of up to ``window`` tokens; the log-decay since S0; the number pending."""
+    h, dk, dv = d.value_heads, d.key_dim, d.value_dim
+    return [[h, dk, dv], [h, window, dk], [h, window, dv], [h, window, dk], [h, 1, dk], [1]]
 
 
 class KdaCore:
-    """Runs a KDA layer's delta rule in the step net, one token per run (prefill too: the
-    per-channel decay has no practical chunked form in ncnn). The state is S [H, Dk, Dv] as the
-    net's own fp32 output Mat, fed back as it is (no copies; snapshots copy it out)."""
+    """A KDA layer's delta rule (``recurrent_kimi_delta_attention`` with the lower-bounded gate)
+    in fp32 numpy, one token at a time, prefill too (no practical chunked form; see the module).
 
-    def __init__(self, net, info: dict):
-        self.net, self.info = net, info
-        self.d = gd.DeltaDims(**info["dims"])
+    g = lb * sigmoid(exp(A_log) * (f + dt_bias)) per channel; S <- diag(e^g) S (rows along Dk);
+    delta = beta (v - k^T S); S <- S + k delta^T; o = q^T S; q and k l2-normalised (q also
+    scaled by Dk^-1/2). As in ``gated_delta.DeltaRuleCore``, S is not rewritten every token: with
+    per-channel cumulative log-decays c_j since S0, S_t = diag(e^c_t) S0 + sum_j
+    diag(e^(c_t - c_j)) k_j delta_j^T, so a token reads S0 once (2 MiB per layer at the real
+    shape) plus a small window, and the window folds into S0 every ``KDA_WINDOW`` tokens and at
+    the end of a prompt (S0 is then the exact state, as the reference's cache holds it). The ncnn
+    step net this replaced rewrote S every token: 0.6-0.8 ms per token and layer at the real
+    shape (1 thread)."""
+
+    def __init__(self, d: gd.DeltaDims, lower_bound: float, window: int = KDA_WINDOW):
+        self.d, self.lower_bound, self.window = d, float(lower_bound), int(window)
+        self.shapes = kda_state_shapes(d, self.window)
 
     def consts(self, rate, dt_bias) -> tuple:
-        """A layer's exp(A_log) per channel and dt_bias as (h=1, w=HD) Mats, made once at load."""
-        from ..runtime import to_mat
+        """A layer's exp(A_log) per channel and dt_bias, as float32 vectors made once at load."""
+        return (np.ascontiguousarray(rate, np.float32).reshape(-1),
+                np.ascontiguousarray(dt_bias, np.float32).reshape(-1))
 
-        return to_mat(np.asarray(rate, np.float32)[None]), to_mat(np.asarray(dt_bias, np.float32)[None])
+    def new_state(self, matrix=None) -> tuple:
+        st = tuple(np.zeros(s, np.float32) for s in self.shapes)
+        if matrix is not None:
+            st[0][...] = np.asarray(matrix, np.float32).reshape(self.shapes[0])
+        return st
 
-    def __call__(self, qkv, fb, consts: tuple, state):
-        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats), S (a Mat or an array); returns
-        (o [seq, HD] array or a Mat for one row, the new S as a Mat)."""
-        import ncnn
+    def as_state(self, mats) -> tuple:
+        """Own contiguous float32 arrays from what a cache holds (arrays, or Mats after a restore)."""
+        if all(isinstance(m, np.ndarray) and m.flags.c_contiguous and m.dtype == np.float32 for m in mats):
+            return tuple(mats)
+        return tuple(np.array(m, np.float32).reshape(s) for m, s in zip(mats, self.shapes))
 
-        from ..runtime import from_mat, to_mat
+    def matrix(self, state) -> np.ndarray:
+        """The matrix S the state stands for (pending updates applied), as a copy."""
+        return self.fold(tuple(a.copy() for a in state))[0]
 
-        names, outs = self.info["inputs"], self.info["outputs"]
-        seq = qkv.h if hasattr(qkv, "h") else qkv.shape[0]
-        if seq > 1:
-            qkv, fb = (x if isinstance(x, np.ndarray) else from_mat(x) for x in (qkv, fb))
-        s = state if isinstance(state, ncnn.Mat) else to_mat(np.asarray(state, np.float32).reshape(self.d.state_shape))
-        o = None if seq == 1 else np.empty((seq, self.d.values), np.float32)
-        for t in range(seq):
-            ex = self.net.extractor()
-            rows = (qkv, fb) if seq == 1 else (to_mat(qkv[t:t + 1]), to_mat(fb[t:t + 1]))
-            for name, v in ((names["qkv"], rows[0]), (names["fb"], rows[1]), (names["rate"], consts[0]),
-                            (names["dt_bias"], consts[1]), (names["state"], s)):
-                ex.input(name, v if isinstance(v, ncnn.Mat) else to_mat(v))
-            got = {}
-            for key in ("state", "o"):
-                got[key] = ncnn.Mat()
-                if ex.extract(outs[key], got[key]) != 0:
-                    raise EdgevlError(f"ncnn failed to run {self.net.where}; the package may be damaged — "
-                                      "check it with edgevl check (or convert again)")
-            del ex
-            s = got["state"]
-            if o is None:
-                o = got["o"]
-            else:
-                o[t] = from_mat(got["o"]).reshape(-1)
-        return o, s
+    def fold(self, state) -> tuple:
+        """S0 <- diag(e^c_n) S0 + sum_j diag(e^(c_n - c_j)) k_j delta_j^T, in place; empties the window."""
+        s0, wk, wd, wc, c, n = state
+        m = int(n[0])
+        if m == 0:
+            return state
+        s0 *= np.exp(c).transpose(0, 2, 1)                           # (H, Dk, 1): rows along Dk
+        kd = wk[:, :m] * np.exp(c - wc[:, :m])                        # (H, m, Dk)
+        s0 += np.matmul(kd.transpose(0, 2, 1), wd[:, :m])
+        for a in (wk, wd, wc, c):
+            a[...] = 0
+        n[0] = 0
+        return state
+
+    def __call__(self, qkv, fb, consts: tuple, state: tuple):
+        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats); returns (o [seq, HD], the state)."""
+        x = np.asarray(qkv, np.float32).reshape(-1, 3 * self.d.keys)
+        f = np.asarray(fb, np.float32).reshape(len(x), -1)
+        o = np.empty((len(x), self.d.values), np.float32)
+        for t in range(len(x)):
+            o[t] = self._step(x[t], f[t], consts, state)
+        if len(x) > 1:
+            self.fold(state)
+        return o, state
+
+    def _step(self, x, fb, consts, state) -> np.ndarray:
+        d = self.d
+        h, dk, hd = d.key_heads, d.key_dim, d.keys
+        s0, wk, wd, wc, c, n = state
+        q, k, v = (x[j * hd:(j + 1) * hd].reshape(h, dk) for j in range(3))
+        q = q * (dk ** -0.5 / np.sqrt(np.einsum("hd,hd->h", q, q) + gd.L2NORM_EPS))[:, None]
+        k = k * (1.0 / np.sqrt(np.einsum("hd,hd->h", k, k) + gd.L2NORM_EPS))[:, None]
+        rate, dt = consts
+        g = self.lower_bound / (1.0 + np.exp(-(rate * (fb[:hd] + dt))))       # lb * sigmoid, (HD,)
+        beta = 1.0 / (1.0 + np.exp(-fb[hd:hd + h]))
+        ct = c[:, 0] + g.reshape(h, dk)                                       # (H, Dk)
+        qk = np.stack((q, k), axis=1)                                         # (H, 2, Dk)
+        i = int(n[0])
+        base = np.matmul(qk * np.exp(ct)[:, None, :], s0)                     # (H, 2, Dv)
+        if i:
+            kw = wk[:, :i] * np.exp(ct[:, None, :] - wc[:, :i])               # (H, i, Dk)
+            base += np.matmul(np.matmul(qk, kw.transpose(0, 2, 1)), wd[:, :i])
+        delta = (v - base[:, 1]) * beta[:, None]
+        o = base[:, 0] + delta * np.einsum("hd,hd->h", q, k)[:, None]
+        wk[:, i] = k
+        wd[:, i] = delta
+        wc[:, i] = ct
+        c[:, 0] = ct
+        n[0] = i + 1
+        if i + 1 == self.window:
+            self.fold(state)
+        return o.reshape(-1)
 
 
 def kda_hook(core: KdaCore, consts: dict):
     """The decoder's host pass for a KDA layer: conv output and gate logits in, the delta rule
     run on the layer's ``host`` state, the core output fed back by name."""
     def hook(blobs, seq, state, layer, qkv, fb, out):
-        (s,) = state.get()
-        o, s = core(blobs[qkv], blobs[fb], consts[layer], s)
-        state.set((s,))
+        o, st = core(blobs[qkv], blobs[fb], consts[layer], core.as_state(state.get()))
+        state.set(st)
         return {out: o}
     return hook
 
@@ -441,8 +459,6 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     # (as Qwen3.5-MoE: the router's input must not move much, near-tied experts flip)
     ctx = weight_ctx(view, g, dtype, on_tensor, float_layers=lambda name: True)
     parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(ctx, a))
-    parts["graphs"]["kda_step"] = build_kda_step(out / "kda_step.param", out / "kda_step.bin", a.kda,
-                                                 float(a.kda_gate_lower_bound))
     embed_name = f"{PREFIX}.embed_tokens.weight"
     head, parts["embedding"] = write_head_and_embedding(
         view, out, dtype, on_tensor, a.vocab_size, a.hidden_size, embed_name,
@@ -589,17 +605,21 @@ class YoutuMoe(qwen3_5.Qwen3_5):
         from ..package import package_path
 
         gr = model.manifest["graphs"]
-        if "kda_step" not in gr:
-            raise EdgevlError("manifest.json lacks graphs.kda_step; convert the model again")
         spec = model.manifest.get("experts")
         if not isinstance(spec, dict) or "layers" not in spec:
             raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
                               "convert the model again")
         for key, what in (("file", "experts file"), ("param", "experts graph")):
             package_path(model.path, spec.get(key), model.manifest, what)   # listed, inside, verified
-        # one thread: the step net is a few tiny layers per run (see Qwen3_5.hooks)
-        core = KdaCore(model.open_net("kda_step", dtype="fp32", packing=False, threads=1), gr["kda_step"])
-        consts = {int(i): core.consts(c["rate"], c["dt_bias"]) for i, c in gr["decoder"]["extra"]["gates"].items()}
+        try:
+            extra = gr["decoder"]["extra"]
+            core = KdaCore(gd.DeltaDims(**extra["kda"]), float(extra["lower_bound"]))
+            consts = {int(i): core.consts(c["rate"], c["dt_bias"]) for i, c in extra["gates"].items()}
+            hosts = [st["shapes"] for st in gr["decoder"]["state"] if st.get("kind") == "host"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EdgevlError(f"manifest.json graphs.decoder is malformed ({e!r:.60}); convert the model again") from None
+        if any(sh != core.shapes for sh in hosts):
+            raise EdgevlError("this package keeps the KDA state in an older layout; convert the model again")
         store = moe.ExpertStore(model.path, spec, threads=model.threads, cache_mb=model.options.get("expert_cache_mb"))
         self._stores[model] = store
         return {"kda": kda_hook(core, consts), "moe": moe.moe_hook(store)}
