@@ -254,7 +254,34 @@ def build_core_net(path_param, path_bin, d: DeltaDims, rows: int = CHUNK) -> dic
 # host side
 
 
-class DeltaRuleCore:
+class WindowedCore:
+    """What the host delta-rule cores share: a layer's state is a tuple of float32 arrays
+    (``self.shapes``), the matrix S0 first and a window of deferred updates after it, which the
+    subclass's ``fold`` applies to S0."""
+
+    shapes: list
+
+    def new_state(self, matrix=None) -> tuple:
+        st = tuple(np.zeros(s, np.float32) for s in self.shapes)
+        if matrix is not None:
+            st[0][...] = matrix
+        return st
+
+    def as_state(self, mats) -> tuple:
+        """Own contiguous float32 arrays from what a cache holds (arrays, or Mats after a restore)."""
+        if all(isinstance(m, np.ndarray) and m.flags.c_contiguous and m.dtype == np.float32 for m in mats):
+            return tuple(mats)
+        return tuple(np.array(m, np.float32).reshape(s) for m, s in zip(mats, self.shapes))
+
+    def matrix(self, state) -> np.ndarray:
+        """The recurrent matrix S the state stands for (pending updates applied), as a copy."""
+        return self.fold(tuple(a.copy() for a in state))[0]
+
+    def fold(self, state) -> tuple:
+        raise NotImplementedError
+
+
+class DeltaRuleCore(WindowedCore):
     """Runs a layer's delta rule: one token in numpy (:meth:`_step`), several in the fp32 chunk
     net over ``CHUNK``-token chunks (the last one zero-padded, masked by ``valid``).
 
@@ -284,22 +311,6 @@ class DeltaRuleCore:
         folder = Path(folder)
         return cls(open_net(folder / chunk_info["param"], folder / chunk_info["bin"], threads, "fp32",
                             packing=False), chunk_info)
-
-    def new_state(self, matrix=None) -> tuple:
-        st = tuple(np.zeros(s, np.float32) for s in self.shapes)
-        if matrix is not None:
-            st[0][...] = matrix
-        return st
-
-    def as_state(self, mats) -> tuple:
-        """Own contiguous float32 arrays from what a cache holds (arrays, or Mats after a restore)."""
-        if all(isinstance(m, np.ndarray) and m.flags.c_contiguous and m.dtype == np.float32 for m in mats):
-            return tuple(mats)
-        return tuple(np.array(m, np.float32).reshape(s) for m, s in zip(mats, self.shapes))
-
-    def matrix(self, state) -> np.ndarray:
-        """The recurrent matrix S the state stands for (pending updates applied), as a copy."""
-        return self.fold(tuple(a.copy() for a in state))[0]
 
     def fold(self, state) -> tuple:
         """Apply the pending updates to S0 in place: S0 <- e^(c_n) S0 + sum_j e^(c_n - c_j) k_j delta_j^T."""

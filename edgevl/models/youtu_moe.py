@@ -303,7 +303,7 @@ def kda_state_shapes(d: gd.DeltaDims, window: int = KDA_WINDOW) -> list:
     return [[h, dk, dv], [h, window, dk], [h, window, dv], [h, window, dk], [h, 1, dk], [1]]
 
 
-class KdaCore:
+class KdaCore(gd.WindowedCore):
     """A KDA layer's delta rule (``recurrent_kimi_delta_attention`` with the lower-bounded gate)
     in fp32 numpy, one token at a time, prefill too (no practical chunked form; see the module).
 
@@ -325,22 +325,6 @@ class KdaCore:
         """A layer's exp(A_log) per channel and dt_bias, as float32 vectors made once at load."""
         return (np.ascontiguousarray(rate, np.float32).reshape(-1),
                 np.ascontiguousarray(dt_bias, np.float32).reshape(-1))
-
-    def new_state(self, matrix=None) -> tuple:
-        st = tuple(np.zeros(s, np.float32) for s in self.shapes)
-        if matrix is not None:
-            st[0][...] = np.asarray(matrix, np.float32).reshape(self.shapes[0])
-        return st
-
-    def as_state(self, mats) -> tuple:
-        """Own contiguous float32 arrays from what a cache holds (arrays, or Mats after a restore)."""
-        if all(isinstance(m, np.ndarray) and m.flags.c_contiguous and m.dtype == np.float32 for m in mats):
-            return tuple(mats)
-        return tuple(np.array(m, np.float32).reshape(s) for m, s in zip(mats, self.shapes))
-
-    def matrix(self, state) -> np.ndarray:
-        """The matrix S the state stands for (pending updates applied), as a copy."""
-        return self.fold(tuple(a.copy() for a in state))[0]
 
     def fold(self, state) -> tuple:
         """S0 <- diag(e^c_n) S0 + sum_j diag(e^(c_n - c_j)) k_j delta_j^T, in place; empties the window."""
