@@ -118,6 +118,25 @@ def emit_gated_norm(g: G.Graph, o: str, gate: str, weight: np.ndarray, heads: in
     return G.reshape(g, y, heads * dv, -1, name=f"{name}.flat")            # (h=seq, w=heads*dv)
 
 
+HOST_STATE_NAMES = ["recurrent", "window_k", "window_delta", "window_c", "c", "pending"]
+
+
+def declare_recurrent_layer(states: list, i: int, conv_shape, host_shapes, hook: str, args: dict,
+                            inputs: list) -> dict:
+    """Appends layer ``i``'s two states to the manifest's ``states`` — the conv window (graph
+    input/output ``conv_state{i}``) and the host-held matrix with its window of deferred updates
+    (``host_shapes``, named :data:`HOST_STATE_NAMES`) — and returns the layer's host pass: it
+    extracts the conv window's output first (extracting the core's ``inputs`` runs the conv,
+    which consumes and in light mode frees the window the state output is cut from), then the
+    core's inputs as Mats, and hands ``hook`` the host state."""
+    states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
+                   "outputs": [f"out_conv_state{i}"], "shapes": [list(conv_shape)]})
+    states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [], "names": list(HOST_STATE_NAMES),
+                   "shapes": [list(sh) for sh in host_shapes]})
+    return {"extract": [f"out_conv_state{i}", *inputs], "hook": hook, "args": args, "state": len(states) - 1,
+            "mats": True}
+
+
 # ---------------------------------------------------------------------------------------------
 # the core nets (fp32, weightless apart from constant masks)
 

@@ -36,6 +36,7 @@ from ..errors import EdgevlError
 from ..runtime import _options, from_mat, to_mat
 from ..weights import _STORAGE, _to_f32
 from .base import Q8_QUANT, Ctx, swiglu_mlp
+from .protocol import Option, RuntimeOption
 
 # ---------------------------------------------------------------------------------------------
 # routing (host side)
@@ -532,6 +533,43 @@ def make_router(store: ExpertStore) -> Router:
     spec = store.spec["routing"]
     biases = {layer: store.read_bias(layer) for layer in store.layers} if spec["kind"] == "sigmoid_biased" else {}
     return Router(spec, biases)
+
+
+class MoeArchitecture:
+    """What the mixture-of-experts architectures share (put it first among the bases): the
+    experts' storage option, the expert cache runtime option, one ExpertStore per loaded model
+    (:meth:`open_experts`, from the architecture's ``hooks``) and its hit-rate statistics."""
+
+    options = {"experts": Option(EXPERT_DTYPES, "auto",
+                                 "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 "
+                                 "ones)", label="{value} experts")}
+    runtime_options = {"expert_cache_mb": RuntimeOption(
+        float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
+               "when chosen (least recently used out first; default: no limit)", "MB", minimum=0)}
+
+    def _stores(self):
+        import weakref
+
+        return self.__dict__.setdefault("_expert_stores", weakref.WeakKeyDictionary())  # model -> its store
+
+    def open_experts(self, model) -> ExpertStore:
+        """The model's expert store, from the manifest's ``experts`` section (checked: listed,
+        inside the package, verified)."""
+        from ..package import package_path
+
+        spec = model.manifest.get("experts")
+        if not isinstance(spec, dict) or "layers" not in spec:
+            raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
+                              "convert the model again")
+        for key, what in (("file", "experts file"), ("param", "experts graph")):
+            package_path(model.path, spec.get(key), model.manifest, what)
+        store = ExpertStore(model.path, spec, threads=model.threads, cache_mb=model.options.get("expert_cache_mb"))
+        self._stores()[model] = store
+        return store
+
+    def runtime_stats(self, model) -> dict:
+        store = self._stores().get(model)
+        return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
 
 
 def moe_hook(store: ExpertStore, router: Router | None = None):

@@ -258,17 +258,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX, mlp=emit_dense_ml
             states.append(dict(kv_state(i, 2 * a.num_key_value_heads * a.head_dim), layer=i))
             passes += [mlp_pass] if mlp_pass else []
             continue
-        states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
-                       "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
-        # the delta-rule matrix and a window of deferred decode updates (gated_delta.DeltaRuleCore)
-        states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [],
-                       "names": ["recurrent", "window_k", "window_delta", "window_c", "c", "pending"],
-                       "shapes": d.host_state_shapes(gd.WINDOW)})
         gates[str(i)] = {"neg_a": core.pop("neg_a"), "dt_bias": core.pop("dt_bias")}
-        # the conv window first: extracting the core's inputs runs the conv, which consumes (and
-        # in light mode frees) the window the state output is cut from
-        passes.append({"extract": [f"out_conv_state{i}", core["qkv"], core["ba"]], "hook": "gated_delta",
-                       "args": core, "state": len(states) - 1, "mats": True})
+        # the delta-rule matrix and a window of deferred decode updates (gated_delta.DeltaRuleCore)
+        passes.append(gd.declare_recurrent_layer(states, i, d.conv_state_shape, d.host_state_shapes(gd.WINDOW),
+                                                 "gated_delta", core, [core["qkv"], core["ba"]]))
         passes += [mlp_pass] if mlp_pass else []
     g.section("norm")
     rms_norm(ctx, x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")

@@ -21,13 +21,11 @@ holding the fused tensors is read as well.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import EdgevlError
 from . import moe, qwen3_5
-from .protocol import Option, RuntimeOption
 
 
 @dataclass
@@ -89,17 +87,11 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
 MOE_TINY = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-class Qwen3_5Moe(qwen3_5.Qwen3_5):
+class Qwen3_5Moe(moe.MoeArchitecture, qwen3_5.Qwen3_5):
     name = "qwen3_5_moe"
     hf_classes = {"vlm": "Qwen3_5MoeForConditionalGeneration", "causal_lm": "Qwen3_5MoeForCausalLM",
                   "config": "Qwen3_5MoeConfig", "text_config": "Qwen3_5MoeTextConfig"}
     text_args = MoeTextArgs
-    options = {"experts": Option(moe.EXPERT_DTYPES, "auto",
-                                 "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 "
-                                 "ones)", label="{value} experts")}
-    runtime_options = {"expert_cache_mb": RuntimeOption(
-        float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
-               "when chosen (least recently used out first; default: no limit)", "MB", minimum=0)}
     # a bf16/q8 rounding flips a near-tied expert choice on a few rows (with top-2 of 8 one flip
     # replaces about half of a layer's routed output): measured 1 of 192 teacher-forced rows at
     # 0.94 logit cosine in q8, the rest >= 0.977; with the fp32 package's routing forced, >= 0.98
@@ -115,30 +107,11 @@ class Qwen3_5Moe(qwen3_5.Qwen3_5):
                                    tie_word_embeddings=False),
     }
 
-    def __init__(self):
-        super().__init__()
-        self._stores = weakref.WeakKeyDictionary()    # model -> its ExpertStore
-
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)
 
     def hooks(self, model) -> dict:
-        from ..package import package_path
-
-        spec = model.manifest.get("experts")
-        if not isinstance(spec, dict) or "layers" not in spec:
-            raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
-                              "convert the model again")
-        for key, what in (("file", "experts file"), ("param", "experts graph")):
-            package_path(model.path, spec.get(key), model.manifest, what)   # listed, inside, verified
-        store = moe.ExpertStore(model.path, spec, threads=model.threads,
-                                cache_mb=model.options.get("expert_cache_mb"))
-        self._stores[model] = store
-        return {**super().hooks(model), "moe": moe.moe_hook(store)}
-
-    def runtime_stats(self, model) -> dict:
-        store = self._stores.get(model)
-        return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
+        return {**super().hooks(model), "moe": moe.moe_hook(self.open_experts(model))}
 
     def make_tiny(self, folder, variant="e8k2-tied", seed=0, dtype="fp32", train_steps=0, **overrides):
         """A random (or briefly trained) Qwen3_5MoeForConditionalGeneration; overrides as in

@@ -44,9 +44,9 @@ from .. import ncnn_graph as G
 from ..errors import EdgevlError
 from . import gated_delta as gd
 from . import moe, qwen3_5, youtu
-from .base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, heads_first, heads_last, kv_state,
+from .base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, kv_state,
                    rope_theta_of, save_graph, storage_dtype, swiglu_mlp, weight_ctx, write_head_and_embedding)
-from .protocol import Option, RuntimeOption, torch_dtype
+from .protocol import torch_dtype
 from .youtu import YOUTU_VL_TEMPLATE
 from .youtu_moe_layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
@@ -266,17 +266,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
         if core is None:
             states.append(dict(kv_state(i, m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)), layer=i))
         else:
-            states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
-                           "outputs": [f"out_conv_state{i}"], "shapes": [list(d.conv_state_shape)]})
-            # the delta-rule matrix and a window of deferred updates (KdaCore)
-            states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [],
-                           "names": ["recurrent", "window_k", "window_delta", "window_c", "c", "pending"],
-                           "shapes": kda_state_shapes(d)})
             gates[str(i)] = {"rate": core.pop("rate"), "dt_bias": core.pop("dt_bias")}
-            # the conv window first: extracting the core's inputs runs the conv, which consumes
-            # (and in light mode frees) the window the state output is cut from
-            passes.append({"extract": [f"out_conv_state{i}", core["qkv"], core["fb"]], "hook": "kda",
-                           "args": core, "state": len(states) - 1, "mats": True})
+            # the delta-rule matrix and a window of deferred updates (KdaCore)
+            passes.append(gd.declare_recurrent_layer(states, i, d.conv_state_shape, kda_state_shapes(d), "kda",
+                                                     core, [core["qkv"], core["fb"]]))
         passes += [mlp_pass] if mlp_pass else []
     g.section("norm")
     ctx.rms_norm(x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
@@ -541,7 +534,7 @@ class YoutuMoeReference(qwen3_5.Qwen3_5Reference):
 ANSWER_HEADER = "<|begin_of_text|>assistant\n"
 
 
-class YoutuMoe(qwen3_5.Qwen3_5):
+class YoutuMoe(moe.MoeArchitecture, qwen3_5.Qwen3_5):
     """Qwen3.5's positions (M-RoPE), rope tables and vision encoder; everything else its own."""
     name = "youtu_moe"
     has_vision = True
@@ -550,12 +543,6 @@ class YoutuMoe(qwen3_5.Qwen3_5):
     chat_template = YOUTU_VL_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
     llamacpp_convert_args = ()
-    options = {"experts": Option(moe.EXPERT_DTYPES, "auto",
-                                 "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 "
-                                 "ones)", label="{value} experts")}
-    runtime_options = {"expert_cache_mb": RuntimeOption(
-        float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
-               "when chosen (least recently used out first; default: no limit)", "MB", minimum=0)}
     # bf16/q8 rounding of the router's input flips near-tied expert choices (top-4 of 16 on the
     # tiny models, one flip replaces a quarter of the routed output): teacher-forced on three
     # trained tiny models (seeds 11-13), 6-14 of 192 rows fell below 0.99 logit cosine in bf16
@@ -577,25 +564,11 @@ class YoutuMoe(qwen3_5.Qwen3_5):
                            vision_config={"depth": 3, "hidden_size": 48, "num_heads": 3, "intermediate_size": 80}),
     }
 
-    def __init__(self):
-        super().__init__()
-        import weakref
-
-        self._stores = weakref.WeakKeyDictionary()    # model -> its ExpertStore
-
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)
 
     def hooks(self, model) -> dict:
-        from ..package import package_path
-
         gr = model.manifest["graphs"]
-        spec = model.manifest.get("experts")
-        if not isinstance(spec, dict) or "layers" not in spec:
-            raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
-                              "convert the model again")
-        for key, what in (("file", "experts file"), ("param", "experts graph")):
-            package_path(model.path, spec.get(key), model.manifest, what)   # listed, inside, verified
         try:
             extra = gr["decoder"]["extra"]
             core = KdaCore(gd.DeltaDims(**extra["kda"]), float(extra["lower_bound"]))
@@ -605,13 +578,7 @@ class YoutuMoe(qwen3_5.Qwen3_5):
             raise EdgevlError(f"manifest.json graphs.decoder is malformed ({e!r:.60}); convert the model again") from None
         if any(sh != core.shapes for sh in hosts):
             raise EdgevlError("this package keeps the KDA state in an older layout; convert the model again")
-        store = moe.ExpertStore(model.path, spec, threads=model.threads, cache_mb=model.options.get("expert_cache_mb"))
-        self._stores[model] = store
-        return {"kda": kda_hook(core, consts), "moe": moe.moe_hook(store)}
-
-    def runtime_stats(self, model) -> dict:
-        store = self._stores.get(model)
-        return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
+        return {"kda": kda_hook(core, consts), "moe": moe.moe_hook(self.open_experts(model))}
 
     def snapshot_points(self, model, input_ids):
         """After each ``<|begin_of_text|>assistant\\n``: where a conversation's next turn may first
