@@ -12,17 +12,19 @@ that already holds a model, such as the shipped ``edgevl/demo/model``, is only r
    vision tower with 64 px windows (a 128x128 image has 2x2 windows) and full-attention layers,
    the patch merger and an MLA language model;
 3. a vision-only phase (``pretrain_vision``): the vision tower and merger learn, through a
-   linear probe on each merger row (one 32x32 px cell), the shape, colour, word and box of what
-   covers that cell. The tower has no absolute position embedding, and with the language loss
-   alone boxes were often one 16 px grid step off;
-4. training on freshly generated scenes (one stream, never repeated): the reference's own
-   vision tower, merger and language model, cross-entropy on the answer tokens (coordinate
-   tokens with their neighbours as soft targets) on chats of 1-3 questions per image, with
-   many questions about one named shape ("Where is the star?"), plus two training-only
-   losses: the cell probe above, and "the asked shape is here" -- ``ATTENTION_HEADS`` of layer
-   ``ATTENTION_LAYER`` of the language model are trained to look, from every token of such an
-   answer, at the cells of that shape. Nothing of this is saved but the model: the checkpoint
-   is exactly Youtu-VL;
+   linear probe on each merger row (one 32x32 px cell), the shape, colour, word, background and
+   box of what covers that cell. The tower has no absolute position embedding, and with the
+   language loss alone boxes were often one 16 px grid step off;
+4. training on freshly generated scenes (one stream, never repeated): cross-entropy on the
+   answer tokens (coordinate tokens with their neighbours as soft targets) on chats of 1-3
+   questions per image, with many questions about one named shape ("Where is the star?"),
+   plus training-only losses: the cell probe above (unless ``--freeze-vision``), and "the asked
+   shape is here" -- ``ATTENTION_HEADS`` of layer ``ATTENTION_LAYER`` of the language model are
+   trained to look, from every token of such an answer, at the cells of that shape (with
+   ``--phrase-attention`` also from each phrase of a description at the shape it names).
+   ``--freeze-vision`` keeps the tower and merger as the probes left them and trains the
+   language model alone. Nothing of this is saved but the model: the checkpoint is exactly
+   Youtu-VL;
 5. the checkpoint in the real Youtu-VL layout (config.json, model.safetensors, tokenizer files,
    chat_template.jinja, generation_config.json, preprocessor_config.json) plus train_log.json.
 
@@ -31,20 +33,21 @@ chat template rendered by ``edgevl.tokenizer.Tokenizer``, tokenized without spec
 single ``<|image_pad|>`` expanded to ``num_image_tokens`` copies; pixels come from
 ``edgevl.processing.siglip2.preprocess``.
 
-**The shipped model was not trained by this recipe.** ``edgevl/demo/model`` is the output of the
-previous recipe, ``edgevl/demo/train.py`` as of commit bbb69d0 ("demo model: ... training with
-an auxiliary cell probe"; the same recipe until this one; the model's ``train_log.json`` records
-the run): no vision-only phase, a probe
-for shape, colour and centre only, no attention target, hard coordinate targets, one-turn rows
-(10 % two-turn), 7000 steps of 32 with 10 % one-shape curriculum, 54 minutes on 2 cores. This
-recipe was written to raise grounding (issue 16) and did not beat it at the CPU budget tried.
-On the same check (``reference_eval``: PyTorch greedy, seed 1234, 100 scenes) the shipped model
-scores grounding 0.27, describe 0.93, shape 0.98, background 1.0; one from-scratch run of this
-recipe (1000 vision steps + 1500 steps, one attention head where the code now trains four; 41
-minutes on the shared 2-core machine, 1775 CPU-seconds) reached grounding 0.38 but describe 0.86, shape 0.63, background 0.42; continuing
-the shipped model with the new losses for 900 steps (43 minutes) gave grounding 0.25, describe
-0.90. Its defaults (1500 vision steps, 7000 steps, four attention heads) were never run to the
-end; whether a longer run reaches the 0.80 goal is unknown. See README "The demo model".
+**The shipped model** (``edgevl/demo/model``; its ``train_log.json`` records the second run, the
+first run's log is ``train_log.first_run.json`` beside it) was trained in two runs of this
+file, 2 torch threads on the project's 2-core machine::
+
+    python -m edgevl.demo.train --out m1 --steps 7500 --vision-steps 3000 --freeze-vision --eval-every 1000
+    python -m edgevl.demo.train --init m1 --out m2 --steps 2500 --lr 2e-4 --warmup 100 \
+        --freeze-vision --phrase-attention --eval-every 500 \
+        --weights describe=0.25,shape=0.3,where=0.15,colour=0.1,count=0.05,background=0.02,text=0.13
+
+The first run (81 minutes: 3000 vision steps, then the language model alone on the frozen
+tower) gave grounding 0.997 on 200 scenes where the tower and language model trained together
+had reached 0.27-0.42 (README "The demo model"); the second (about 25 minutes) trained
+descriptions to look at each shape they name. Asking a shape's kind by its colour ("What is the
+red shape?") stayed at about 0.67 in both: the attention heads find a shape by its kind, not by
+its colour (README).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from edgevl.tokenizer import Tokenizer
 MAX_IMAGE_PATCHES = 64          # 128x128 -> 8x8 patches -> 16 image tokens
 N_COORDINATES = S.IMAGE_SIZE    # <x_0>..<x_127>, <y_0>..<y_127>
 BPE_VOCAB = 512
-DEFAULT_STEPS = 7000
+DEFAULT_STEPS = 7500
 DEFAULT_BATCH = 32
 DEFAULT_LR = 4e-4
 
@@ -87,7 +90,7 @@ KIND_WEIGHTS = {"describe": 0.22, "count": 0.08, "background": 0.03, "colour": 0
 WARMUP_KIND_WEIGHTS = {"describe": 0.4, "shape": 0.2, "colour": 0.1, "count": 0.05, "background": 0.05,
                        "where": 0.15, "text": 0.05}
 DEFAULT_CURRICULUM = 0.05       # fraction of the steps in the one-shape phase
-DEFAULT_VISION_STEPS, DEFAULT_VISION_LR = 1500, 1e-3  # vision-only phase first (pretrain_vision)
+DEFAULT_VISION_STEPS, DEFAULT_VISION_LR = 3000, 1e-3  # vision-only phase first (pretrain_vision)
 # Rows are chats of 1-3 questions about one image: later turns reuse the image and prompt tokens,
 # so a step trains more answers for little more compute. A description (it names every shape and
 # where it is) is always the last turn, so no other answer can be copied from it.
@@ -276,7 +279,28 @@ def shape_cells(s: S.Shape) -> list[int]:
     return out.tolist()
 
 
-def make_batch(rng: random.Random, builder: PromptBuilder, batch: int, one_shape: bool = False):
+def phrase_pointers(builder: PromptBuilder, scene: S.Scene, answer: str) -> list[tuple[int, list[int]]]:
+    """(answer token index, cells) for a description: every token of "a <size> <colour> <kind>
+    <position>" points at that shape's cells, so each phrase is read from the shape it names."""
+    enc = builder.tok.tok.encode(answer, add_special_tokens=False)
+    regions, cursor = [], 0
+    for s in scene.shapes:
+        at = answer.find(s.phrase(), cursor)
+        if at < 0:
+            return []
+        regions.append((max(0, at - 2), at + len(s.phrase()), shape_cells(s)))
+        cursor = at + len(s.phrase())
+    out = []
+    for k, (c0, c1) in enumerate(enc.offsets):
+        for r0, r1, cover in regions:
+            if c0 < r1 and c1 > r0:
+                out.append((k, cover))
+                break
+    return out
+
+
+def make_batch(rng: random.Random, builder: PromptBuilder, batch: int, one_shape: bool = False,
+               phrases: bool = False, weights: dict | None = None):
     import torch
 
     rows, labels, pixels, shape, cells, pointers = [], [], [], None, [], []
@@ -288,18 +312,21 @@ def make_batch(rng: random.Random, builder: PromptBuilder, batch: int, one_shape
             shape = inp["spatial_shapes"]
         elif inp["spatial_shapes"] != shape:
             raise RuntimeError("all training images must have the same size")
-        weights = WARMUP_KIND_WEIGHTS if one_shape else KIND_WEIGHTS
-        turns = sample_turns(scene, rng, n_turns, weights)
+        kind_weights = WARMUP_KIND_WEIGHTS if one_shape else (weights or KIND_WEIGHTS)
+        turns = sample_turns(scene, rng, n_turns, kind_weights)
         ids, lab, starts = builder.row([(q, a) for _, q, a in turns], inp["num_image_tokens"])
         rows.append(ids)
         labels.append(lab)
         pixels.append(inp["pixel_values"])
         cells.append(cell_labels(scene))
-        for (_, q, a), start in zip(turns, starts):
+        for (kind, q, a), start in zip(turns, starts):
             cover = asked_cells(scene, q)
             if cover is not None:
                 for pos in range(start - 1, start - 1 + len(builder.answer(a))):
                     pointers.append((b, pos, *cover))
+            elif phrases and kind == "describe":
+                for k, cells_k in phrase_pointers(builder, scene, a):
+                    pointers.append((b, start - 1 + k, *cells_k))
     width = max(len(r) for r in rows)
     # Right padding is invisible to the (causal) positions before it; its labels are ignored.
     ids_t = torch.full((batch, width), builder.eos, dtype=torch.long)
@@ -333,7 +360,7 @@ class Probes:
 
         n_patch = S.IMAGE_SIZE // GRID_STEP
         self.sizes = {"shape": len(AUX_SHAPES), "colour": len(AUX_COLOURS), "centre": 2,
-                      "word": len(AUX_WORDS), "box": 4 * (n_patch + GRID_STEP)}
+                      "word": len(AUX_WORDS), "background": len(S.BACKGROUNDS), "box": 4 * (n_patch + GRID_STEP)}
         self.n_patch = n_patch
         self.cell = torch.nn.Linear(hidden, sum(self.sizes.values()))
 
@@ -361,7 +388,8 @@ class Probes:
         ys = aux["shape"].reshape(-1)
         loss = (F.cross_entropy(flat(p["shape"]), ys) + F.cross_entropy(flat(p["colour"]), aux["colour"].reshape(-1))
                 + F.cross_entropy(flat(p["centre"]), aux["centre"].reshape(-1))
-                + F.cross_entropy(flat(p["word"]), aux["word"].reshape(-1)))
+                + F.cross_entropy(flat(p["word"]), aux["word"].reshape(-1))
+                + F.cross_entropy(flat(p["background"]), aux["background"].reshape(-1)))
         on = ys > 0
         stats = {"cell_shape_acc": float((flat(p["shape"]).argmax(-1)[on] == ys[on]).float().mean())
                  if bool(on.any()) else math.nan, "cell_box_acc": math.nan}
@@ -438,13 +466,19 @@ class CoordinateTargets:
         return nll.mean()
 
 
-def train_losses(model, probes: Probes, targets: CoordinateTargets, input_ids, pixels, shape, labels, aux):
+def train_losses(model, probes: Probes, targets: CoordinateTargets, input_ids, pixels, shape, labels, aux,
+                 frozen_vision: bool = False):
     """(LM loss, auxiliary loss, stats): the reference's forward, split open at the merger and at
-    one LM attention layer (whose attention probabilities the eager attention returns)."""
+    one LM attention layer (whose attention probabilities the eager attention returns). With
+    ``frozen_vision`` the tower runs without gradients and the cell probes are left out."""
     import torch
     import torch.nn.functional as F
 
-    merged, _ = model._vision(pixels, shape)                 # [B, cells, D]
+    if frozen_vision:
+        with torch.no_grad():
+            merged, _ = model._vision(pixels, shape)
+    else:
+        merged, _ = model._vision(pixels, shape)             # [B, cells, D]
     emb = model.model.embed_tokens(input_ids).clone()
     emb[input_ids == model.image_token_id] = merged.reshape(-1, merged.shape[-1])
     seen = []
@@ -456,7 +490,10 @@ def train_losses(model, probes: Probes, targets: CoordinateTargets, input_ids, p
     logits = model.lm_head(h)
     lm = targets.loss(logits, labels)
 
-    probe, stats = probes.loss(merged, aux)
+    if frozen_vision:
+        probe, stats = torch.zeros(()), {"cell_shape_acc": math.nan, "cell_box_acc": math.nan, "cell_word_acc": math.nan}
+    else:
+        probe, stats = probes.loss(merged, aux)
     ptr = aux["pointer"]
     if len(ptr):
         # all rows hold the image at the same positions (it is in the first user turn)
@@ -482,7 +519,8 @@ def cell_labels(scene: S.Scene) -> dict[str, np.ndarray]:
     """Per merger row (row-major 32 px cells): ``shape``/``colour`` class of the shape covering
     most of the cell, ``centre`` (holds a shape's bbox centre), ``word`` (the written word, on the
     cells its box touches), ``box`` (x1, y1, x2, y2 of the cell's shape, image pixels) with
-    ``box_on`` where the cell has one.
+    ``box_on`` where the cell has one, and ``background`` (the scene's, on every cell: a frozen
+    tower must still say it).
 
     ``centre`` marks one cell per shape, so the features say how many shapes there are (a large
     shape covers several cells).
@@ -511,7 +549,8 @@ def cell_labels(scene: S.Scene) -> dict[str, np.ndarray]:
                 if best[cy, cx] == 0:
                     shape_lab[cy, cx] = AUX_SHAPES.index("text")
     return {"shape": shape_lab.reshape(-1), "colour": colour_lab.reshape(-1), "centre": centre.reshape(-1),
-            "word": word.reshape(-1), "box": box.reshape(-1, 4), "box_on": (best > 0).astype(np.int64).reshape(-1)}
+            "word": word.reshape(-1), "box": box.reshape(-1, 4), "box_on": (best > 0).astype(np.int64).reshape(-1),
+            "background": np.full(n * n, list(S.BACKGROUNDS).index(scene.background), dtype=np.int64)}
 
 
 def vision_batch(rng: random.Random, batch: int):
@@ -770,6 +809,10 @@ def plot_log(log: dict, path) -> None:
     y_loss = lambda v: T + (H - T - B) * (1 - min(v, top) / top)  # noqa: E731
     y_acc = lambda a: T + (H - T - B) * (1 - a)  # noqa: E731
     d.rectangle((L, T, W - R, H - B), outline="black")
+    for step, label in log.get("marks", []):  # e.g. where a continuation run starts
+        for yy in range(T, H - B, 6):
+            d.line([(x(step), yy), (x(step), yy + 3)], fill="#808080")
+        d.text((x(step) + 4, T + 4), label, fill="#606060")
     d.line([(x(h["step"]), y_loss(h["smoothed"])) for h in hist], fill="#4363d8", width=2)
     row = 0
     for key, colour in SKILL_COLOURS.items():
@@ -798,6 +841,17 @@ def plot_log(log: dict, path) -> None:
            fill="black")
     d.text((W // 2 - 60, H - 18), "step", fill="black")
     im.save(path)
+
+
+def combine_logs(first: dict, second: dict) -> dict:
+    """One log for ``plot_log`` from a run and its continuation (``--init``): the second run's
+    steps follow the first's."""
+    off = first["steps"]
+    shift = lambda rows: [dict(r, step=r["step"] + off) for r in rows]  # noqa: E731
+    return {"history": first["history"] + shift(second["history"]),
+            "evals": first.get("evals", []) + shift(second.get("evals", [])),
+            "seconds": first["seconds"] + second["seconds"], "threads": first["threads"],
+            "marks": [(off, "continued (--init)")]}
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -843,6 +897,13 @@ def main(argv=None) -> int:
                     help=f"train the vision tower on the cell probes alone for N steps first (default "
                          f"{DEFAULT_VISION_STEPS}; 0 with --init)")
     ap.add_argument("--vision-lr", type=float, default=DEFAULT_VISION_LR)
+    ap.add_argument("--phrase-attention", action="store_true",
+                    help="also train the attention target on descriptions: each shape's phrase looks at that shape")
+    ap.add_argument("--weights", default=None, metavar="KIND=W,...",
+                    help="question mix, e.g. describe=0.3,shape=0.2 (kinds left out keep their default weight)")
+    ap.add_argument("--freeze-vision", action=argparse.BooleanOptionalAction, default=True,
+                    help="after the vision phase, train only the language model: the tower and merger stay as "
+                         "the cell probes left them (default; --no-freeze-vision trains them together)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the training-only probe losses")
     ap.add_argument("--eval", type=int, default=200, metavar="N",
@@ -855,6 +916,15 @@ def main(argv=None) -> int:
         ap.error("--steps and --batch must be at least 1")
     if args.vision_steps is not None and args.vision_steps < 0:
         ap.error("--vision-steps must be 0 or more")
+    weights = dict(KIND_WEIGHTS)
+    for item in (args.weights.split(",") if args.weights else []):
+        kind, _, w = item.partition("=")
+        try:
+            if kind.strip() not in KIND_WEIGHTS:
+                raise ValueError
+            weights[kind.strip()] = float(w)
+        except ValueError:
+            ap.error(f"--weights {item!r}: write KIND=NUMBER with KIND one of {', '.join(KIND_WEIGHTS)}")
     out = Path(args.out) if args.out else default_out()
     if out.exists() and not out.is_dir():
         ap.error(f"--out {out} exists and is not a folder; pick a folder path")
@@ -914,8 +984,13 @@ def main(argv=None) -> int:
         model.train()
         pretrain_vision(model, probes, vision_steps, args.batch, args.vision_lr, args.seed, vision_log)
     vision_seconds, vision_cpu = time.time() - t_vis, cpu_seconds() - c_vis
+    if args.freeze_vision:
+        model.siglip2.requires_grad_(False)
+        model.merger.requires_grad_(False)
     decay, no_decay = [], []
     for name, p in list(model.named_parameters()) + list(probes.named_parameters()):
+        if not p.requires_grad or (args.freeze_vision and name.startswith("probe.")):
+            continue
         (no_decay if p.dim() < 2 or "embed" in name else decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
@@ -930,12 +1005,14 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         one_shape = step < curriculum * args.steps
-        input_ids, pixels, shape, labels, aux = make_batch(rng, builder, args.batch, one_shape)
-        lm_loss, probe_loss, stats = train_losses(model, probes, targets, input_ids, pixels, shape, labels, aux)
+        input_ids, pixels, shape, labels, aux = make_batch(rng, builder, args.batch, one_shape,
+                                                           args.phrase_attention, weights)
+        lm_loss, probe_loss, stats = train_losses(model, probes, targets, input_ids, pixels, shape, labels, aux,
+                                                  args.freeze_vision)
         loss = lm_loss + args.aux_weight * probe_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + probes.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
         opt.step()
         val = float(lm_loss.detach())
         running = val if running is None else 0.95 * running + 0.05 * val
@@ -957,6 +1034,8 @@ def main(argv=None) -> int:
             r["step"] = step + 1
             evals.append(r)
             print(f"  eval@{step + 1}: {format_eval(r)}", flush=True)
+            # a long run can be stopped and its last evaluated weights still used
+            model.save_pretrained(out / "checkpoint")
     train_seconds = time.time() - t_train
     train_cpu = cpu_seconds() - c_train
     model.eval()
@@ -966,9 +1045,10 @@ def main(argv=None) -> int:
     log = {
         "steps": args.steps, "batch": args.batch, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
         "curriculum": curriculum, "aux_weight": args.aux_weight, "init": args.init,
-        "kind_weights": KIND_WEIGHTS, "turns": TURNS, "share": SHARE,
+        "kind_weights": weights, "phrase_attention": args.phrase_attention, "turns": TURNS, "share": SHARE,
         "coordinate_smoothing": [COORD_SMOOTHING, COORD_SIGMA], "attention_target": {"layer": ATTENTION_LAYER, "heads": list(ATTENTION_HEADS)},
         "vision_steps": vision_steps, "vision_lr": args.vision_lr, "vision_history": vision_log,
+        "freeze_vision": args.freeze_vision,
         "vision_seconds": round(vision_seconds, 1), "vision_cpu_seconds": round(vision_cpu, 1),
         "seconds": round(vision_seconds + train_seconds, 1), "cpu_seconds": round(vision_cpu + train_cpu, 1),
         "eval_seconds": round(eval_seconds, 1), "eval_cpu_seconds": round(eval_cpu, 1),
