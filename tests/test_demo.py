@@ -337,7 +337,9 @@ def test_demo_scripts_refuse_bad_arguments(tmp_path, capsys):
             "same folder"),
            (T.main, ["--out", str(tmp_path / "m"), "--plot", str(tmp_path / "no" / "x.png")], "folder does not exist"),
            (T.main, ["--steps", "0"], "must be at least 1"),
-           (T.main, ["--out", str(tmp_path / "m"), "--weights", "dance=1"], "write KIND=NUMBER")]
+           (T.main, ["--out", str(tmp_path / "m"), "--weights", "dance=1"], "write KIND=NUMBER"),
+           (T.main, ["--out", str(tmp_path / "m"), "--weights", "shape=-1"], "a number >= 0"),
+           (T.main, ["--out", str(tmp_path / "m"), "--weights", "count=0"], "need a weight above 0")]
     for fn, argv, msg in bad:
         with pytest.raises(SystemExit) as e:
             fn(argv)

@@ -44,7 +44,7 @@ file, 2 torch threads on the project's 2-core machine::
 
 The first run (81 minutes: 3000 vision steps, then the language model alone on the frozen
 tower) gave grounding 0.997 on 200 scenes where the tower and language model trained together
-had reached 0.27-0.42 (README "The demo model"); the second (about 25 minutes) trained
+had reached 0.27-0.42 (README "The demo model"); the second (30 minutes) trained
 descriptions to look at each shape they name. Asking a shape's kind by its colour ("What is the
 red shape?") stayed at about 0.67 in both: the attention heads find a shape by its kind, not by
 its colour (README).
@@ -920,11 +920,14 @@ def main(argv=None) -> int:
     for item in (args.weights.split(",") if args.weights else []):
         kind, _, w = item.partition("=")
         try:
-            if kind.strip() not in KIND_WEIGHTS:
+            if kind.strip() not in KIND_WEIGHTS or not float(w) >= 0:
                 raise ValueError
             weights[kind.strip()] = float(w)
         except ValueError:
-            ap.error(f"--weights {item!r}: write KIND=NUMBER with KIND one of {', '.join(KIND_WEIGHTS)}")
+            ap.error(f"--weights {item!r}: write KIND=NUMBER (a number >= 0) with KIND one of {', '.join(KIND_WEIGHTS)}")
+    if not all(weights[k] > 0 for k in ("describe", "count", "background", "text")):
+        # every scene has these questions: a scene whose other kinds are all at 0 would have none to ask
+        ap.error("--weights: describe, count, background and text need a weight above 0 (every scene asks them)")
     out = Path(args.out) if args.out else default_out()
     if out.exists() and not out.is_dir():
         ap.error(f"--out {out} exists and is not a folder; pick a folder path")
