@@ -22,6 +22,7 @@ compete with ncnn's.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -396,16 +397,22 @@ class ExpertStore:
             raise EdgevlError(f"no expert {e} in layer {layer} of this package; convert the model again")
         off = int(entry["offset"]) + e * self.expert_bytes
         before = None if self._measured else _heap_bytes()
-        data = os.pread(self._fd, self.expert_bytes, off)
-        if len(data) != self.expert_bytes:
-            raise EdgevlError(f"{self.spec['file']} is shorter than the manifest says; convert the model again")
         net = ncnn.Net()
         _options(net.opt, self.threads, self.net_dtype)
         net.opt.blob_allocator, net.opt.workspace_allocator = self._blob_pool, self._work_pool
         if net.load_param_mem(self.param) != 0:
             raise EdgevlError(f"ncnn could not parse {self.spec['param']}; convert the model again")
-        net.load_model_mem(data)  # the binding copies the bytes; packing happens inside the call
-        del data
+        reader = _SpanReader(self._fd, off, self.expert_bytes) if _SpanReader.usable() else None
+        if reader is not None:
+            ok = net.load_model(reader) == 0 and reader.pos == off + self.expert_bytes
+        else:       # a wheel whose DataReader cannot hand out its buffer: one copy more
+            data = os.pread(self._fd, self.expert_bytes, off)
+            ok = len(data) == self.expert_bytes
+            if ok:
+                net.load_model_mem(data)   # the binding copies the bytes; packing happens inside the call
+            del data
+        if not ok:
+            raise EdgevlError(f"{self.spec['file']} is shorter than the manifest says; convert the model again")
         if before is not None:
             after = _heap_bytes()
             if before and after:
@@ -482,6 +489,63 @@ class ExpertStore:
         budget = "no limit" if self.budget is None else f"{self.budget / 2**20:.0f} MB budget"
         return (f"experts: {s['hits']} hits, {s['misses']} loads ({100 * s['hit_rate']:.1f} % hit rate), "
                 f"{s['peak_resident_bytes'] / 2**20:.0f} MB resident at most ({budget})")
+
+
+class _SpanReader(ncnn.DataReader):
+    """Feeds ncnn's model loader one byte range of a file (or of ``data``), read straight into
+    the buffers ncnn allocates for the weights. ``load_model_mem`` needed the range as Python
+    bytes and copied it again inside the binding: two expert-sized temporaries per load, which
+    cost time on every cache miss (64 tokens with a 100 MB cache on the 449 M package, 1 thread,
+    median of 3: 4.6 s instead of 5.5 s; same tokens)."""
+
+    _usable = None
+
+    def __init__(self, fd, offset: int, size: int, data: bytes | None = None):
+        super().__init__()
+        self.fd, self.data, self.pos, self.end = fd, data, int(offset), int(offset) + int(size)
+
+    def scan(self, fmt, p) -> int:      # only load_param reads text
+        return 0
+
+    def read(self, buf, size) -> int:
+        size = min(int(size), self.end - self.pos)
+        if size <= 0:
+            return 0
+        ptr = _capsule_pointer(buf)
+        if self.data is not None:
+            ctypes.memmove(ptr, self.data[self.pos:self.pos + size], size)
+            n = size
+        else:
+            n = os.preadv(self.fd, [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")], self.pos)
+        self.pos += n
+        return n
+
+    @classmethod
+    def usable(cls) -> bool:
+        """Whether this ncnn wheel hands a Python reader its buffer as a capsule: checked once by
+        loading a two-value MemoryData net through one and reading the values back."""
+        if cls._usable is None:
+            try:
+                want = np.array([1.5, -2.0], np.float32)
+                net = ncnn.Net()
+                net.load_param_mem("7767517\n1 1\nMemoryData data 0 1 data 0=2\n")
+                ok = net.load_model(cls(None, 0, want.nbytes, want.tobytes())) == 0
+                out = ncnn.Mat()
+                ok = ok and net.create_extractor().extract("data", out) == 0
+                cls._usable = bool(ok and np.array_equal(np.array(out).reshape(-1), want))
+            except Exception:
+                cls._usable = False
+        return cls._usable
+
+
+def _capsule_pointer(capsule) -> int:
+    get, name = ctypes.pythonapi.PyCapsule_GetPointer, ctypes.pythonapi.PyCapsule_GetName
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    ptr = get(capsule, name(capsule))
+    if not ptr:
+        raise EdgevlError("ncnn handed the model reader no buffer")
+    return ptr
 
 
 def _heap_bytes() -> int:
