@@ -508,15 +508,20 @@ class _SpanReader(ncnn.DataReader):
         return 0
 
     def read(self, buf, size) -> int:
-        size = min(int(size), self.end - self.pos)
-        if size <= 0:
+        # called from inside ncnn's C++ loader: an exception must not cross it, so any failure
+        # is a short read, which ncnn reports as a failed load
+        try:
+            size = min(int(size), self.end - self.pos)
+            ptr = _capsule_pointer(buf) if size > 0 else None
+            if not ptr:
+                return 0
+            if self.data is not None:
+                ctypes.memmove(ptr, self.data[self.pos:self.pos + size], size)
+                n = size
+            else:
+                n = os.preadv(self.fd, [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")], self.pos)
+        except Exception:
             return 0
-        ptr = _capsule_pointer(buf)
-        if self.data is not None:
-            ctypes.memmove(ptr, self.data[self.pos:self.pos + size], size)
-            n = size
-        else:
-            n = os.preadv(self.fd, [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")], self.pos)
         self.pos += n
         return n
 
@@ -538,14 +543,15 @@ class _SpanReader(ncnn.DataReader):
         return cls._usable
 
 
-def _capsule_pointer(capsule) -> int:
-    get, name = ctypes.pythonapi.PyCapsule_GetPointer, ctypes.pythonapi.PyCapsule_GetName
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    ptr = get(capsule, name(capsule))
-    if not ptr:
-        raise EdgevlError("ncnn handed the model reader no buffer")
-    return ptr
+# private prototypes (not ctypes.pythonapi's shared ones, whose argtypes other code may set)
+_capsule_pointer_of = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+
+
+def _capsule_pointer(capsule) -> int | None:
+    """The address a pybind11 capsule holds (ncnn's buffer for a DataReader.read)."""
+    return _capsule_pointer_of(capsule, _capsule_name(capsule))
 
 
 def _heap_bytes() -> int:
