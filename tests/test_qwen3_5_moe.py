@@ -246,3 +246,39 @@ def test_q8_package_differs_only_by_rounding(tmp_path, monkeypatch):
     print(f"q8: top-1 {agree}/{total}; min logit cosine with fp32 routing {min(forced_cos):.4f}")
     assert agree / total >= 0.9, f"q8 top-1 agreement {agree}/{total}"
     assert min(forced_cos) >= 0.97, f"q8 with the fp32 routing: min logit cosine {min(forced_cos):.4f}"
+
+
+def test_profile_graph_times_a_decoder_with_host_passes(models, capsys):
+    """benchmarks/profile_graph.py on a decoder with host passes (delta rule, experts) — it
+    crashed inside ncnn before: its timing extractor runs the same step to the same logits, times
+    every computing layer once, and the whole decode step runs."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import profile_graph as pg
+
+    pk = models[CONFIGS[0]][1]
+    model = edgevl.load(pk)
+    ids = model.tokenizer.encode("Describe it in a few words.", special=False)
+    net, plain = model.decoder.net, model.decoder.net.extractor
+
+    def step(timer):
+        tok = int(np.argmax(model.prefill(ids, reuse_cache=False)))
+        graph = pg.Graph(str(pk / "decoder.param"))
+        if timer is not None:
+            net.extractor = lambda: pg.TimedExtractor(plain(), graph, timer)
+        try:
+            return model.step(tok)
+        finally:
+            net.extractor = plain
+
+    timer = pg.Timer()
+    assert np.array_equal(step(None), step(timer))
+    graph = pg.Graph(str(pk / "decoder.param"))
+    computing = [name for typ, name, _, _ in graph.layers if typ not in ("Input", "Split")]
+    timed = set(timer.per_layer)
+    assert timed and timed <= set(computing)
+    assert {p["hook"] for p in model.decoder.passes} >= {"moe", "gated_delta"}
+    assert pg.main([str(pk), "decoder", "--tokens", "5", "--step"]) == 0
+    out = capsys.readouterr().out
+    assert "| Gemm |" in out and "outside them" in out
