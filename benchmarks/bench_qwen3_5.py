@@ -1,6 +1,7 @@
-"""Decode and prefill speed of a converted Qwen3.5 package through the public API, with the decode
-time split into the delta-rule recurrence (the host passes running the fp32 core nets), the rest
-of the decoder graph (Gemms, attention, conv, norms) and the lm_head.
+"""Decode and prefill speed of a converted Qwen3.5 (or Qwen3.5-MoE) package through the public API,
+with the decode time split into the delta-rule recurrence (``gdn_ms``: the host passes running
+it), the routed experts of an MoE package (``experts_ms``), the rest of the decoder graph
+(``graph_ms``: Gemms, attention, conv, norms) and the lm_head.
 
     python benchmarks/bench_qwen3_5.py PACKAGE [--threads 1] [--prompt 128] [--decode 32] [--repeat 3]
 
@@ -34,13 +35,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = edgevl.load(a.package, threads=a.threads, verify=False)
     load_s = time.perf_counter() - t0
-    spent = {"gdn": 0.0, "head": 0.0}
     dec = model.decoder
+    # host passes by kind: the delta rule ("gdn") and, in MoE packages, the routed experts
+    kinds = {name: "experts" if name == "moe" else "gdn" for name in dec.hooks}
+    spent = dict.fromkeys(["head", *sorted(set(kinds.values()))], 0.0)
     for name, fn in list(dec.hooks.items()):
-        def timed(blobs, _fn=fn, **kw):
+        def timed(blobs, _fn=fn, _kind=kinds[name], **kw):
             t = time.perf_counter()
             out = _fn(blobs, **kw)
-            spent["gdn"] += time.perf_counter() - t
+            spent[_kind] += time.perf_counter() - t
             return out
         dec.hooks[name] = timed
     head = model.logits
@@ -52,23 +55,26 @@ def main(argv=None) -> int:
         return out
     model.logits = timed_head
 
-    ids = np.random.default_rng(0).integers(100, 30000, a.prompt).tolist()
+    from edgevl.bench import _prompt_ids
+
+    ids = _prompt_ids(a.prompt, model.vocab_size)   # as edgevl bench (within a small test vocabulary too)
     model.prefill(ids[:4], reuse_cache=False)   # warm-up
     runs = []
     for _ in range(a.repeat):
         t = time.perf_counter()
         tok = int(np.argmax(model.prefill(ids, reuse_cache=False)))
         prefill = time.perf_counter() - t
-        spent.update(gdn=0.0, head=0.0)
+        spent.update(dict.fromkeys(spent, 0.0))
         t = time.perf_counter()
         for _ in range(a.decode):
             tok = int(np.argmax(model.step(tok)))
         total = time.perf_counter() - t
         n = a.decode
         runs.append({"prefill_tok_s": a.prompt / prefill, "decode_tok_s": n / total,
-                     "decode_ms": total / n * 1e3, "gdn_ms": spent["gdn"] / n * 1e3,
+                     "decode_ms": total / n * 1e3,
+                     **{f"{k}_ms": v / n * 1e3 for k, v in spent.items() if k != "head"},
                      "lm_head_ms": spent["head"] / n * 1e3,
-                     "graph_ms": (total - spent["gdn"] - spent["head"]) / n * 1e3})
+                     "graph_ms": (total - sum(spent.values())) / n * 1e3})
     res = {"package": a.package, "dtype": model.dtype, "threads": a.threads, "load_s": round(load_s, 2),
            "prompt": a.prompt, "decode": a.decode, "load_avg": round(os.getloadavg()[0], 1)}
     for k in runs[0]:
