@@ -43,7 +43,7 @@ def worker_edgevl(a: dict) -> dict:
 
     t0 = time.perf_counter()
     m = Model(a["model"], threads=a["threads"], verify=False, low_memory=a.get("low_memory", False),
-              options=a.get("options"))
+              options=a.get("options")).preload()   # loaded as for serving (all-resident experts too)
     load = time.perf_counter() - t0
     ids = _prompt_ids(a["prompt_tokens"], m.vocab_size)
     m.prefill(ids[:4], reuse_cache=False)  # warm-up: first-run allocations

@@ -112,6 +112,13 @@ class Model:
         {name: {..., "summary": one line}}; empty for most models."""
         return self.arch.runtime_stats(self)
 
+    def preload(self, progress: bool = False) -> "Model":
+        """Load what the model would otherwise load on first use (an MoE's routed experts kept all
+        resident; see ``Architecture.preload``): a server's first requests then run as fast as
+        later ones. Returns the model."""
+        self.arch.preload(self, progress=progress)
+        return self
+
     def _net(self, name: str, light_mode: bool = True) -> Net:
         return self.open_net(name, light_mode=light_mode)
 

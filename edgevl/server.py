@@ -695,6 +695,7 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | No
     ``model`` is a package path or a loaded Model. Stop it with ``server.stop()``."""
     if not isinstance(model, Model):
         model = load(model, threads=threads)
+    model.preload()     # first requests as fast as later ones (e.g. an MoE's experts)
     server = EdgevlServer(model, host, port, **options)
     thread = threading.Thread(target=server.serve_forever, name="edgevl-server", daemon=True)
     thread.start()
@@ -714,6 +715,7 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           strict_model: bool = False, chat_template_kwargs=None) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
+    model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,

@@ -282,3 +282,31 @@ def test_profile_graph_times_a_decoder_with_host_passes(models, capsys):
     assert pg.main([str(pk), "decoder", "--tokens", "5", "--step"]) == 0
     out = capsys.readouterr().out
     assert "| Gemm |" in out and "outside them" in out
+
+
+def test_preload_loads_every_expert_once_and_serve_starts_preloaded(models):
+    """model.preload() (what serve and bench call) loads every routed expert when they are all
+    kept resident, counts no hits doing it twice, and leaves a budgeted cache to the requests;
+    the tokens do not change."""
+    from edgevl.server import make_server
+
+    ck, pk = models[CONFIGS[0]]
+    spec = json.loads((pk / "manifest.json").read_text())["experts"]
+    total = len(spec["layers"]) * spec["num_experts"]
+    lazy = edgevl.load(pk)
+    assert lazy.runtime_stats()["experts"]["misses"] == 0           # loading loads no expert
+    ids = lazy.tokenizer.encode("Describe it.", special=False)
+    want = list(lazy.generate_tokens(ids, 8, ignore_eos=True, reuse_cache=False))
+    m = edgevl.load(pk).preload()
+    assert m.runtime_stats()["experts"]["misses"] == total and m.runtime_stats()["experts"]["hits"] == 0
+    m.preload()
+    assert m.runtime_stats()["experts"]["hits"] == 0
+    assert list(m.generate_tokens(ids, 8, ignore_eos=True, reuse_cache=False)) == want
+    assert m.runtime_stats()["experts"]["misses"] == total          # nothing left to load
+    budget = edgevl.load(pk, expert_cache_mb=0.05).preload()
+    assert budget.runtime_stats()["experts"]["misses"] == 0
+    server, _ = make_server(pk)
+    try:
+        assert server.model.runtime_stats()["experts"]["misses"] == total
+    finally:
+        server.stop()

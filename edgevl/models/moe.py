@@ -459,14 +459,22 @@ class ExpertStore:
         self.resident -= self.cost
         self.evictions += 1
 
-    def preload(self) -> None:
+    def preload(self, progress: bool = False) -> None:
         """Load every expert that fits, each layer up to its share of the budget (all-resident
-        runs: no loading inside timed work)."""
-        for layer in sorted(self.layers):
-            for e in range(self.num_experts):
-                if self.budget is not None and (len(self._nets[layer]) + 1) * self.cost > self.share:
-                    break
-                self.net(layer, e)
+        runs: no loading inside timed work or a server's first requests)."""
+        from ..progress import Progress
+
+        bar = Progress(len(self.layers) * self.num_experts, "loading experts", unit="experts", enabled=progress)
+        try:
+            for layer in sorted(self.layers):
+                for e in range(self.num_experts):
+                    if self.budget is not None and (len(self._nets[layer]) + 1) * self.cost > self.share:
+                        break
+                    if not self.cached(layer, e):   # a second preload counts no hits
+                        self.net(layer, e)
+                    bar.update(1)
+        finally:
+            bar.close()
 
     def run(self, layer: int, e: int, x) -> np.ndarray:
         """Expert ``e`` of ``layer`` on rows x [n, H] (an array or an input Mat) -> [n, H]."""
@@ -670,6 +678,13 @@ class MoeArchitecture:
     def runtime_stats(self, model) -> dict:
         store = self._stores().get(model)
         return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
+
+    def preload(self, model, progress: bool = False) -> None:
+        """Every expert, when the model keeps them all resident (no ``expert_cache_mb``); with a
+        cache, nothing: which experts to keep is better learnt from the requests."""
+        store = self._stores().get(model)
+        if store is not None and store.budget is None:
+            store.preload(progress)
 
 
 def moe_hook(store: ExpertStore, router: Router | None = None):

@@ -130,6 +130,12 @@ class Architecture:
         summaries, ``bench`` writes the rest to its JSON."""
         return {}
 
+    def preload(self, model, progress: bool = False) -> None:
+        """Load now what the model would otherwise load when first used (e.g. every routed
+        expert of a mixture-of-experts model kept all resident), so that first requests are as
+        fast as later ones: ``serve`` calls it before it listens, ``bench`` inside the timed
+        load. Nothing to do for most models."""
+
     def make_decoder(self, model, net):
         from ..runtime import Decoder
 
