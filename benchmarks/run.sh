@@ -5,7 +5,8 @@
 # - a Youtu-VL checkpoint with the 4B vision tower (1152 wide, 27 layers, 16 heads) and a 1-layer
 #   language model: image encoding, edgevl bf16 against llama.cpp's mtmd (2 threads);
 # - a Qwen3.5-0.8B-shaped checkpoint: edgevl bf16 and q8 against llama.cpp bf16 and q8_0;
-# - a 449 M-parameter Qwen3.5-MoE (32 experts, top-8) against llama.cpp's qwen35moe.
+# - a 449 M-parameter Qwen3.5-MoE (32 experts, top-8) against llama.cpp's qwen35moe, and the same
+#   with Qwen3.5-35B-A3B's layer shapes over 4 layers (128 experts of 512, top-8; 3.5 GB).
 #   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
 # WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
 # thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
@@ -48,6 +49,21 @@ convert "$mo" "$WORK/moe-q8" q8
 edgevl bench "$WORK/moe-q8" --extra-model "$WORK/moe-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
     --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$here/results/qwen3_5moe-449m-t2.json" \
     --plot "$here/results/qwen3_5moe-449m-t2.png" --markdown "$here/results/qwen3_5moe-449m-t2.md"
+[ -f "$WORK/moe-q8dense/manifest.json" ] || edgevl convert "$mo" "$WORK/moe-q8dense" --dtype q8 --dense q8
+edgevl bench "$WORK/moe-q8" --extra-model "$WORK/moe-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
+    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
+    --json "$here/results/qwen3_5moe-449m-dense-q8-t2.json" --markdown "$here/results/qwen3_5moe-449m-dense-q8-t2.md"
+a3=$WORK/qwen35moe-a3b-4l
+[ -f "$a3/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$a3" --a3b-layers 4
+convert "$a3" "$WORK/a3b-q8" q8
+[ -f "$WORK/a3b-bf16/manifest.json" ] || edgevl convert "$a3" "$WORK/a3b-bf16" --dtype bf16 --experts bf16
+edgevl bench "$WORK/a3b-q8" --extra-model "$WORK/a3b-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
+    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$here/results/qwen3_5moe-a3b-4l-t2.json" \
+    --plot "$here/results/qwen3_5moe-a3b-4l-t2.png" --markdown "$here/results/qwen3_5moe-a3b-4l-t2.md"
+[ -f "$WORK/a3b-q8dense/manifest.json" ] || edgevl convert "$a3" "$WORK/a3b-q8dense" --dtype q8 --dense q8
+edgevl bench "$WORK/a3b-q8" --extra-model "$WORK/a3b-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
+    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
+    --json "$here/results/qwen3_5moe-a3b-4l-dense-q8-t2.json" --markdown "$here/results/qwen3_5moe-a3b-4l-dense-q8-t2.md"
 for t in ${THREADS:-2 1}; do
   edgevl bench "$WORK/pk2b-bf16" --extra-model "$WORK/pk2b-q8" --compare llamacpp --gguf-types bf16,q8_0 \
       --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
