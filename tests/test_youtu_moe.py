@@ -141,6 +141,24 @@ def test_small_expert_cache_gives_identical_tokens_and_reports_hit_rate(built):
     assert f"{100 * s['hit_rate']:.1f} % hit rate" in s["summary"]
 
 
+@pytest.mark.parametrize("dense", ["auto", "q8"])
+def test_q8_dense_path_is_bf16_unless_asked(built, tmp_path, dense):
+    """q8 packages keep the dense path bf16 by default; ``--dense q8`` makes its Gemms int8 like
+    the experts' (never the router), and asks for a q8 package in one line. Either runs."""
+    ck, _ = built[CONFIGS[0]]
+    pk = edgevl.convert(ck, tmp_path / dense, dtype="q8", dense=dense, progress=False)
+    gemms = [line.split() for line in (pk / "decoder.param").read_text().splitlines() if line.startswith("Gemm")]
+    int8 = {g[1] for g in gemms if "18=2" in g}
+    routers = {g[1] for g in gemms if g[1].endswith(".mlp.gate")}
+    assert routers and not int8 & routers
+    assert (len(int8) == len(gemms) - len(routers)) if dense == "q8" else not int8
+    model = edgevl.load(pk)
+    assert len(list(model.generate_tokens(prepare(model, "Hi").input_ids, 4, ignore_eos=True))) == 4
+    if dense == "q8":
+        with pytest.raises(EdgevlError, match="needs --dtype q8"):
+            edgevl.convert(ck, tmp_path / "bad", dtype="bf16", dense="q8", progress=False)
+
+
 def test_think_close_as_first_token_is_a_thinking_block_close_not_text(built, monkeypatch):
     """The base model emits </think> first; the answer must not contain it."""
     _, pk = built[CONFIGS[0]]

@@ -176,6 +176,18 @@ def emit_sparse_moe(ctx: Ctx, x: str, layer: int, prefix: str, hidden: int, num_
 EXPERT_DTYPES = ("auto", "q8", "bf16", "fp16", "fp32")
 
 
+def dense_float_layers(package_dtype: str, choice: str = "auto"):
+    """The ``float_layers`` policy (``base.weight_ctx``) of an MoE decoder's dense path: in q8
+    packages bf16 by default (its error moves the router's input, and with activations quantized
+    per row, ncnn's int8 Gemm, near-tied experts flipped often enough to put a token outside the
+    reference's top 3 on the conformance models), int8 like the experts with ``dense`` q8.
+    The router and Qwen's shared-expert gate are never quantized (``emit_router``,
+    ``emit_shared_expert``)."""
+    if choice == "q8" and package_dtype != "q8":
+        raise EdgevlError(f"--dense q8 makes a q8 package's dense path int8; it needs --dtype q8 (got {package_dtype})")
+    return None if choice == "q8" else (lambda name: True)
+
+
 def expert_dtype(package_dtype: str, choice: str = "auto") -> str:
     if choice not in EXPERT_DTYPES:
         raise EdgevlError(f"experts must be one of {', '.join(EXPERT_DTYPES)}, got {choice!r}")
@@ -650,7 +662,11 @@ class MoeArchitecture:
 
     options = {"experts": Option(EXPERT_DTYPES, "auto",
                                  "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 "
-                                 "ones)", label="{value} experts")}
+                                 "ones)", label="{value} experts"),
+               "dense": Option(("auto", "q8"), "auto",
+                               "the dense path of a q8 package (attention, linear-attention projections, shared "
+                               "expert): auto keeps it bf16; q8 makes its Gemms int8 like the experts' (faster; "
+                               "flips more near-tied expert choices; the router stays bf16)", label="{value} dense")}
     runtime_options = {"expert_cache_mb": RuntimeOption(
         float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
                "when chosen (an even share per MoE layer, least recently used out first; default: no limit)", "MB", minimum=0)}

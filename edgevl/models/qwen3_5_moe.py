@@ -26,7 +26,6 @@ from typing import ClassVar
 
 from ..errors import EdgevlError
 from . import moe, qwen3_5
-from .protocol import Option
 
 
 @dataclass
@@ -68,9 +67,7 @@ def layer_experts(ckpt, prefix: str, a: MoeTextArgs, on_tensor):
 def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     """Qwen3.5's package (decoder with sparse MLPs, head, delta-rule nets, vision) plus
     ``experts.bin``/``experts.param`` and the manifest's ``experts`` section."""
-    dense = options.get("dense", "auto")
-    if dense == "q8" and dtype != "q8":
-        raise EdgevlError(f"--dense q8 makes a q8 package's dense path int8; it needs --dtype q8 (got {dtype})")
+    keep = moe.dense_float_layers(dtype, options.get("dense", "auto"))   # checked before any file is written
     a = MoeTextArgs.from_config(ckpt.config)
     prefix = qwen3_5.text_prefix(ckpt)
     # the experts first: a checkpoint that lacks some fails before the long decoder pass
@@ -79,11 +76,8 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     for i in range(a.num_hidden_layers):
         w.add_layer(i, layer_experts(ckpt, f"{prefix}.layers.{i}.mlp.experts", a, on_tensor))
     experts = w.finish({"kind": "softmax", "top_k": a.num_experts_per_tok, "renormalize": True})
-    # q8: the routed experts (most of the weights) and the head in int8, the dense path in bf16
-    # unless ``dense`` is q8. Its error moves the router's input, and with activations quantized
-    # per row (ncnn's int8 Gemm) near-tied experts flipped often enough to put a token outside
-    # the reference's top 3 on the conformance models. The router itself is never quantized.
-    keep = None if dense == "q8" else (lambda name: True)
+    # q8: the routed experts (most of the weights) and the head in int8, the dense path as
+    # ``dense`` says (moe.dense_float_layers)
     parts = qwen3_5.convert(ckpt, out, dtype, on_tensor, a, emit_moe_mlp, float_layers=keep)
     parts["experts"] = experts
     return parts
@@ -97,11 +91,6 @@ class Qwen3_5Moe(moe.MoeArchitecture, qwen3_5.Qwen3_5):
     hf_classes = {"vlm": "Qwen3_5MoeForConditionalGeneration", "causal_lm": "Qwen3_5MoeForCausalLM",
                   "config": "Qwen3_5MoeConfig", "text_config": "Qwen3_5MoeTextConfig"}
     text_args = MoeTextArgs
-    options = {**moe.MoeArchitecture.options,
-               "dense": Option(("auto", "q8"), "auto",
-                               "the dense path of a q8 package (attention, delta-rule projections, shared expert): "
-                               "auto keeps it bf16; q8 makes its Gemms int8 like the experts' (faster; flips more "
-                               "near-tied expert choices; the router and the shared expert's gate stay bf16)", label="{value} dense")}
     # a bf16/q8 rounding flips a near-tied expert choice on a few rows (with top-2 of 8 one flip
     # replaces about half of a layer's routed output): measured 1 of 192 teacher-forced rows at
     # 0.94 logit cosine in q8, the rest >= 0.977; with the fp32 package's routing forced, >= 0.98

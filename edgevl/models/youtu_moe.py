@@ -403,6 +403,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     """experts.bin/.param (with each layer's qb_beta), the decoder, lm_head,
     the vision tower and the embedding table; the manifest parts."""
     cfg = ckpt.config
+    dense = moe.dense_float_layers(dtype, options.get("dense", "auto"))   # checked before any file is written
     a = TextArgs.from_config(cfg)
     view = LayoutView(ckpt, layout)
     print(f"note: {LAYOUT_NOTE}", file=sys.stderr)
@@ -433,9 +434,9 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
                                  "modality_token_ids": modality_ids})
 
     g = G.Graph(out / "decoder.bin")
-    # q8: the routed experts (most of the weights) and the head in int8, the dense path in bf16
-    # (as Qwen3.5-MoE: the router's input must not move much, near-tied experts flip)
-    ctx = weight_ctx(view, g, dtype, on_tensor, float_layers=lambda name: True)
+    # q8: the routed experts (most of the weights) and the head in int8, the dense path as
+    # ``dense`` says (moe.dense_float_layers; bf16 by default)
+    ctx = weight_ctx(view, g, dtype, on_tensor, float_layers=dense)
     parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(ctx, a))
     embed_name = f"{PREFIX}.embed_tokens.weight"
     head, parts["embedding"] = write_head_and_embedding(
