@@ -346,7 +346,27 @@ def markdown_table(results: dict) -> str:
                      f"{_cell(r, 'peak_rss_bytes', '%.2f', 2 ** 30)} | {kv} |")
     lines.append("")
     lines.append("Each cell: median (min–max) over the interleaved runs.")
+    ratios = same_precision_ratios(results)
+    if ratios:
+        lines += ["", "Against llama.cpp at the same precision (ratios of the medians):", ""]
+        lines += [f"- {ours} / {theirs}: decode {d:.2f}×, prefill {p:.2f}×" for ours, theirs, d, p in ratios]
     return "\n".join(lines)
+
+
+GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
+
+
+def same_precision_ratios(results: dict) -> list[tuple[str, str, float, float]]:
+    """(edgevl variant, llama.cpp variant, decode ratio, prefill ratio) for every edgevl variant
+    whose package dtype has a llama.cpp counterpart in the same run (q8 against q8_0)."""
+    out = []
+    for name, r in results.items():
+        theirs = f"llama.cpp {GGUF_OF_DTYPE.get(r.get('dtype'), '')}"
+        if not name.startswith("edgevl") or theirs not in results:
+            continue
+        t = results[theirs]
+        out.append((name, theirs, r["decode_tok_s"] / t["decode_tok_s"], r["prefill_tok_s"] / t["prefill_tok_s"]))
+    return out
 
 
 def plot(results: dict, path, title: str = "") -> None:

@@ -63,3 +63,23 @@ def test_bench_images_json_and_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "640by480"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --images takes sizes like")
+
+
+def test_table_states_the_ratio_to_llamacpp_at_the_same_precision():
+    """Each edgevl variant against the llama.cpp run of its precision (q8 against q8_0), from the
+    medians; none for a precision llama.cpp did not run, and no section without llama.cpp."""
+    from edgevl.bench import markdown_table
+
+    def row(dtype, prefill, decode):
+        r = {"prefill_tok_s": prefill, "decode_tok_s": decode, "ttft_s": 0.1, "load_s": 1.0,
+             "peak_rss_bytes": 1 << 30, "kv_bytes_per_token": None}
+        return dict(r, dtype=dtype) if dtype else r
+
+    res = {"edgevl q8": row("q8", 300.0, 90.0), "edgevl bf16": row("bf16", 200.0, 60.0),
+           "edgevl fp32": row("fp32", 100.0, 30.0), "llama.cpp q8_0": row(None, 200.0, 75.0),
+           "llama.cpp bf16": row(None, 250.0, 64.0)}
+    md = markdown_table(res)
+    assert "- edgevl q8 / llama.cpp q8_0: decode 1.20×, prefill 1.50×" in md
+    assert "- edgevl bf16 / llama.cpp bf16: decode 0.94×, prefill 0.80×" in md
+    assert "edgevl fp32 /" not in md
+    assert "same precision" not in markdown_table({"edgevl q8": row("q8", 300.0, 90.0)})
