@@ -27,18 +27,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def layers_of(param: str):
-    lines = Path(param).read_text().split("\n")[2:]
-    out = []
-    for line in lines:
-        p = line.split()
-        if len(p) < 4 or p[0] in ("Input", "Split"):
-            continue
-        n_in, n_out = int(p[2]), int(p[3])
-        out.append((p[0], p[1], p[4 + n_in]))  # type, name, first output blob
-    return out
-
-
 class Timer:
     """Per-layer CPU and wall time, summed over what was profiled."""
 
@@ -64,8 +52,9 @@ def profile(net, feeds: dict, param: str, timer: Timer) -> None:
     ex.set_light_mode(True)
     for k, v in feeds.items():
         ex.input(k, v if isinstance(v, ncnn.Mat) else to_mat(v))
-    for typ, name, blob in layers_of(param):
-        timer.time(ex, typ, name, blob)
+    for typ, name, _, outs in Graph(param).layers:
+        if typ not in ("Input", "Split"):
+            timer.time(ex, typ, name, outs[0])
 
 
 class Graph:

@@ -42,28 +42,21 @@ qw=$WORK/qwen35-0.8b
 [ -f "$qw/config.json" ] || python "$here/make_random_qwen3_5.py" "$qw"
 convert "$qw" "$WORK/q35-bf16" bf16
 convert "$qw" "$WORK/q35-q8" q8
-mo=$WORK/qwen35moe-449m
-[ -f "$mo/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$mo"
-convert "$mo" "$WORK/moe-q8" q8
-[ -f "$WORK/moe-bf16/manifest.json" ] || edgevl convert "$mo" "$WORK/moe-bf16" --dtype bf16 --experts bf16
-edgevl bench "$WORK/moe-q8" --extra-model "$WORK/moe-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
-    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$here/results/qwen3_5moe-449m-t2.json" \
-    --plot "$here/results/qwen3_5moe-449m-t2.png" --markdown "$here/results/qwen3_5moe-449m-t2.md"
-[ -f "$WORK/moe-q8dense/manifest.json" ] || edgevl convert "$mo" "$WORK/moe-q8dense" --dtype q8 --dense q8
-edgevl bench "$WORK/moe-q8" --extra-model "$WORK/moe-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
-    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
-    --json "$here/results/qwen3_5moe-449m-dense-q8-t2.json" --markdown "$here/results/qwen3_5moe-449m-dense-q8-t2.md"
-a3=$WORK/qwen35moe-a3b-4l
-[ -f "$a3/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$a3" --a3b-layers 4
-convert "$a3" "$WORK/a3b-q8" q8
-[ -f "$WORK/a3b-bf16/manifest.json" ] || edgevl convert "$a3" "$WORK/a3b-bf16" --dtype bf16 --experts bf16
-edgevl bench "$WORK/a3b-q8" --extra-model "$WORK/a3b-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
-    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$here/results/qwen3_5moe-a3b-4l-t2.json" \
-    --plot "$here/results/qwen3_5moe-a3b-4l-t2.png" --markdown "$here/results/qwen3_5moe-a3b-4l-t2.md"
-[ -f "$WORK/a3b-q8dense/manifest.json" ] || edgevl convert "$a3" "$WORK/a3b-q8dense" --dtype q8 --dense q8
-edgevl bench "$WORK/a3b-q8" --extra-model "$WORK/a3b-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
-    --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
-    --json "$here/results/qwen3_5moe-a3b-4l-dense-q8-t2.json" --markdown "$here/results/qwen3_5moe-a3b-4l-dense-q8-t2.md"
+moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, bf16 (bf16 experts), q8 --dense q8
+  local ck=$WORK/qwen35moe-$1 pk=$WORK/moe-$1 res=$here/results/qwen3_5moe-$1
+  [ -f "$ck/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$ck" "${@:2}"
+  convert "$ck" "$pk-q8" q8
+  [ -f "$pk-bf16/manifest.json" ] || edgevl convert "$ck" "$pk-bf16" --dtype bf16 --experts bf16
+  [ -f "$pk-q8dense/manifest.json" ] || edgevl convert "$ck" "$pk-q8dense" --dtype q8 --dense q8
+  edgevl bench "$pk-q8" --extra-model "$pk-bf16" --compare llamacpp --gguf-types bf16,q8_0 --threads 2 \
+      --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$res-t2.json" --plot "$res-t2.png" \
+      --markdown "$res-t2.md"
+  edgevl bench "$pk-q8" --extra-model "$pk-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
+      --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$res-dense-q8-t2.json" \
+      --markdown "$res-dense-q8-t2.md"
+}
+moe_bench 449m
+moe_bench a3b-4l --a3b-layers 4
 for t in ${THREADS:-2 1}; do
   edgevl bench "$WORK/pk2b-bf16" --extra-model "$WORK/pk2b-q8" --compare llamacpp --gguf-types bf16,q8_0 \
       --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \
