@@ -8,7 +8,10 @@ benchmarks. Two shapes:
   top-8, a 512-wide shared expert) over N layers (4: 1.75 B parameters, 3.5 GB). The real model
   has 40 layers and 256 experts; a layer's per-token work is the same (8 experts chosen).
 
-    python benchmarks/make_random_qwen3_5_moe.py OUT_DIR [--a3b-layers 4]
+    python benchmarks/make_random_qwen3_5_moe.py OUT_DIR [--a3b-layers 4] [--experts 32]
+
+``--experts E`` changes the routed experts per layer (top-8 stays): with 16 layers of 32, the
+non-expert weights are as large a part of the model as in the real one (the peak-memory check).
 
 Used by benchmarks/run.sh for the expert-cache and llama.cpp (qwen35moe) comparisons.
 """
@@ -24,6 +27,7 @@ from edgevl.models import qwen3_5 as q
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--a3b-layers", type=int, default=0, help="Qwen3.5-35B-A3B layer shapes, this many layers")
+ap.add_argument("--experts", type=int, default=0, help="routed experts per layer (default: 128 A3B, 32 toy)")
 a = ap.parse_args()
 folder = Path(a.out)
 tok = q.tiny_tokenizer()
@@ -38,6 +42,8 @@ else:
                  linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
                  num_experts=32, mrope_section=[5, 6, 5])
 section = shape.pop("mrope_section")
+if a.experts:
+    shape["num_experts"] = a.experts
 cfg = Qwen3_5MoeTextConfig(
     vocab_size=tok.get_vocab_size(), num_experts_per_tok=8, moe_intermediate_size=512,
     shared_expert_intermediate_size=512, eos_token_id=ids["im_end"], tie_word_embeddings=True,

@@ -93,8 +93,8 @@ class TimedExtractor:
     def __init__(self, ex, graph: Graph, timer: Timer):
         self.ex, self.graph, self.timer, self.have = ex, graph, timer, set()
 
-    def set_light_mode(self, on: bool) -> None:
-        self.ex.set_light_mode(on)
+    def __getattr__(self, name):    # the rest (light mode, allocators) as the wrapped one
+        return getattr(self.ex, name)
 
     def input(self, name, m):
         self.have.add(name)

@@ -80,7 +80,9 @@ def _runtime_options() -> dict:
     """name -> (RuntimeOption, architectures offering it), over every registered architecture."""
     from . import models
 
-    out: dict = {}
+    from .models.protocol import COMMON_RUNTIME_OPTIONS
+
+    out: dict = {name: (opt, ["all"]) for name, opt in COMMON_RUNTIME_OPTIONS.items()}
     for arch in models.all_architectures():
         for name, opt in arch.runtime_options.items():
             out.setdefault(name, (opt, []))[1].append(arch.name)

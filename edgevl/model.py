@@ -23,13 +23,15 @@ import numpy as np
 from . import models
 from .errors import EdgevlError
 from .package import check_listed, package_path, read_manifest, verify_files
-from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads
+from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads, trim_heap
 from .sample import Sampler
 from .tokenizer import Tokenizer
 
-# Prompts longer than this are prefilled in chunks: bounds the attention score memory
-# (heads x chunk x context floats) while keeping prefill batched.
-PREFILL_CHUNK = 2048
+# Prompts longer than this are prefilled in chunks (``prefill_chunk`` load option): activation
+# memory grows with the chunk, and 512 was no slower than 2048 on any benchmark package (a
+# hybrid delta-rule model's 1000-token prefill: 6.7 s and 0.92 GB of activations against 8.5 s
+# and 1.63 GB; README, "Prefill chunk").
+PREFILL_CHUNK = 512
 
 
 def _as_list(v) -> list[int]:
@@ -71,6 +73,7 @@ class Model:
             verify_files(self.path, m)
         check_listed(self.path, m)  # nothing beside the graphs is read unverified
         self.arch = models.get(m["architecture"])
+        self._nets: list = []   # every Net opened for this model (release_buffers)
         # the architecture's load-time options (Architecture.runtime_options), checked
         self.options = self.arch.resolve_runtime_options(options or {})
         self.config = m["config"]
@@ -135,7 +138,16 @@ class Model:
             for sec in sections:
                 package_path(self.path, sec["param"], self.manifest, "section file")
             return SectionedNet(str(self.path), binfile, sections, threads, dtype)
-        return Net(param, binfile, threads, dtype, light_mode, packing)
+        net = Net(param, binfile, threads, dtype, light_mode, packing)
+        self._nets.append(net)
+        return net
+
+    def release_buffers(self) -> None:
+        """Return the activation buffers a prompt left pooled in the model's nets to the system
+        (they scale with the prompt; decoding needs a small fraction). Prefill calls it."""
+        for net in self._nets:
+            net.release()
+        trim_heap()
 
     @property
     def kv_elem_bytes(self) -> int:
@@ -218,7 +230,8 @@ class Model:
         # runs end at the architecture's snapshot points (where a later prompt may diverge from
         # this one, e.g. before an answer that the next turn's template renders differently)
         points = {p for p in self.arch.snapshot_points(self, list(input_ids)) if start < p < len(keys)}
-        cuts = sorted(points | set(range(start + PREFILL_CHUNK, len(keys), PREFILL_CHUNK)) | {len(keys)})
+        step = int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
+        cuts = sorted(points | set(range(start + step, len(keys), step)) | {len(keys)})
         s = start
         for e in cuts:
             hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e], ids=input_ids[s:e])
@@ -228,7 +241,10 @@ class Model:
         self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
         self.cache_keys.extend(keys[start:])
         self.last_prefill_tokens = len(keys) - start
-        return self.logits(hidden[-1:])[0]
+        logits = self.logits(hidden[-1:])[0]
+        if len(keys) - start > 1:
+            self.release_buffers()
+        return logits
 
     def step(self, token: int) -> np.ndarray:
         pos = np.full((1, 1), self.cache.next_position, np.int64)

@@ -125,6 +125,15 @@ def load_arena():
         trim(0)
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc keeps freed blocks below its mmap
+    threshold otherwise). No-op outside glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def open_net(param, binfile, threads: int, dtype: str = "fp32", light_mode: bool = True,
              packing: bool = True) -> "Net":
     """An ncnn graph with explicit options (e.g. an architecture's small fp32 helper nets, which
@@ -134,6 +143,8 @@ def open_net(param, binfile, threads: int, dtype: str = "fp32", light_mode: bool
 
 class Net:
     """One ncnn network with the package's precision options."""
+
+    pools: tuple = ()
 
     def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True,
                  packing: bool = True):
@@ -148,6 +159,21 @@ class Net:
             ok = self.net.load_model(binfile) == 0
         if not ok:
             raise EdgevlError(f"ncnn could not load {binfile}; the package is corrupt — convert the model again")
+        self._own_pools()
+
+    def _own_pools(self) -> None:
+        """``execute`` takes activation buffers from pools this object owns: ncnn's own per-net
+        pools keep the largest prompt's buffers for the net's lifetime (290 MB after a 600-token
+        prompt at a 2048-wide MoE), and ``release`` returns these. Outputs are cloned out of
+        them, as ncnn does for its own, so no Mat outlives them (``extractor()`` keeps ncnn's)."""
+        self.pools = (ncnn.PoolAllocator(), ncnn.PoolAllocator())
+        for p in self.pools:
+            p.set_size_compare_ratio(0.0)   # any free buffer that is large enough, as ncnn's own
+
+    def release(self) -> None:
+        """Free the pooled activation buffers (e.g. after a prompt: decoding needs far fewer)."""
+        for p in self.pools:
+            p.clear()
 
     def extractor(self) -> "ncnn.Extractor":
         ex = self.net.create_extractor()
@@ -163,6 +189,9 @@ class Net:
         by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if ``wanted`` names them (extracting a
         state output in the pass that computes it keeps it from being freed in light mode)."""
         ex = self.extractor()
+        if self.pools:
+            ex.set_blob_allocator(self.pools[0])
+            ex.set_workspace_allocator(self.pools[1])
         _feed(ex, feeds)
         done = {}
         for p in passes:
@@ -176,7 +205,8 @@ class Net:
         rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
         out = _extract(ex, rest, self.where)
         out.update({n: done[n] for n, _ in wanted if n in done})
-        return out
+        del ex, done
+        return {n: _detach(m, self.pools) for n, m in out.items()}
 
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
@@ -196,6 +226,14 @@ def blob_order(param_path) -> dict:
         for b in parts[4 + n_in: 4 + n_in + n_out]:
             order[b] = i
     return order
+
+
+def _detach(m: "ncnn.Mat", pools) -> "ncnn.Mat":
+    """A Mat allocated from one of ``pools``, cloned out of it (the pool may be cleared or go
+    first). Others are kept as they are: SDPA's KV caches come from the system allocator with
+    spare rows to append into, and a clone of one corrupted it (ncnn_notes.md)."""
+    a = m.allocator
+    return m.clone() if a is not None and any(a is p for p in pools) else m
 
 
 def _feed(ex, feeds: dict) -> None:

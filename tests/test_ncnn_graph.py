@@ -230,3 +230,61 @@ def test_int8_rows_gemm_probe(tmp_path, dtype):
         # activations are quantized per row at run time (1-6 % here); a wrong row scale is ~100 %
         assert (np.abs(got - want) / scale).max() < 0.1
     assert np.abs(y2 - x @ w[::-1].T).max() > 0.3 * np.abs(ref).max()
+
+
+RELEASE_SCRIPT = r"""
+import gc, json, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from edgevl import ncnn_graph as G
+from edgevl.runtime import Net, from_mat, trim_heap
+
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10
+
+g = G.Graph({tmp!r} + "/t.bin")
+x = g.input("x")
+a = G.unary(g, x, "exp", name="a")                       # two large intermediates alive at once
+b = G.binary(g, a, G.unary(g, x, "neg", name="n"), "mul", name="b")
+G.binary(g, b, x, "add", name="y", out="y")
+g.save({tmp!r} + "/t.param")
+net = Net({tmp!r} + "/t.param", {tmp!r} + "/t.bin", threads=1)
+small = np.ones((1, 8), np.float32)
+net.run({{"x": small}}, ["y"])
+trim_heap()
+base = rss()
+big = np.full((4096, 4096), 0.5, np.float32)             # 64 MB per blob
+res = net.execute({{"x": big}}, [("y", 0)])
+del big
+trim_heap()
+held = rss()
+net.release()
+trim_heap()
+released = rss()
+del net; gc.collect()                                     # the output must outlive its net's pools
+y = from_mat(res["y"])
+want = 0.5 - np.exp(0.5) * 0.5
+print(json.dumps({{"held": held - base, "released": released - base, "ok": bool(np.allclose(y, want)),
+                  "shape": list(y.shape)}}))
+"""
+
+
+def test_release_returns_a_big_runs_buffers_and_outputs_survive(tmp_path):
+    """After a large input, a net's pooled activation buffers stay allocated (ncnn's own pools
+    kept them for the net's lifetime) until ``release``; the outputs of ``execute`` stay valid
+    after their net and its pools are gone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "release.py"
+    script.write_text(RELEASE_SCRIPT.format(root=str(Path(__file__).parents[1]), tmp=str(tmp_path)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["shape"] == [4096, 4096]
+    mb = 1 << 20
+    # measured: 256 MB held (the 64 MB output and three pooled blobs), 64 MB after release
+    assert out["held"] > 160 * mb, out
+    assert out["released"] < 100 * mb, out      # the output, and no pooled buffer

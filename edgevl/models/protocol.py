@@ -58,6 +58,14 @@ class RuntimeOption:
     minimum: float | None = None
 
 
+# load-time options of every architecture (the runtime, not a model family, acts on them)
+COMMON_RUNTIME_OPTIONS = {
+    "prefill_chunk": RuntimeOption(
+        int, "prompt tokens per prefill run (default 512): activation memory grows with it; "
+             "lower it to fit a long prompt in less RAM", "TOKENS", 1),
+}
+
+
 class Architecture:
     name: str = ""                 # the manifest's "architecture"; also the registry key
     options: dict = {}             # conversion options: name -> Option
@@ -98,19 +106,22 @@ class Architecture:
         raise NotImplementedError
 
     # -- runtime ---------------------------------------------------------------------------------
+    def all_runtime_options(self) -> dict:
+        """Every model's load-time options (``COMMON_RUNTIME_OPTIONS``) and this architecture's."""
+        return {**COMMON_RUNTIME_OPTIONS, **self.runtime_options}
+
     def resolve_runtime_options(self, given: dict) -> dict:
         """The load-time options that were given (None = not given), checked: an option this
         architecture does not have, or a value of the wrong type or range, is a one-line error."""
         out = {}
+        known = self.all_runtime_options()
         for k, v in (given or {}).items():
             if v is None:
                 continue
-            opt = self.runtime_options.get(k)
+            opt = known.get(k)
             if opt is None:
                 flag = "--" + k.replace("_", "-")
-                raise EdgevlError(f"{self.name} models have no option {k!r} ({flag})"
-                                  + (f"; they have: {', '.join(self.runtime_options)}" if self.runtime_options
-                                     else "; leave it out"))
+                raise EdgevlError(f"{self.name} models have no option {k!r} ({flag}); they have: {', '.join(known)}")
             try:
                 if isinstance(v, bool) or (opt.type is int and isinstance(v, float) and not v.is_integer()):
                     raise ValueError

@@ -106,6 +106,29 @@ def test_chat_prefix_reuse_equals_fresh_run(built, name):
     assert again == list(edgevl.load(pk).generate_tokens(edited, 6, ignore_eos=True))
 
 
+@pytest.mark.parametrize("name", ARCHS)
+def test_prefill_in_chunks_equals_one_run(built, name):
+    """A prompt prefilled a few tokens per run (``prefill_chunk``: attention over the cache,
+    recurrent states carried between runs, experts routed per run) gives the one-run logits and
+    tokens, with an image's rows split across runs too where the model takes images."""
+    _, pk = built(name)
+    whole = edgevl.load(pk)
+    image = smooth_image(64, 48) if whole.vision is not None else None
+    prep = prepare(whole, PROMPT, image=image)
+    n = len(prep.input_ids)
+    chunk = 5 if n > 10 else 2
+    assert n > 2 * chunk
+    parts = edgevl.load(pk, prefill_chunk=chunk)
+    rows, infos = whole.encode_images(image)
+    want = whole.prefill(prep.input_ids, rows, reuse_cache=False, images=infos)
+    got = parts.prefill(prep.input_ids, rows, reuse_cache=False, images=infos)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    assert list(parts.generate_tokens(prep.input_ids, 12, image=image, ignore_eos=True, reuse_cache=False)) == \
+        list(whole.generate_tokens(prep.input_ids, 12, image=image, ignore_eos=True, reuse_cache=False))
+    with pytest.raises(EdgevlError, match="prefill_chunk must be >= 1"):
+        edgevl.load(pk, prefill_chunk=0)
+
+
 # Teacher-forced over 4 x 48 tokens on briefly trained tiny models (a random net's logits are so
 # flat that bf16 flips near-ties): top-1 agreement and min logit cosine per dtype, and every
 # disagreement must be one of the reference's top 3. These 64-wide models disagree only on
