@@ -155,6 +155,7 @@ class Net:
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")
         self.order = blob_order(param)
+        self.leaves = leaf_blobs(param)
         with load_arena():
             ok = self.net.load_model(binfile) == 0
         if not ok:
@@ -165,10 +166,14 @@ class Net:
         """``execute`` takes activation buffers from pools this object owns: ncnn's own per-net
         pools keep the largest prompt's buffers for the net's lifetime (290 MB after a 600-token
         prompt at a 2048-wide MoE), and ``release`` returns these. Outputs are cloned out of
-        them, as ncnn does for its own, so no Mat outlives them (``extractor()`` keeps ncnn's)."""
+        them, as ncnn does for its own, so no Mat outlives them (``extractor()`` keeps ncnn's
+        pools, for callers that hold its Mats)."""
         self.pools = (ncnn.PoolAllocator(), ncnn.PoolAllocator())
         for p in self.pools:
-            p.set_size_compare_ratio(0.0)   # any free buffer that is large enough, as ncnn's own
+            # reuse a free buffer only for a request of at least 3/4 its size: ncnn's own pools
+            # take any buffer large enough, so small blobs held big ones and big requests grew
+            # the pool (a 128-token prefill at the 35B-A3B layer shapes peaked 1412 -> 1336 MB)
+            p.set_size_compare_ratio(0.75)
 
     def release(self) -> None:
         """Free the pooled activation buffers (e.g. after a prompt: decoding needs far fewer)."""
@@ -193,13 +198,21 @@ class Net:
             ex.set_blob_allocator(self.pools[0])
             ex.set_workspace_allocator(self.pools[1])
         _feed(ex, feeds)
-        done = {}
+        done, keep = {}, {n for n, _ in wanted}
         for p in passes:
             names, fn = p[0], p[1]
             got = _extract(ex, [(n, 0) for n in names], self.where)
-            done.update(got)
+            # only what the caller wants is kept past its pass
+            done.update((n, m) for n, m in got.items() if n in keep)
             raw = len(p) > 2 and p[2]  # the hook takes the Mats themselves (no copies)
             _feed(ex, fn(got if raw else {n: from_mat(m) for n, m in got.items()}))
+            del got
+            # a blob no layer consumes stays in the extractor until it is destroyed (light mode
+            # frees a blob when its consumers have run): drop the host passes' leaves now (a
+            # 128-token prefill at the 35B-A3B layer shapes, 16 layers: peak 1484 -> 1412 MB)
+            for n in names:
+                if n in self.leaves:
+                    ex.input(n, ncnn.Mat())
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
         rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
@@ -211,6 +224,21 @@ class Net:
     def run(self, inputs: dict, outputs: list[str]) -> list[np.ndarray]:
         res = self.execute(inputs, [(n, 0) for n in outputs])
         return [from_mat(res[n]) for n in outputs]
+
+
+def leaf_blobs(param_path) -> set:
+    """Blobs some layer of a .param file produces and no layer consumes."""
+    made, used = set(), set()
+    with open(param_path) as f:
+        lines = f.read().split("\n")[2:]
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        n_in, n_out = int(parts[2]), int(parts[3])
+        used.update(parts[4: 4 + n_in])
+        made.update(parts[4 + n_in: 4 + n_in + n_out])
+    return made - used
 
 
 def blob_order(param_path) -> dict:

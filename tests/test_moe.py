@@ -352,3 +352,30 @@ def test_expert_sources_read_the_right_rows(tmp_path):
     assert {t.name for t in seen} == {"m.experts.gate_up_proj", "m.experts.down_proj"}
     with pytest.raises(EdgevlError, match="has shape"):
         moe.fused_expert(ckpt, "m.experts.gate_up_proj", "m.experts.down_proj", 0, H, I + 1, E)
+
+
+def test_an_evicted_experts_net_takes_the_next_expert(tmp_path):
+    """A miss loads the new expert into the net of the expert it evicts (every expert has the
+    same shapes, so ncnn refills the same weight buffers instead of the heap taking new ones and
+    fragmenting; README, "Expert cache memory"): over hundreds of evictions the outputs equal
+    those of fresh nets, and the store never holds more nets than its budget's experts."""
+    layers, E, H, I = [0, 1], 24, 512, 384
+    spec = write_random_package(tmp_path, layers, E, H, I, "q8", 2)
+    x = np.random.default_rng(4).standard_normal((1, H)).astype(np.float32)
+    full = moe.ExpertStore(tmp_path, spec)
+    want = {(layer, e): full.run(layer, e, x) for layer in layers for e in range(E)}
+    full.close()
+    store = moe.ExpertStore(tmp_path, spec, cache_mb=2.5 * spec["expert_bytes"] * len(layers) / (1 << 20))
+    nets = set()
+    for i in range(400):
+        layer, e = layers[i % 2], (7 * i + i // 2) % E
+        evicted = None if store.cached(layer, e) else next(iter(store._nets[layer].values()), None)
+        full_layer = len(store._nets[layer]) * store.cost + store.cost > store.share
+        assert np.array_equal(store.run(layer, e, x), want[(layer, e)]), (i, layer, e)
+        if evicted is not None and full_layer:
+            assert store._nets[layer][e] is evicted     # the least recently used expert's net, reloaded
+        nets |= {id(n) for per in store._nets.values() for n in per.values()}
+    s = store.stats()
+    assert s["evictions"] > 300 and s["peak_resident_bytes"] <= s["budget_bytes"]
+    assert len(nets) <= 2 * len(layers), "evictions must reuse nets, not make new ones"
+    store.close()
