@@ -125,9 +125,37 @@ def load_arena():
         trim(0)
 
 
-def trim_heap() -> None:
+_MALLINFO = None
+
+
+def heap_info() -> tuple[int, int] | None:
+    """(bytes in use, bytes free) of glibc's malloc (mallinfo2: the heap and its mmapped blocks);
+    None outside glibc."""
+    global _MALLINFO
+    if _MALLINFO is None:
+        try:
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in
+                            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+            fn = ctypes.CDLL("libc.so.6").mallinfo2
+            fn.restype = MallInfo2
+            _MALLINFO = fn
+        except (OSError, AttributeError):
+            _MALLINFO = False
+    if not _MALLINFO:
+        return None
+    m = _MALLINFO()
+    return int(m.uordblks + m.hblkhd), int(m.fordblks)
+
+
+def trim_heap(min_free: int = 0) -> None:
     """Give the C heap's free pages back to the system (glibc keeps freed blocks below its mmap
-    threshold otherwise). No-op outside glibc."""
+    threshold otherwise), if at least ``min_free`` bytes are free. No-op outside glibc."""
+    if min_free:
+        info = heap_info()
+        if info is None or info[1] < min_free:
+            return
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

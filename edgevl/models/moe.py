@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import ncnn_graph as G
 from ..errors import EdgevlError
-from ..runtime import _options, from_mat, to_mat, trim_heap
+from ..runtime import _options, from_mat, heap_info, to_mat, trim_heap
 from ..weights import _STORAGE, _to_f32
 from .base import Q8_QUANT, Ctx, swiglu_mlp
 from .protocol import Option, RuntimeOption
@@ -620,27 +620,8 @@ def _capsule_pointer(capsule) -> int | None:
 
 def _heap_bytes() -> int:
     """Bytes glibc's malloc has handed out (mallinfo2), or 0 where that is not available."""
-    global _MALLINFO
-    if _MALLINFO is None:
-        try:
-            import ctypes
-
-            class MallInfo2(ctypes.Structure):
-                _fields_ = [(n, ctypes.c_size_t) for n in
-                            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-            fn = ctypes.CDLL("libc.so.6").mallinfo2
-            fn.restype = MallInfo2
-            _MALLINFO = fn
-        except (OSError, AttributeError):
-            _MALLINFO = False
-    if not _MALLINFO:
-        return 0
-    m = _MALLINFO()
-    return int(m.uordblks + m.hblkhd)
-
-
-_MALLINFO = None
+    info = heap_info()
+    return 0 if info is None else info[0]
 
 
 def _fixed_mmap_threshold(nbytes: int = 256 << 10) -> None:
