@@ -6,7 +6,8 @@
 #   language model: image encoding, edgevl bf16 against llama.cpp's mtmd (2 threads);
 # - a Qwen3.5-0.8B-shaped checkpoint: edgevl bf16 and q8 against llama.cpp bf16 and q8_0;
 # - a 449 M-parameter Qwen3.5-MoE (32 experts, top-8) against llama.cpp's qwen35moe, and the same
-#   with Qwen3.5-35B-A3B's layer shapes over 4 layers (128 experts of 512, top-8; 3.5 GB).
+#   with Qwen3.5-35B-A3B's layer shapes over 4 layers (128 experts of 512, top-8; 3.5 GB); peak
+#   memory with an expert cache (benchmarks/moe_memory.py).
 #   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
 # WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
 # thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
@@ -57,6 +58,14 @@ moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, b
 }
 moe_bench 449m
 moe_bench a3b-4l --a3b-layers 4
+# peak memory with an expert cache against "cache + non-expert weights + 15 %": the 4-layer
+# package above, and 16 layers of 32 experts (1.1 GB dense, 1.5 GB of q8 experts; 4.1 GB bf16)
+ck16=$WORK/qwen35moe-a3b16x32
+[ -f "$ck16/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$ck16" --a3b-layers 16 --experts 32
+convert "$ck16" "$WORK/moe-a3b16x32-q8" q8
+python "$here/moe_memory.py" "$WORK/moe-a3b16x32-q8" --cache-mb 380 --cache-mb 300 --cache-mb 100 --cache-mb 0 \
+    --json "$here/results/moe-memory-a3b16x32.json"
+python "$here/moe_memory.py" "$WORK/moe-a3b-4l-q8" --cache-mb 350 --cache-mb 0 --json "$here/results/moe-memory-a3b4x128.json"
 for t in ${THREADS:-2 1}; do
   edgevl bench "$WORK/pk2b-bf16" --extra-model "$WORK/pk2b-q8" --compare llamacpp --gguf-types bf16,q8_0 \
       --threads "$t" --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 \

@@ -214,8 +214,10 @@ class Net:
         ex.set_light_mode(self.light_mode)
         return ex
 
-    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=(), kv_hint: int = 0) -> dict:
         """Feed Mats/arrays by blob name; extract ``(name, type)`` pairs in order (type 1: caches).
+        ``kv_hint``: the tokens a KV cache will hold after this run and the ones to follow it
+        (ncnn reserves that much at once instead of regrowing the cache run by run).
 
         ``passes``: (blob names, fn[, mats]) tuples run first, in order: the blobs are extracted,
         ``fn`` gets them as arrays (as ncnn Mats if ``mats``) and returns arrays (or Mats) to feed
@@ -225,6 +227,8 @@ class Net:
         if self.pools:
             ex.set_blob_allocator(self.pools[0])
             ex.set_workspace_allocator(self.pools[1])
+        if kv_hint:
+            ex.set_kvcache_max_seqlen_hint(int(kv_hint))
         _feed(ex, feeds)
         done, keep = {}, {n for n, _ in wanted}
         for p in passes:
@@ -331,7 +335,7 @@ class SectionedNet(Net):
             raise EdgevlError(f"ncnn could not load section {sec['name']} of {self.binfile}; convert the model again")
         return net
 
-    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=()) -> dict:
+    def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=(), kv_hint: int = 0) -> dict:
         assert not passes, "Decoder refuses host passes in low-memory mode"
         blobs = dict(feeds)
         types = dict(wanted)
@@ -689,10 +693,11 @@ class Decoder:
         return Cache(self.info["state"])
 
     def forward(self, embeds: np.ndarray, cache: Cache, positions: np.ndarray,
-                extract: list[str] = (), ids=None) -> tuple[np.ndarray, dict]:
+                extract: list[str] = (), ids=None, kv_hint: int = 0) -> tuple[np.ndarray, dict]:
         """Run ``embeds`` [S, H] at rotary ``positions`` [axes, S] on top of ``cache`` (updated
         in place); returns the final hidden states [S, H] and the blobs named in ``extract``.
-        ``ids``: the rows' token ids (for passes that ask for them)."""
+        ``ids``: the rows' token ids (for passes that ask for them). ``kv_hint``: the cache
+        length a chunked prompt will reach (KV caches are then allocated once)."""
         seq, past = embeds.shape[0], cache.length
         positions = np.asarray(positions).reshape(-1, seq)
         cos, sin = self.rope(positions)
@@ -707,7 +712,7 @@ class Decoder:
         # outputs with their kind's extraction type
         hidden = self.info["outputs"]["hidden"]
         wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
-        res = self.net.execute(feeds, wanted, passes)
+        res = self.net.execute(feeds, wanted, passes, kv_hint=kv_hint)
         extra = {n: from_mat(res[n]) for n in extract}
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra

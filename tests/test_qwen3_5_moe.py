@@ -327,3 +327,26 @@ def test_preload_loads_every_expert_once_and_serve_starts_preloaded(models):
         assert server.model.runtime_stats()["experts"]["misses"] == total
     finally:
         server.stop()
+
+
+def test_moe_memory_benchmark_reports_the_bound(models, tmp_path, capsys):
+    """benchmarks/moe_memory.py: one fresh process per cache size, the same tokens in each, peak
+    RSS beside the bound 1.15 x (cache + the non-expert .bin files)."""
+    import json
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import moe_memory
+
+    pk = models[CONFIGS[0]][1]
+    out = tmp_path / "m.json"
+    assert moe_memory.main([str(pk), "--cache-mb", "0.05", "--cache-mb", "-1", "--prompt-tokens", "12",
+                            "--gen-tokens", "4", "--threads", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    small, full = res["runs"]
+    dense = sum(f.stat().st_size for f in Path(pk).glob("*.bin") if f.name != "experts.bin")
+    assert small["non_expert_bytes"] == dense and small["expert_bytes"] == (Path(pk) / "experts.bin").stat().st_size
+    assert small["bound"] == pytest.approx(1.15 * (0.05 * 2 ** 20 + dense)) and full["bound"] is None
+    assert res["tokens_identical"] and len(small["tokens"]) == 4
+    assert small["peak"] >= small["loaded_rss"] > 0 and 0 <= small["hit_rate"] < full["hit_rate"]
+    assert "| 0.05 |" in capsys.readouterr().out
