@@ -132,6 +132,44 @@ def test_cli_reports_the_hit_rate(models, tmp_path):
     assert ex["misses"] > 0 and 0 <= ex["hit_rate"] < 1
 
 
+def test_experts_that_do_not_fit_get_a_cache_by_default(models, monkeypatch, capsys):
+    """With no --expert-cache-mb, experts that fit in 80 % of the available memory all stay
+    resident; those that do not get a cache of that size (said on stderr) instead of loading
+    until the system runs out; an explicit size, or an unknown amount of memory, is left alone."""
+    from edgevl.models import moe
+
+    _, pk = models[CONFIGS[0]]
+    ids = edgevl.load(pk).tokenizer.encode("Describe it in a few words.", special=False)
+    spec = json.loads((pk / "manifest.json").read_text())["experts"]
+    total = spec["expert_bytes"] * spec["num_experts"] * len(spec["layers"])
+    graphs = json.loads((pk / "manifest.json").read_text())["graphs"]
+    pending = sum((pk / f"{g}.bin").stat().st_size for g in graphs if g != "decoder")   # loaded after the experts open
+    assert {"lm_head", "vision"} <= set(graphs)
+
+    def store_of(model):
+        return model.arch._stores()[model]
+
+    monkeypatch.setattr(moe, "available_memory", lambda: int((10 * total + pending) / moe.AUTO_SHARE))
+    roomy = edgevl.load(pk)
+    assert store_of(roomy).budget is None and "note:" not in capsys.readouterr().err
+    want = list(roomy.generate_tokens(ids, 8, ignore_eos=True))
+
+    avail = int((total / 3 + pending) / moe.AUTO_SHARE)      # room for a third of the experts
+    monkeypatch.setattr(moe, "available_memory", lambda: avail)
+    tight = edgevl.load(pk)
+    budget = store_of(tight).budget
+    assert budget == int((moe.AUTO_SHARE * avail - pending) / 2 ** 20 * 2 ** 20)
+    assert 0.3 * total < budget < 0.4 * total
+    err = capsys.readouterr().err
+    assert "do not fit in the memory available" in err and "--expert-cache-mb" in err
+    assert list(tight.generate_tokens(ids, 8, ignore_eos=True)) == want
+    assert store_of(tight).stats()["evictions"] > 0
+
+    assert store_of(edgevl.load(pk, expert_cache_mb=1000)).budget == 1000 * 2 ** 20
+    monkeypatch.setattr(moe, "available_memory", lambda: None)
+    assert store_of(edgevl.load(pk)).budget is None
+
+
 def test_runtime_option_errors(models):
     _, pk = models[CONFIGS[0]]
     with pytest.raises(EdgevlError, match="expert_cache_mb must be >= 0"):

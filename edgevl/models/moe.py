@@ -670,7 +670,8 @@ class MoeArchitecture:
                                "flips more near-tied expert choices; the router stays bf16)", label="{value} dense")}
     runtime_options = {"expert_cache_mb": RuntimeOption(
         float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
-               "when chosen (an even share per MoE layer, least recently used out first; default: no limit)", "MB", minimum=0)}
+               "when chosen (an even share per MoE layer, least recently used out first; default: no limit when "
+               "they fit in 80%% of the memory available, else that much)", "MB", minimum=0)}
 
     def _stores(self):
         import weakref
@@ -688,7 +689,10 @@ class MoeArchitecture:
                               "convert the model again")
         for key, what in (("file", "experts file"), ("param", "experts graph")):
             package_path(model.path, spec.get(key), model.manifest, what)
-        store = ExpertStore(model.path, spec, threads=model.threads, cache_mb=model.options.get("expert_cache_mb"))
+        cache = model.options.get("expert_cache_mb")
+        if cache is None:
+            cache = auto_cache_mb(model, spec)
+        store = ExpertStore(model.path, spec, threads=model.threads, cache_mb=cache)
         self._stores()[model] = store
         return store
 
@@ -702,6 +706,53 @@ class MoeArchitecture:
         store = self._stores().get(model)
         if store is not None and store.budget is None:
             store.preload(progress)
+
+
+AUTO_SHARE = 0.8       # of the memory available: the rest for activations, the system, other programs
+COST_MARGIN = 1.15     # a loaded expert holds up to ~1.12x its bytes in the package (ExpertStore.cost)
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still hand out without swapping (Linux ``MemAvailable``); None
+    where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def auto_cache_mb(model, spec: dict) -> float | None:
+    """The expert cache when none was asked for: no limit (None) if every routed expert fits in
+    ``AUTO_SHARE`` of the memory available now (the decoder is loaded by then; the graphs still to
+    load are counted), else that much, said once on stderr. A model whose experts do not fit
+    would otherwise load them until the system runs out of memory."""
+    import sys
+
+    avail = available_memory()
+    if avail is None:
+        return None
+    pending = 0
+    for name in model.manifest.get("graphs", {}):
+        f = model.path / f"{name}.bin"
+        if name != "decoder" and f.is_file():
+            pending += f.stat().st_size
+    room = AUTO_SHARE * avail - pending
+    total = int(spec["expert_bytes"]) * int(spec["num_experts"]) * len(spec["layers"])
+    if total * COST_MARGIN <= room:
+        return None
+    mb = max(0.0, room) / (1 << 20)
+
+    def size(n):
+        return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MB"
+
+    print(f"note: the routed experts ({size(total)}) do not fit in the memory available ({size(avail)}); "
+          f"keeping at most {size(max(0.0, room))} of them loaded (--expert-cache-mb N, Python "
+          f"expert_cache_mb=N, to choose)", file=sys.stderr)
+    return mb
 
 
 def moe_hook(store: ExpertStore, router: Router | None = None):
