@@ -231,7 +231,7 @@ class Net:
             ex.set_kvcache_max_seqlen_hint(int(kv_hint))
         _feed(ex, feeds)
         done, keep = {}, {n for n, _ in wanted}
-        for p in passes:
+        for i, p in enumerate(passes):
             names, fn = p[0], p[1]
             got = _extract(ex, [(n, 0) for n in names], self.where)
             # only what the caller wants is kept past its pass
@@ -242,8 +242,9 @@ class Net:
             # a blob no layer consumes stays in the extractor until it is destroyed (light mode
             # frees a blob when its consumers have run): drop the host passes' leaves now (a
             # 128-token prefill at the 35B-A3B layer shapes, 16 layers: peak 1484 -> 1412 MB)
+            later = {n for q in passes[i + 1:] for n in q[0]}
             for n in names:
-                if n in self.leaves:
+                if n in self.leaves and n not in later:
                     ex.input(n, ncnn.Mat())
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
