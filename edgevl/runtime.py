@@ -182,8 +182,7 @@ class Net:
         self.where = param  # for error messages
         if self.net.load_param(param) != 0:
             raise EdgevlError(f"ncnn could not parse {param}; the package is corrupt — convert the model again")
-        self.order = blob_order(param)
-        self.leaves = leaf_blobs(param)
+        self.order, self.leaves = blob_order(param)
         with load_arena():
             ok = self.net.load_model(binfile) == 0
         if not ok:
@@ -259,24 +258,10 @@ class Net:
         return [from_mat(res[n]) for n in outputs]
 
 
-def leaf_blobs(param_path) -> set:
-    """Blobs some layer of a .param file produces and no layer consumes."""
-    made, used = set(), set()
-    with open(param_path) as f:
-        lines = f.read().split("\n")[2:]
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        n_in, n_out = int(parts[2]), int(parts[3])
-        used.update(parts[4: 4 + n_in])
-        made.update(parts[4 + n_in: 4 + n_in + n_out])
-    return made - used
-
-
-def blob_order(param_path) -> dict:
-    """blob name -> index of the layer producing it, from a .param file."""
-    order = {}
+def blob_order(param_path) -> tuple[dict, set]:
+    """From a .param file: blob name -> index of the layer producing it, and the blobs some
+    layer produces but none consumes."""
+    order, used = {}, set()
     with open(param_path) as f:
         lines = f.read().split("\n")[2:]
     for i, line in enumerate(lines):
@@ -284,9 +269,10 @@ def blob_order(param_path) -> dict:
         if len(parts) < 4:
             continue
         n_in, n_out = int(parts[2]), int(parts[3])
+        used.update(parts[4: 4 + n_in])
         for b in parts[4 + n_in: 4 + n_in + n_out]:
             order[b] = i
-    return order
+    return order, set(order) - used
 
 
 def _detach(m: "ncnn.Mat", pools) -> "ncnn.Mat":

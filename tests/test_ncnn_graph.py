@@ -232,16 +232,34 @@ def test_int8_rows_gemm_probe(tmp_path, dtype):
     assert np.abs(y2 - x @ w[::-1].T).max() > 0.3 * np.abs(ref).max()
 
 
-RELEASE_SCRIPT = r"""
-import gc, json, sys
+SCRIPT_HEAD = r"""
+import gc, json, os, sys
 import numpy as np
 sys.path.insert(0, {root!r})
 from edgevl import ncnn_graph as G
 from edgevl.runtime import Net, from_mat, trim_heap
 
-def rss():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10
+def status(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) << 10
+"""
 
+
+def run_script(tmp_path, body: str, *args) -> dict:
+    """``SCRIPT_HEAD + body`` in a fresh interpreter (its memory is that script's alone); the
+    JSON of its last output line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "script.py"
+    path.write_text((SCRIPT_HEAD + body).format(root=str(Path(__file__).parents[1]), tmp=str(tmp_path)))
+    r = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+RELEASE_SCRIPT = r"""
 g = G.Graph({tmp!r} + "/t.bin")
 x = g.input("x")
 a = G.unary(g, x, "exp", name="a")                       # two large intermediates alive at once
@@ -252,15 +270,15 @@ net = Net({tmp!r} + "/t.param", {tmp!r} + "/t.bin", threads=1)
 small = np.ones((1, 8), np.float32)
 net.run({{"x": small}}, ["y"])
 trim_heap()
-base = rss()
+base = status("VmRSS")
 big = np.full((4096, 4096), 0.5, np.float32)             # 64 MB per blob
 res = net.execute({{"x": big}}, [("y", 0)])
 del big
 trim_heap()
-held = rss()
+held = status("VmRSS")
 net.release()
 trim_heap()
-released = rss()
+released = status("VmRSS")
 del net; gc.collect()                                     # the output must outlive its net's pools
 y = from_mat(res["y"])
 want = 0.5 - np.exp(0.5) * 0.5
@@ -273,16 +291,7 @@ def test_release_returns_a_big_runs_buffers_and_outputs_survive(tmp_path):
     """After a large input, a net's pooled activation buffers stay allocated (ncnn's own pools
     kept them for the net's lifetime) until ``release``; the outputs of ``execute`` stay valid
     after their net and its pools are gone."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "release.py"
-    script.write_text(RELEASE_SCRIPT.format(root=str(Path(__file__).parents[1]), tmp=str(tmp_path)))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_script(tmp_path, RELEASE_SCRIPT)
     assert out["ok"] and out["shape"] == [4096, 4096]
     mb = 1 << 20
     # measured: 256 MB held (the 64 MB output and three pooled blobs), 64 MB after release
@@ -291,15 +300,6 @@ def test_release_returns_a_big_runs_buffers_and_outputs_survive(tmp_path):
 
 
 LEAF_SCRIPT = r"""
-import json, os, sys
-import numpy as np
-sys.path.insert(0, {root!r})
-from edgevl import ncnn_graph as G
-from edgevl.runtime import Net, from_mat, trim_heap
-
-def hwm():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) << 10
-
 g = G.Graph({tmp!r} + "/t.bin")
 x = g.input("x")
 G.unary(g, x, "exp", name="leaf", out="leaf")            # read only by the host pass
@@ -314,9 +314,9 @@ seen = {{}}
 passes = [(["leaf"], lambda got: seen.update(v=float(np.asarray(got["leaf"])[0, 0])) or {{}}, True)]
 trim_heap()
 os.system(f"echo 5 > /proc/{{os.getpid()}}/clear_refs")  # peak RSS counts from here
-base = hwm()
+base = status("VmHWM")
 y = from_mat(net.execute({{"x": big}}, [("y", 0)], passes)["y"])
-print(json.dumps({{"grown": hwm() - base, "leaf": seen["v"], "y": float(y[0, 0])}}))
+print(json.dumps({{"grown": status("VmHWM") - base, "leaf": seen["v"], "y": float(y[0, 0])}}))
 """
 
 
@@ -324,18 +324,7 @@ def test_a_host_pass_leaf_blob_is_dropped_once_read(tmp_path):
     """A blob only a host pass reads (no layer consumes it) stayed in ncnn's extractor until the
     forward ended; dropped once read, its buffer serves the layers after it (64 MB less at peak
     here), and the results are unchanged."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    (tmp_path / "leaf.py").write_text(LEAF_SCRIPT.format(root=str(Path(__file__).parents[1]), tmp=str(tmp_path)))
-    out = {}
-    for mode in ("drop", "keep"):
-        r = subprocess.run([sys.executable, str(tmp_path / "leaf.py"), mode], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    out = {mode: run_script(tmp_path, LEAF_SCRIPT, mode) for mode in ("drop", "keep")}
     for o in out.values():
         assert o["leaf"] == pytest.approx(np.exp(0.5)) and o["y"] == pytest.approx(1.0)
     assert out["drop"]["grown"] < out["keep"]["grown"] - 40 * 2 ** 20, out    # measured: 192 vs 256 MB

@@ -366,8 +366,8 @@ class ExpertStore:
     A miss loads into the net of the expert it evicts (ncnn refills the same weight buffers),
     so a small cache does not fragment the heap. With a budget, a prompt's pass through a layer
     ends by giving the heap's free pages back (``trim_heap``). All nets share one pair of pool
-    allocators for activations, emptied after every call, so no net keeps buffers of its own. ``stats()`` reports hits, misses, evictions and the resident
-    bytes (now and peak)."""
+    allocators for activations, emptied after every call, so no net keeps buffers of its own.
+    ``stats()`` reports hits, misses, evictions and the resident bytes (now and peak)."""
 
     def __init__(self, folder, spec: dict, threads: int = 1, cache_mb: float | None = None):
         self.folder, self.spec = Path(folder), spec
