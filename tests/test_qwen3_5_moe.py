@@ -140,9 +140,9 @@ def test_experts_that_do_not_fit_get_a_cache_by_default(models, monkeypatch, cap
 
     _, pk = models[CONFIGS[0]]
     ids = edgevl.load(pk).tokenizer.encode("Describe it in a few words.", special=False)
-    spec = json.loads((pk / "manifest.json").read_text())["experts"]
+    manifest = json.loads((pk / "manifest.json").read_text())
+    spec, graphs = manifest["experts"], manifest["graphs"]
     total = spec["expert_bytes"] * spec["num_experts"] * len(spec["layers"])
-    graphs = json.loads((pk / "manifest.json").read_text())["graphs"]
     pending = sum((pk / f"{g}.bin").stat().st_size for g in graphs if g != "decoder")   # loaded after the experts open
     assert {"lm_head", "vision"} <= set(graphs)
 

@@ -631,10 +631,11 @@ def _fixed_mmap_threshold(nbytes: int = 256 << 10) -> None:
     process grew by 58 MB instead of 39 (measured). No-op off glibc.
 
     In a loaded model this holds only until the next graph loads: ``runtime.load_arena`` sets
-    32 MiB on exit, and this runs once per process. Expert memory then comes from the heap,
-    where loads and evictions leave holes (README, Known limits: 57 MB free in 810 holes with a
-    100 MB cache). Keeping 256 KiB there made a small-cache decode 3-5x slower on the 2-core
-    VM, where a fresh page costs ~12 us of kernel time, so it was left as it is."""
+    32 MiB on exit, and this runs once per process. Expert memory then comes from the heap;
+    a miss refills an evicted expert's buffers (``ExpertStore.net``), so evictions leave no
+    holes there (README, "Expert cache memory"). Keeping 256 KiB made a small-cache decode 3-5x
+    slower on the 2-core VM, where a fresh page costs ~12 us of kernel time, so it was left as
+    it is."""
     global _MMAP_FIXED
     if _MMAP_FIXED:
         return
