@@ -1,9 +1,14 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
-# Tests never touch the user's cache (verified-stamps, demo package).
-os.environ.setdefault("EDGEVL_CACHE", tempfile.mkdtemp(prefix="edgevl-test-cache-"))
+# Tests never touch the user's cache (verified-stamps, demo package). The process that makes the
+# directory removes it at exit: left behind, one per run filled CI's disk.
+if "EDGEVL_CACHE" not in os.environ:
+    os.environ["EDGEVL_CACHE"] = tempfile.mkdtemp(prefix="edgevl-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["EDGEVL_CACHE"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
