@@ -43,7 +43,8 @@ qw=$WORK/qwen35-0.8b
 [ -f "$qw/config.json" ] || python "$here/make_random_qwen3_5.py" "$qw"
 convert "$qw" "$WORK/q35-bf16" bf16
 convert "$qw" "$WORK/q35-q8" q8
-moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, bf16 (bf16 experts), q8 --dense q8
+moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, bf16 (bf16 experts), q8 --dense q8,
+               # bf16 (the default: q8 experts)
   local ck=$WORK/qwen35moe-$1 pk=$WORK/moe-$1 res=$here/results/qwen3_5moe-$1
   [ -f "$ck/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$ck" "${@:2}"
   convert "$ck" "$pk-q8" q8
@@ -55,6 +56,11 @@ moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, b
   edgevl bench "$pk-q8" --extra-model "$pk-q8dense" --compare llamacpp --gguf-types q8_0 --threads 2 \
       --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$res-dense-q8-t2.json" \
       --markdown "$res-dense-q8-t2.md"
+  # no --gguf-types: llama.cpp at each package's precision (bf16 with q8_0 experts for the default)
+  [ -f "$pk-bf16q8/manifest.json" ] || edgevl convert "$ck" "$pk-bf16q8" --dtype bf16
+  edgevl bench "$pk-bf16q8" --extra-model "$pk-q8" --extra-model "$pk-q8dense" --compare llamacpp --threads 2 \
+      --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$res-same-t2.json" \
+      --plot "$res-same-t2.png" --markdown "$res-same-t2.md"
 }
 moe_bench 449m
 moe_bench a3b-4l --a3b-layers 4

@@ -59,7 +59,7 @@ def worker_edgevl(a: dict) -> dict:
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
             "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
             "dtype": m.dtype, "options": m.manifest.get("options", {}), "load_options": m.options,
-            "runtime": m.runtime_stats()}
+            "llamacpp_type": m.arch.llamacpp_type(m.manifest), "runtime": m.runtime_stats()}
 
 
 def worker_torch(a: dict) -> dict:
@@ -222,11 +222,51 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
 # llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
 
 
+# tensors a GGUF type like "bf16+q8_0-experts-head" stores apart from the rest (llama.cpp's
+# names; "head" includes the embedding, which a tied model's head is)
+GGUF_PARTS = {"experts": r"_exps\.weight$", "head": r"^(output|token_embd)\.weight$"}
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def parse_gguf_type(outtype: str) -> tuple[str, dict]:
+    """``BASE[+TYPE-PART[-PART...]]...`` -> (base type, {tensor-name pattern: type}); e.g.
+    ``bf16+q8_0-experts``: routed experts in q8_0, every other weight bf16, as llama-quantize's
+    ``--tensor-type`` would make it."""
+    base, *overrides = outtype.split("+")
+    forced = {}
+    for o in overrides:
+        t, _, parts = o.partition("-")
+        names = parts.split("-") if parts else []
+        if t not in GGUF_TYPES or not names or any(p not in GGUF_PARTS for p in names):
+            raise EdgevlError(f"GGUF type {outtype!r}: write BASE+TYPE-PART, TYPE one of {', '.join(GGUF_TYPES)}, "
+                              f"PART one of {', '.join(GGUF_PARTS)} (e.g. bf16+q8_0-experts)")
+        forced.update({GGUF_PARTS[p]: t for p in names})
+    if base not in GGUF_TYPES:
+        raise EdgevlError(f"GGUF type {outtype!r}: the base type must be one of {', '.join(GGUF_TYPES)}")
+    return base, forced
+
+
+def forced_quant(forced: dict, own, types):
+    """A replacement for the converter's ``ModelBase.tensor_force_quant``: weights (2-D and up)
+    whose GGUF name matches a pattern of ``forced`` get its type (``types``: gguf-py's
+    GGMLQuantizationType); the rest what the converter's own rule (``own``) says."""
+    import re
+
+    def force(self, name, new_name, bid, n_dims):
+        for pattern, t in forced.items():
+            if n_dims >= 2 and re.search(pattern, new_name):
+                return types[t.upper()]
+        return own(self, name, new_name, bid, n_dims)
+    return force
+
+
 def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmproj: bool = False) -> Path:
     """The checkpoint as a GGUF file (``mmproj``: its vision projector, for llama.cpp's mtmd;
-    ``extra_args``: the architecture's ``llamacpp_convert_args``)."""
+    ``extra_args``: the architecture's ``llamacpp_convert_args``; ``outtype`` as
+    :func:`parse_gguf_type` reads it)."""
     import tarfile
 
+    base, forced = parse_gguf_type(outtype)
     out = work / f"{hf_dir.name}{'-mmproj' if mmproj else ''}-{outtype}.gguf"
     if out.exists():
         return out
@@ -241,12 +281,17 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmp
                        ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
             t.extractall(src, members=members, filter="data")
     script = next(src.rglob("convert_hf_to_gguf.py"))
-    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra_args] + (["--mmproj"] if mmproj else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)]))
+    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", base, *extra_args] + (["--mmproj"] if mmproj else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent),
+                                                       str(Path(__file__).resolve().parent.parent)]))
     # Benchmark checkpoints carry a stand-in tokenizer whose pre-tokenizer hash llama.cpp does not
     # know; the benchmark feeds token ids, so any pre-tokenizer name will do.
-    run = ("import runpy, sys, conversion.base as b; "
+    # Mixed types go through the converter's own per-tensor override (tensor_force_quant), so
+    # the quantization is llama.cpp's (gguf-py) and the rest of the file is as it would be.
+    run = ("import runpy, sys, gguf, conversion.base as b; from edgevl.bench import forced_quant; "
            "b.TextModel.get_vocab_base_pre = lambda self, tok: 'llama-bpe'; "
+           f"b.ModelBase.tensor_force_quant = forced_quant({forced!r}, b.ModelBase.tensor_force_quant, "
+           "gguf.GGMLQuantizationType); "
            f"sys.argv = {argv!r}; "
            f"runpy.run_path({str(script)!r}, run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env)
@@ -353,15 +398,15 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
-
-
 def same_precision_ratios(results: dict) -> list[tuple[str, str, float, float]]:
     """(edgevl variant, llama.cpp variant, decode ratio, prefill ratio) for every edgevl variant
-    whose package dtype has a llama.cpp counterpart in the same run (q8 against q8_0)."""
+    whose llama.cpp counterpart (its ``llamacpp_type``: q8 against q8_0, an MoE package's q8
+    experts against q8_0 experts) ran in the same run."""
+    from .models.protocol import GGUF_OF_DTYPE
+
     out = []
     for name, r in results.items():
-        theirs = f"llama.cpp {GGUF_OF_DTYPE.get(r.get('dtype'), '')}"
+        theirs = f"llama.cpp {r.get('llamacpp_type') or GGUF_OF_DTYPE.get(r.get('dtype'), '')}"
         if not name.startswith("edgevl") or theirs not in results:
             continue
         t = results[theirs]
@@ -394,6 +439,19 @@ def plot(results: dict, path, title: str = "") -> None:
             d.rectangle((label_w, y + 2, label_w + span * v / top, y + row - 4), fill=color)
             d.text((label_w + span * v / top + 6, y + 4), f"{v:.1f}", fill="black")
     im.save(path)
+
+
+def llamacpp_types(packages) -> list[str]:
+    """The GGUF types llama.cpp runs at without ``--gguf-types``: each package's precision
+    (its architecture's ``llamacpp_type``), bf16 where none has a counterpart."""
+    from . import models
+    from .package import read_manifest
+
+    types = []
+    for p in packages:
+        m = read_manifest(p)
+        types.append(models.get(m["architecture"]).llamacpp_type(m))
+    return [t for t in dict.fromkeys(types) if t] or ["bf16"]
 
 
 def bench_cli(a) -> int:
@@ -436,6 +494,7 @@ def bench_cli(a) -> int:
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))
     compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
+    counterparts = llamacpp_types([args["model"] for args in (s[1] for s in systems.values())])
     if getattr(a, "images", None):
         return _bench_images_cli(a, systems, compare, ref, threads)
     for c in compare:
@@ -455,7 +514,7 @@ def bench_cli(a) -> int:
 
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
             extra = models.resolve(Checkpoint(ref).config).llamacpp_convert_args
-            for outtype in (a.gguf_types or "bf16").split(","):
+            for outtype in (a.gguf_types.split(",") if a.gguf_types else counterparts):
                 systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, extra))})
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")

@@ -420,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markdown", default=None, help="write a markdown table here")
     b.add_argument("--extra-model", action="append", default=[],
                    help="another package to run side by side (repeatable)")
-    b.add_argument("--gguf-types", default="bf16", help="llama.cpp GGUF types, e.g. bf16,q8_0")
+    b.add_argument("--gguf-types", default=None,
+                   help="llama.cpp GGUF types, e.g. bf16,q8_0 or bf16+q8_0-experts (routed experts in q8_0, the "
+                        "rest bf16) (default: the precision of each edgevl package)")
     b.add_argument("--low-memory", action="store_true", help="also run edgevl in low-memory mode")
     b.add_argument("--images", default=None, metavar="WxH,...",
                    help="time image encoding instead, at these sizes (e.g. 640x480,1024x768); with --compare "

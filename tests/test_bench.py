@@ -82,4 +82,58 @@ def test_table_states_the_ratio_to_llamacpp_at_the_same_precision():
     assert "- edgevl q8 / llama.cpp q8_0: decode 1.20×, prefill 1.50×" in md
     assert "- edgevl bf16 / llama.cpp bf16: decode 0.94×, prefill 0.80×" in md
     assert "edgevl fp32 /" not in md
+    # an MoE package names its counterpart; plain bf16 is not it
+    res = {"edgevl bf16 auto experts": dict(row("bf16", 100.0, 50.0), llamacpp_type="bf16+q8_0-experts"),
+           "llama.cpp bf16": row(None, 250.0, 64.0), "llama.cpp bf16+q8_0-experts": row(None, 200.0, 40.0)}
+    assert "- edgevl bf16 auto experts / llama.cpp bf16+q8_0-experts: decode 1.25×, prefill 0.50×" in markdown_table(res)
+    assert "/ llama.cpp bf16:" not in markdown_table(res)
     assert "same precision" not in markdown_table({"edgevl q8": row("q8", 300.0, 90.0)})
+
+
+def test_moe_packages_pair_with_llamacpp_at_their_mixed_precision(tmp_path):
+    """An MoE package's routed experts are stored apart from its dense path (q8 experts in a bf16
+    package by default): llama.cpp's counterpart is a GGUF mixed the same way, not plain bf16."""
+    from edgevl.bench import llamacpp_types
+    from edgevl.models.qwen3_5_moe import ARCH
+    from edgevl.models.youtu import ARCH as YOUTU
+
+    ck = ARCH.make_tiny(tmp_path / "ck", "e8k2-tied", seed=1, text_only=True)
+    edgevl.convert(ck, tmp_path / "pk", dtype="bf16", progress=False)                 # experts q8 by default
+    edgevl.convert(ck, tmp_path / "pk-q8", dtype="q8", dense="q8", progress=False)
+    assert llamacpp_types([tmp_path / "pk", tmp_path / "pk-q8", tmp_path / "pk"]) == ["bf16+q8_0-experts", "q8_0"]
+
+    def moe(dtype, experts, dense="auto"):
+        return ARCH.llamacpp_type({"dtype": dtype, "experts": {"dtype": experts}, "options": {"dense": dense}})
+
+    assert moe("bf16", "bf16") == "bf16" and moe("fp32", "fp32") == "f32"
+    assert moe("fp16", "q8") == "f16+q8_0-experts"
+    assert moe("q8", "q8", dense="q8") == "q8_0"
+    assert moe("q8", "q8") == "bf16+q8_0-experts-head"            # dense path bf16, head int8
+    assert moe("q8", "bf16") == "bf16+q8_0-head"
+    assert moe("q8", "fp16", dense="q8") == "q8_0+f16-experts"
+    assert YOUTU.llamacpp_type({"dtype": "q8"}) == "q8_0" and YOUTU.llamacpp_type({"dtype": "fp16"}) == "f16"
+
+
+def test_mixed_gguf_types_force_llamacpp_tensor_names():
+    """``BASE+TYPE-PART``: the converter's per-tensor override picks weights by their GGUF names."""
+    import pytest
+
+    from edgevl.bench import forced_quant, parse_gguf_type
+    from edgevl.errors import EdgevlError
+
+    assert parse_gguf_type("q8_0") == ("q8_0", {})
+    base, forced = parse_gguf_type("bf16+q8_0-experts-head")
+    types = {"Q8_0": "Q8_0 type", "F16": "F16 type"}
+    force = forced_quant(forced, lambda self, name, new, bid, n: False, types)
+    assert base == "bf16"
+    for name, n, want in (("blk.3.ffn_gate_exps.weight", 3, "Q8_0 type"), ("blk.0.ffn_down_exps.weight", 3, "Q8_0 type"),
+                          ("blk.1.ffn_gate_up_exps.weight", 3, "Q8_0 type"), ("output.weight", 2, "Q8_0 type"),
+                          ("token_embd.weight", 2, "Q8_0 type"), ("blk.3.ffn_gate_shexp.weight", 2, False),
+                          ("blk.3.ffn_gate_inp.weight", 2, False), ("blk.3.attn_q.weight", 2, False),
+                          ("blk.3.ffn_exps_norm.weight", 1, False)):
+        assert force(None, "hf.name", name, 3, n) == want, name
+    _, forced = parse_gguf_type("bf16+q8_0-experts")
+    assert forced_quant(forced, lambda *a: False, types)(None, "x", "output.weight", None, 2) is False
+    for bad in ("bf16+q4-experts", "bf16+q8_0-mlp", "bf16+q8_0", "q9"):
+        with pytest.raises(EdgevlError, match="GGUF type"):
+            parse_gguf_type(bad)

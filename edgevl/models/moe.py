@@ -38,7 +38,7 @@ from ..errors import EdgevlError
 from ..runtime import _options, from_mat, heap_info, to_mat, trim_heap
 from ..weights import _STORAGE, _to_f32
 from .base import Q8_QUANT, Ctx, swiglu_mlp
-from .protocol import Option, RuntimeOption
+from .protocol import GGUF_OF_DTYPE, Option, RuntimeOption
 
 # ---------------------------------------------------------------------------------------------
 # routing (host side)
@@ -696,6 +696,21 @@ class MoeArchitecture:
         store = ExpertStore(model.path, spec, threads=model.threads, cache_mb=cache)
         self._stores()[model] = store
         return store
+
+    def llamacpp_type(self, manifest: dict) -> str | None:
+        """Experts stored apart from the dense path's dtype pair with a GGUF whose routed experts
+        (and, for a q8 package, the head: int8 here too) are q8_0 and the rest bf16/f16."""
+        dtype, opts = manifest.get("dtype"), manifest.get("options") or {}
+        experts = GGUF_OF_DTYPE.get((manifest.get("experts") or {}).get("dtype"))
+        base, head = GGUF_OF_DTYPE.get(dtype), None
+        if base is None:
+            return None
+        if dtype == "q8" and opts.get("dense") != "q8":
+            base, head = "bf16", "q8_0"   # the dense path stays bf16 (dense_float_layers)
+        if head == experts:
+            return f"{base}+{head}-experts-head"
+        return base + "".join(f"+{t}-{part}" for t, part in ((head, "head"), (experts, "experts"))
+                              if t not in (None, base))
 
     def runtime_stats(self, model) -> dict:
         store = self._stores().get(model)

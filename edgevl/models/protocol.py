@@ -66,6 +66,10 @@ COMMON_RUNTIME_OPTIONS = {
 }
 
 
+# llama.cpp's GGUF type for each package dtype (q8: per-row int8 against q8_0's 32-blocks)
+GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
+
+
 class Architecture:
     name: str = ""                 # the manifest's "architecture"; also the registry key
     options: dict = {}             # conversion options: name -> Option
@@ -134,6 +138,11 @@ class Architecture:
                 raise EdgevlError(f"{k} must be >= {opt.minimum:g}, got {val:g}")
             out[k] = val
         return out
+
+    def llamacpp_type(self, manifest: dict) -> str | None:
+        """The GGUF type at this package's precision, for ``edgevl bench --compare llamacpp``
+        (``bench.gguf_for`` names; None: llama.cpp has none)."""
+        return GGUF_OF_DTYPE.get(manifest.get("dtype"))
 
     def runtime_stats(self, model) -> dict:
         """What the running model measured about itself beyond speed, as {name: {...,
