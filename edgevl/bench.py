@@ -494,7 +494,6 @@ def bench_cli(a) -> int:
         name, (kind, args) = next(iter(systems.items()))
         systems[f"{name} low-memory"] = (kind, dict(args, low_memory=True))
     compare = [c.strip() for c in (a.compare or "").split(",") if c.strip()]
-    counterparts = llamacpp_types([args["model"] for args in (s[1] for s in systems.values())])
     if getattr(a, "images", None):
         return _bench_images_cli(a, systems, compare, ref, threads)
     for c in compare:
@@ -514,7 +513,8 @@ def bench_cli(a) -> int:
 
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
             extra = models.resolve(Checkpoint(ref).config).llamacpp_convert_args
-            for outtype in (a.gguf_types.split(",") if a.gguf_types else counterparts):
+            packages = [args["model"] for kind, args in systems.values() if kind == "edgevl"]
+            for outtype in (a.gguf_types.split(",") if a.gguf_types else llamacpp_types(packages)):
                 systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, extra))})
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")

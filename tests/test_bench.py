@@ -111,6 +111,7 @@ def test_moe_packages_pair_with_llamacpp_at_their_mixed_precision(tmp_path):
     assert moe("q8", "q8") == "bf16+q8_0-experts-head"            # dense path bf16, head int8
     assert moe("q8", "bf16") == "bf16+q8_0-head"
     assert moe("q8", "fp16", dense="q8") == "q8_0+f16-experts"
+    assert ARCH.llamacpp_type({"dtype": "bf16"}) == "bf16"                   # no experts section
     assert YOUTU.llamacpp_type({"dtype": "q8"}) == "q8_0" and YOUTU.llamacpp_type({"dtype": "fp16"}) == "f16"
 
 

@@ -707,7 +707,7 @@ class MoeArchitecture:
             return None
         if dtype == "q8" and opts.get("dense") != "q8":
             base, head = "bf16", "q8_0"   # the dense path stays bf16 (dense_float_layers)
-        if head == experts:
+        if head is not None and head == experts:
             return f"{base}+{head}-experts-head"
         return base + "".join(f"+{t}-{part}" for t, part in ((head, "head"), (experts, "experts"))
                               if t not in (None, base))
