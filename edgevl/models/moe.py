@@ -707,10 +707,11 @@ class MoeArchitecture:
             return None
         if dtype == "q8" and opts.get("dense") != "q8":
             base, head = "bf16", "q8_0"   # the dense path stays bf16 (dense_float_layers)
-        if head is not None and head == experts:
-            return f"{base}+{head}-experts-head"
-        return base + "".join(f"+{t}-{part}" for t, part in ((head, "head"), (experts, "experts"))
-                              if t not in (None, base))
+        apart = {}   # type -> the parts stored in it, when not the base type
+        for t, part in ((experts, "experts"), (head, "head")):
+            if t not in (None, base):
+                apart.setdefault(t, []).append(part)
+        return base + "".join(f"+{t}-{'-'.join(parts)}" for t, parts in apart.items())
 
     def runtime_stats(self, model) -> dict:
         store = self._stores().get(model)
