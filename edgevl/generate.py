@@ -141,6 +141,9 @@ def template_kwargs(kwargs) -> dict:
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"} & set(kwargs)
     if reserved:
         raise EdgevlError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    for k in ("enable_thinking", "add_vision_id"):  # to a template "false" is true: thinking stayed on
+        if k in kwargs and not isinstance(kwargs[k], bool):
+            raise EdgevlError(f"chat_template_kwargs {k} must be true or false (a JSON boolean), got {kwargs[k]!r}")
     return dict(kwargs)
 
 

@@ -17,6 +17,14 @@ Design:
   ``MAX_IMAGE_PIXELS`` per request, fit to the patch budget); its pixels are decoded only once
   the request holds the model, so memory holds one request's images however many wait.
 - A client that hangs up is noticed between tokens (and while queued), and its generation stops.
+  A client that only closes its sending side (``nc -N``, some proxies) still reads its answer: a
+  small write (an interim 100 response, or an SSE comment) tells the two apart.
+- A prompt the context cannot hold is refused before it queues: from its rendered length alone
+  when no tokenization could bring it under the context, else from its token count, taken piece
+  by piece outside the model lock (bounded memory, the GIL released), so a 20 MB message costs
+  neither the model nor /health seconds.
+- Faults of the server's side (the package failing under the running model, a bug) are a 500 in
+  one line, or a final error event in a stream, and one log line (a bug's traceback too).
 - Message contents are plain text: special-token text in them does not become control tokens
   (``allow_special_in_content`` restores that).
 - Sampling defaults are the model's (its generation_config.json, else greedy; up to the context
@@ -58,13 +66,15 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from . import __version__
-from .errors import EdgevlError
+from .errors import EdgevlError, PackageError
 from .generate import stream_events, template_kwargs
 from .model import Model, load
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
+PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
+NO_TOOLS = "tools (function calling) are not supported by this server; send the request without them"
 
 
 class HTTPError(Exception):
@@ -324,7 +334,7 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
     if req.get("n", 1) not in (1, None):
         raise HTTPError(400, "only n=1 is supported", "n")
     if req.get("tools") or req.get("functions"):  # ignoring them would look like a model that never calls
-        raise HTTPError(400, "tools (function calling) are not supported by this server", "tools")
+        raise HTTPError(400, NO_TOOLS, "tools")
     stream = req.get("stream") or False
     opts = req.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -345,6 +355,8 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
     ctk = req.get("chat_template_kwargs")
     if ctk is not None and not isinstance(ctk, dict):
         raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    if ctk and (ctk.get("tools") or ctk.get("functions")):  # the template would render them into the prompt
+        raise HTTPError(400, NO_TOOLS, "chat_template_kwargs.tools")
     try:
         ctk = template_kwargs({**server.chat_template_kwargs, **(ctk or {})})
     except EdgevlError as e:
@@ -355,7 +367,70 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
-    return _messages(req.get("messages"), server), kwargs, stream, bool(opts.get("include_usage"))
+    messages = _messages(req.get("messages"), server)
+    _check_length(messages, ctk, server)
+    return messages, kwargs, stream, bool(opts.get("include_usage"))
+
+
+def token_span(tok) -> int:
+    """The most characters one token stands for: the longest vocabulary entry (a byte-level
+    vocabulary spells each byte as one character, so this bounds the bytes too)."""
+    return max([len(t) for t in tok.tok.get_vocab(with_added_tokens=True)] or [1])
+
+
+def count_tokens(tok, text: str, limit: int, span: int | None = None) -> tuple[int, bool]:
+    """(a lower bound of the number of tokens of ``text``, whether it is the exact number).
+
+    Counted piece by piece, stopping once the bound reaches ``limit``: the tokenizer's memory is
+    that of one piece however long the text, and a batch encode releases the GIL, so /health and
+    a running generation go on meanwhile (a plain encode holds it throughout). The whole text may
+    tokenize differently where a piece was cut (a token of up to ``span`` characters across the
+    cut, split in two), so the tokens within ``span`` characters of a cut are not counted."""
+    span = span or token_span(tok)
+    n = i = pieces = 0
+    while i < len(text):
+        j = min(i + PIECE, len(text))
+        if j < len(text):
+            # before a space or a newline if the piece's second half has one: a word keeps its
+            # leading space, and most such cuts split no token
+            ws = max(text.rfind(" ", i + PIECE // 2, j), text.rfind("\n", i + PIECE // 2, j))
+            j = ws if ws > i else j
+        offsets = tok.tok.encode_batch([text[i:j]], add_special_tokens=False)[0].offsets
+        n += len(offsets)
+        if i > 0:
+            n -= sum(1 for a, _ in offsets if a < span)
+        if j < len(text):
+            n -= sum(1 for _, b in offsets if b > j - i - span)
+        i, pieces = j, pieces + 1
+        if n >= limit:
+            break
+    return max(0, n), pieces == 1 and i == len(text)
+
+
+def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
+    """Refuse, before the request queues, a prompt the context cannot hold. Its rendered text is
+    judged by its length alone when no tokenization could bring it under the context, else by
+    ``count_tokens``. (An 8 MB message was tokenized whole with the model held: 2 GB and seconds
+    of a tokenizer holding the GIL, /health waiting, only for the prefill to refuse it.)"""
+    model = server.model
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "image"]
+    image_tokens = sum(model.vision.image_tokens(im.height, im.width, server.max_image_patches) for im in images)
+    try:
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), code="invalid_request") from None
+    # the text has one placeholder token per image, which becomes the image's tokens
+    room = model.max_context - image_tokens + len(images)
+    span = server.token_span
+    if len(text) >= room * span * 4:  # 4: normalizers may merge characters (a letter and its accents) first
+        n, exact = len(text) // (span * 4), False
+    else:
+        n, exact = count_tokens(model.tokenizer, text, room, span)
+    if n >= room:
+        raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + image_tokens - len(images)} tokens "
+                        f"but the model's context is {model.max_context}; shorten the prompt"
+                        + (" or send fewer or smaller images" if images else ""), "messages", "context_length_exceeded")
 
 
 def decode_images(messages: list) -> list:
@@ -419,6 +494,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str):
         self._sent = False  # headers out: errors can no longer get a status
+        self._chunked = False  # a stream's headers are out: what is written goes in chunks
+        self._probed = -math.inf  # when _probe last wrote
         lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
@@ -512,12 +589,33 @@ class Handler(BaseHTTPRequestHandler):
         return req
 
     def _client_gone(self) -> bool:
-        """True if the client hung up while its request waited for the model."""
+        """True if the client hung up. The end of its input is not enough: a client may close
+        only its sending side after the request (``nc -N``, some proxies) and still read. Only a
+        write tells the two apart: a closed socket answers data with a reset, which the next
+        look finds as the socket's error."""
+        conn = self.connection
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return True
+            if not select.select([conn], [], [], 0)[0] or conn.recv(1, socket.MSG_PEEK):
+                return False  # nothing new, or the next request's bytes
+            self._probe()
+            return False
         except OSError:
             return True
+
+    def _probe(self):
+        """Write something the client skips, at most once a second: in a stream an SSE comment;
+        before the answer an interim 100 response (HTTP/1.1 clients must accept any number of
+        them). HTTP/1.0 clients may get none, so one that closed its side is taken to be reading."""
+        now = time.monotonic()
+        if now - self._probed < 1:
+            return
+        if self._chunked:
+            self.wfile.write(b"4\r\n: \n\n\r\n")
+        elif not self._sent and self.request_version not in ("HTTP/0.9", "HTTP/1.0"):
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self._probed = now
 
     # -- routes --------------------------------------------------------------------------------
     def _health(self):
@@ -549,10 +647,7 @@ class Handler(BaseHTTPRequestHandler):
             decoded = decode_images(messages)
             try:
                 with closing(stream_events(self.server.model, decoded, **kwargs)) as events:
-                    try:
-                        first = next(events)  # template, images, prefill: errors here still get a status
-                    except EdgevlError as e:
-                        raise HTTPError(400, str(e), code="invalid_request") from None
+                    first = next(events)  # template, images, prefill: errors here still get a status
                     if stream:
                         self._stream(chain([first], events), include_usage)
                         return
@@ -562,6 +657,10 @@ class Handler(BaseHTTPRequestHandler):
                         if self._client_gone():  # nobody will read the answer: free the model now
                             self.close_connection = True
                             return
+            except (HTTPError, ConnectionError, TimeoutError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the request's mistake, the package's fault or a bug
+                raise self._generation_error(e) from None
             finally:
                 decoded = None  # before the next request may decode its images
         head = self._head("chat.completion")
@@ -575,6 +674,23 @@ class Handler(BaseHTTPRequestHandler):
             "index": 0, "message": message,
             "logprobs": None, "finish_reason": evs[-1].finish_reason}], "usage": _usage(evs[-1])})
 
+    def _generation_error(self, e: Exception) -> HTTPError:
+        """The answer to an error raised while the request held the model. The request's own
+        mistakes (EdgevlError) are 400s. The package failing under the running model
+        (PackageError) and bugs are the server's: a 500 in one line, one log line (a bug's
+        traceback too, where it helps), and the cache is dropped, since a failed step may have
+        left it half-written."""
+        if isinstance(e, EdgevlError) and not isinstance(e, PackageError):
+            return HTTPError(400, str(e), code="invalid_request")
+        self.server.model.reset()
+        if isinstance(e, PackageError):
+            msg = f"the model package failed: {(str(e).splitlines() or [''])[0]}"
+            print(f"edgevl: {msg}", file=sys.stderr, flush=True)
+            return HTTPError(500, msg, code="package_error")
+        traceback.print_exc()
+        return HTTPError(500, f"internal server error ({type(e).__name__}); see the server log",
+                         code="internal_error")
+
     def _head(self, kind: str) -> dict:
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
                 "model": self.server.model_id, "system_fingerprint": None}
@@ -585,7 +701,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self._sent = True
+        self._sent = self._chunked = True
         head = self._head("chat.completion.chunk")
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
@@ -606,9 +722,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-            if not isinstance(e, EdgevlError):
-                traceback.print_exc()
-            self._event(HTTPError(500, str(e), code="generation_error").body())
+            self._event(self._generation_error(e).body())
         else:
             chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, ev.finish_reason)
             if include_usage:
@@ -654,6 +768,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
         self.chat_template_kwargs = template_kwargs(chat_template_kwargs)  # defaults; requests override
+        self.token_span = token_span(model.tokenizer)
         _one_malloc_arena()
         folder = Path(model.path).resolve().name
         self.model_id = model_name or folder

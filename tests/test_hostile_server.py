@@ -1,6 +1,7 @@
 """Hostile clients: image bombs sent concurrently keep the server's memory bounded (measured
-VmHWM of a real server process), a client that hangs up frees the model within a second, client
-mistakes get 400 (never 500), and message contents cannot forge chat turns."""
+VmHWM of a real server process), a client that hangs up frees the model within a second (one that
+only closes its sending side still gets its answer), client mistakes get 400 (never 500), and
+message contents cannot forge chat turns."""
 
 import base64
 import http.client
@@ -215,6 +216,84 @@ def test_streaming_client_that_hangs_up_while_text_is_held_back(endless):
     assert took is not None and took < 1.0, took
 
 
+def half_closed(port, body: dict, version: bytes = b"HTTP/1.1") -> bytes:
+    """Send a request, then close the sending side only (as ``nc -N`` and some proxies do), and
+    read everything the server answers until it closes."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"POST /v1/chat/completions " + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def final_response(reply: bytes) -> tuple[bytes, bytes]:
+    """(status line, body) of the final response, after any interim (1xx) ones."""
+    while re.match(rb"HTTP/1\.[01] 1\d\d ", reply):
+        reply = reply.split(b"\r\n\r\n", 1)[1]
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], body
+
+
+def sse_events(body: bytes) -> list[bytes]:
+    """The events of a chunked text/event-stream body, its framing checked on the way."""
+    data = b""
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        n = int(size, 16)
+        assert body[n:n + 2] == b"\r\n", body[:200]
+        if n == 0:
+            assert body == b"\r\n"
+            return [e for e in data.split(b"\n\n") if e]
+        data, body = data + body[:n], body[n + 2:]
+
+
+@pytest.mark.parametrize("stream", [False, True, "held back"])
+def test_half_closed_client_gets_its_answer(endless, stream):
+    """A client that closes its sending side after the request still reads: it used to be taken
+    for one that hung up, and got nothing. (Held back: the text may start a stop string, so the
+    server looks at the connection between tokens, and once a second writes an SSE comment to
+    tell a half-close from a hang-up: the stream stays well-formed.)"""
+    n = 400 if stream == "held back" else 12  # over a second: comments come
+    body = {"messages": MSGS, "max_tokens": n, "stream": bool(stream)}
+    if stream == "held back":
+        body["stop"] = "".join(chr(c) for c in range(32, 127))
+    reply = half_closed(endless.server_address[1], body)
+    status, body = final_response(reply)
+    assert status == b"HTTP/1.1 200 OK", reply[:300]
+    if stream:
+        events = sse_events(body)
+        assert events[-1] == b"data: [DONE]" and all(e == b": " or e.startswith(b"data: {") for e in events[:-1]), events
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    else:
+        assert json.loads(body)["usage"]["completion_tokens"] == n, body
+
+
+def test_half_closed_http10_client_gets_its_answer(endless):
+    """HTTP/1.0 allows no interim response to tell a half-close from a hang-up: the answer comes."""
+    reply = half_closed(endless.server_address[1], {"messages": MSGS, "max_tokens": 5}, b"HTTP/1.0")
+    assert reply.startswith(b"HTTP/1.1 200 OK\r\n"), reply[:300]  # no 1xx first
+    assert json.loads(final_response(reply)[1])["usage"]["completion_tokens"] == 5
+
+
+def test_half_closed_client_keeps_its_place_in_the_queue(endless):
+    port = endless.server_address[1]
+    first = send_raw(port, {"messages": MSGS})
+    assert wait_for(endless.gate.lock.locked, 10) is not None
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(half_closed, port, {"messages": MSGS, "max_tokens": 4})
+        assert wait_for(lambda: endless.gate.waiting == 1, 5) is not None
+        time.sleep(1.0)  # several looks at the connection while it waits
+        assert endless.gate.waiting == 1 and endless.gate.lock.locked()
+        first.close()
+        status, body = final_response(second.result(timeout=30))
+    assert status == b"HTTP/1.1 200 OK" and json.loads(body)["usage"]["completion_tokens"] == 4, body
+
+
 # -- item 9: client mistakes are 400s, never 500s -------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -244,6 +323,16 @@ BAD_REQUESTS = [  # (id, body, status, words)
     ("seed-negative", {"messages": MSGS, "seed": -5}, 400, "seed must be >= 0"),
     ("image-on-text-model", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "no vision tower"),
+    # "false" is a true value to the template: thinking stayed on
+    ("thinking-string", {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": "false"}}, 400,
+     "chat_template_kwargs enable_thinking must be true or false (a JSON boolean), got 'false'"),
+    ("vision-id-number", {"messages": MSGS, "chat_template_kwargs": {"add_vision_id": 1}}, 400,
+     "add_vision_id must be true or false"),
+    # the template rendered them into the prompt, though a top-level tools field is refused
+    ("tools-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}}, 400, "tools (function calling) are not supported by this server"),
+    ("functions-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"functions": [{"name": "f"}]}}, 400,
+     "tools (function calling) are not supported by this server"),
 ]
 
 
@@ -393,3 +482,12 @@ def test_chat_tokenizes_contents_as_plain_text(demo_model, monkeypatch, allow):
     tok = demo_model.tokenizer
     honest = sum(t in control_ids(tok) for t in prepare(demo_model, MSGS).input_ids)
     assert sum(t in control_ids(tok) for t in seen[-1]) == (honest + 4 if allow else honest)
+
+
+def test_template_switches_must_be_booleans_in_the_api_too(demo_model):
+    """The rule lives where the Python API and the CLI validate template values too."""
+    from edgevl.errors import EdgevlError
+
+    with pytest.raises(EdgevlError, match="enable_thinking must be true or false .* got 'false'"):
+        prepare(demo_model, MSGS, chat_template_kwargs={"enable_thinking": "false"})
+    assert prepare(demo_model, MSGS, chat_template_kwargs={"enable_thinking": False}).input_ids
