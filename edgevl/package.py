@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -32,6 +35,15 @@ MANIFEST = "manifest.json"
 FORMAT = "edgevl-package"
 # 2: the model protocol (architecture + options, per-layer decoder state, context)
 FORMAT_VERSION = 2
+
+# The ``experts`` section of a mixture-of-experts package (models/moe.py), checked here at load
+# without importing ncnn: storage dtypes, routing kinds with the keys each needs, and per-expert
+# checksum kinds (experts.checksum) -> (hash, digest bytes kept). Each layer's ``hashes`` lists one
+# hex digest per expert block; sha256 runs on the CPU's SHA instructions where it has them (on a
+# 3 MB expert 2x faster than blake2b). Packages converted before checksums have neither key.
+EXPERT_DTYPES = ("q8", "bf16", "fp16", "fp32")
+EXPERT_ROUTING = {"softmax": ("top_k",), "sigmoid_biased": ("top_k", "scale")}
+EXPERT_CHECKSUMS = {"sha256-128": (hashlib.sha256, 16)}
 
 
 def cache_dir() -> Path:
@@ -300,6 +312,106 @@ def check_manifest(m: dict, path) -> None:
             expect = r[1]
         if expect != e["rows"]:
             bad("embedding.segments", segs, f"row ranges covering all {e['rows']} rows")
+    if "experts" in m:
+        check_experts(m, path)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_experts(m: dict, path) -> None:
+    """The ``experts`` section of a mixture-of-experts package, whole (one line per problem): a
+    wrong value here would otherwise surface mid-generation as a traceback or, for overlapping
+    ranges or a zero top_k, as silently wrong answers."""
+    def bad(what, v, need):
+        raise EdgevlError(f"manifest.json of {path}: experts.{what} must be {need}, got {_short(v)}; the package "
+                          "is corrupt — convert the model again")
+
+    x = m["experts"]
+    if not isinstance(x, dict):
+        raise EdgevlError(f"manifest.json of {path}: experts must be an object, got {_short(x)}; the package is "
+                          "corrupt — convert the model again")
+    for key in ("file", "param"):
+        if not isinstance(x.get(key), str):
+            bad(key, x.get(key), "a file name")
+    if x.get("dtype") not in EXPERT_DTYPES:
+        bad("dtype", x.get("dtype"), ", ".join(EXPERT_DTYPES[:-1]) + " or " + EXPERT_DTYPES[-1])
+    for key in ("hidden_size", "intermediate_size", "num_experts", "expert_bytes"):
+        if not _is_int(x.get(key), 1):
+            bad(key, x.get(key), "a positive integer")
+    n, size = x["num_experts"], x["expert_bytes"]
+    dim = m.get("embedding", {}).get("dim")
+    if dim is not None and x["hidden_size"] != dim:
+        bad("hidden_size", x["hidden_size"], f"the model's hidden size {dim} (embedding.dim)")
+    r = x.get("routing")
+    if not isinstance(r, dict):
+        bad("routing", r, "an object")
+    if r.get("kind") not in EXPERT_ROUTING:
+        raise EdgevlError(f"manifest.json of {path}: unknown expert routing {_short(r.get('kind'))}; upgrade "
+                          "edgevl or convert the model again")
+    for key in EXPERT_ROUTING[r["kind"]]:
+        if key not in r:
+            bad(f"routing.{key}", None, f"given for {r['kind']} routing")
+    if not _is_int(r["top_k"], 1) or r["top_k"] > n:
+        bad("routing.top_k", r["top_k"], f"an integer from 1 to num_experts ({n})")
+    if "renormalize" in r and not isinstance(r["renormalize"], bool):
+        bad("routing.renormalize", r["renormalize"], "true or false")
+    for key in ("scale", "eps"):
+        if key in r and not (_is_num(r[key]) and r[key] >= 0):
+            bad(f"routing.{key}", r[key], "a finite number >= 0")
+    ids = r.get("modality_token_ids", [])
+    if not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+        bad("routing.modality_token_ids", ids, "a list of token ids")
+    checksum = x.get("checksum")
+    if checksum is not None and checksum not in EXPERT_CHECKSUMS:
+        raise EdgevlError(f"manifest.json of {path}: unknown expert checksum {_short(checksum)}; upgrade edgevl "
+                          "or convert the model again")
+    digits = 2 * EXPERT_CHECKSUMS[checksum][1] if checksum else 0
+    layers = x.get("layers")
+    if not isinstance(layers, list) or not layers:
+        bad("layers", layers, "a non-empty list")
+    meta = m.get("files", {}).get(x["file"])
+    file_bytes = meta["bytes"] if isinstance(meta, dict) else None   # unlisted: package_path refuses it
+    spans, seen = [], set()   # (start, end, what) of every byte range the section names in the file
+    for i, entry in enumerate(layers):
+        w = f"layers[{i}]"
+        if not isinstance(entry, dict):
+            bad(w, entry, "an object with layer and offset")
+        if not _is_int(entry.get("layer")) or entry["layer"] in seen:
+            bad(f"{w}.layer", entry.get("layer"), "a layer number >= 0 that no other entry has")
+        seen.add(entry["layer"])
+        if not _is_int(entry.get("offset")):
+            bad(f"{w}.offset", entry.get("offset"), "an integer >= 0")
+        spans.append((entry["offset"], entry["offset"] + n * size, f"the {n} experts of experts.{w}"))
+        hashes = entry.get("hashes")
+        if checksum is None and hashes is not None:
+            bad("checksum", None, f"named when the layers list hashes ({w}.hashes)")
+        if checksum is not None and not (isinstance(hashes, list) and len(hashes) == n and all(
+                isinstance(h, str) and len(h) == digits and all(c in "0123456789abcdef" for c in h) for h in hashes)):
+            bad(f"{w}.hashes", hashes, f"a list of {n} hex digests of {digits} digits (one per expert)")
+        b = entry.get("bias")
+        if r["kind"] == "sigmoid_biased" or b is not None:
+            rows = 2 if ids else 1   # a modality per row: 0 text, 1 image (models/moe.py: Router)
+            if not (isinstance(b, dict) and _is_int(b.get("offset")) and isinstance(b.get("shape"), list)
+                    and len(b["shape"]) == 2 and _is_int(b["shape"][0], rows) and b["shape"][1] == n):
+                bad(f"{w}.bias", b, f"an object with offset >= 0 and shape [modalities >= {rows}, {n}]")
+            spans.append((b["offset"], b["offset"] + 4 * b["shape"][0] * n, f"experts.{w}.bias"))
+    spans.sort()
+    for (s0, e0, a), (s1, e1, b) in itertools.pairwise(spans):
+        if s1 < e0:
+            raise EdgevlError(f"manifest.json of {path}: {a} (bytes {s0}..{e0}) and {b} (bytes {s1}..{e1}) "
+                              f"overlap in {x['file']}; the package is corrupt — convert the model again")
+    if file_bytes is not None and spans[-1][1] > file_bytes:
+        s, e, what = spans[-1]
+        raise EdgevlError(f"manifest.json of {path}: {what} (bytes {s}..{e}) lie past the end of {x['file']} "
+                          f"({file_bytes} bytes); the package is corrupt — convert the model again")
+    moe_layers = {p["args"].get("layer") for info in m.get("graphs", {}).values() for p in info.get("passes", [])
+                  if isinstance(p, dict) and p.get("hook") == "moe" and isinstance(p.get("args"), dict)}
+    missing = sorted(k for k in moe_layers - seen if _is_int(k))
+    if missing:
+        raise EdgevlError(f"manifest.json of {path}: the decoder routes layer {missing[0]} to experts that "
+                          "experts.layers does not list; the package is corrupt — convert the model again")
 
 
 def package_path(folder, name, manifest: dict | None = None, what: str = "file") -> Path:
@@ -409,6 +521,10 @@ def check_package(path) -> tuple[int, int]:
             package_path(path, g + suffix, m, "graph file")
         for sec in info.get("extra", {}).get("sections") or []:
             package_path(path, sec["param"], m, "section file")
+    x = m.get("experts")
+    if isinstance(x, dict):
+        for key, what in (("file", "experts file"), ("param", "experts graph")):
+            package_path(path, x[key], m, what)
     return verify_files(path, m, full=True)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from edgevl import ncnn_graph as G
 from edgevl import runtime
-from edgevl.errors import EdgevlError
+from edgevl.errors import EdgevlError, PackageError
 from edgevl.models import base, moe
 from edgevl.weights import Checkpoint
 from moe_helpers import workload, write_random_package
@@ -245,16 +245,21 @@ def test_a_cache_below_one_steps_working_set_still_hits(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["q8", "bf16"])
-def test_experts_load_straight_into_ncnns_buffers(tmp_path, monkeypatch, dtype):
+def test_experts_load_straight_into_ncnns_buffers(tmp_path, monkeypatch, capfd, dtype):
     """Expert nets load through a reader that fills ncnn's weight buffers from the file (no
-    Python bytes, no copy in the binding): the same outputs as the copying path, and a file cut
-    short is a one-line error, not a net of garbage."""
+    Python bytes, no copy in the binding), or with checksums from the buffer they were checked
+    in: the same outputs as the copying path, and a file cut short is a one-line error (before
+    ncnn reads: it prints nothing), not a net of garbage."""
     assert moe._SpanReader.usable(), "this ncnn wheel must hand a Python reader its buffers"
     E, H, I = 5, 64, 48
     spec = write_random_package(tmp_path, [0], E, H, I, dtype, 2)
     x = np.random.default_rng(3).standard_normal((3, H)).astype(np.float32)
     store = moe.ExpertStore(tmp_path, spec)
     direct = [store.run(0, e, x) for e in range(E)]
+    store.close()
+    unchecked = dict(spec, checksum=None)      # read straight from the file
+    store = moe.ExpertStore(tmp_path, unchecked)
+    assert all(np.array_equal(store.run(0, e, x), want) for e, want in enumerate(direct))
     store.close()
     monkeypatch.setattr(moe._SpanReader, "_usable", False)     # the copying path
     store = moe.ExpertStore(tmp_path, spec)
@@ -265,11 +270,30 @@ def test_experts_load_straight_into_ncnns_buffers(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(moe._SpanReader, "_usable", True)
     path = tmp_path / spec["file"]
     path.write_bytes(path.read_bytes()[:spec["expert_bytes"] * (E - 1) + 100])
-    store = moe.ExpertStore(tmp_path, spec)
-    assert np.array_equal(store.run(0, E - 2, x), direct[E - 2])
-    with pytest.raises(EdgevlError, match="shorter than the manifest says"):
-        store.run(0, E - 1, x)
-    store.close()
+    for s in (spec, unchecked):
+        store = moe.ExpertStore(tmp_path, s)
+        assert np.array_equal(store.run(0, E - 2, x), direct[E - 2])
+        capfd.readouterr()
+        with pytest.raises(PackageError, match=f"experts.bin ends inside expert {E - 1} of layer 0: it is shorter "
+                                               "than the manifest says"):
+            store.run(0, E - 1, x)
+        assert capfd.readouterr().err == ""
+        store.close()
+
+
+def test_expert_writer_records_each_experts_checksum(tmp_path):
+    """Conversion writes one digest per expert block (sha256, first 16 bytes) into the manifest's
+    experts section: the runtime checks each block against it when it reads the block."""
+    import hashlib
+
+    E, H, I = 5, 32, 24
+    spec = write_random_package(tmp_path, [0, 3], E, H, I, "q8", 2)
+    data = (tmp_path / spec["file"]).read_bytes()
+    assert spec["checksum"] == "sha256-128"
+    for entry in spec["layers"]:
+        blocks = [data[entry["offset"] + e * spec["expert_bytes"]:][:spec["expert_bytes"]] for e in range(E)]
+        assert entry["hashes"] == [hashlib.sha256(b).digest()[:16].hex() for b in blocks]
+    assert len({h for entry in spec["layers"] for h in entry["hashes"]}) == 2 * E
 
 
 PEAK_SCRIPT = textwrap.dedent("""

@@ -14,7 +14,10 @@ every expert of a package the same size) with one shared ``experts.param`` (gate
 SiLU·mul, down Gemm). The store loads an expert's net from its byte range when it is first
 chosen and keeps at most ``cache_mb`` of expert weights resident (an even share per MoE layer,
 least recently used first out), so a model whose experts do not fit in RAM still runs; tokens
-do not depend on the budget.
+do not depend on the budget. Experts are read for the life of the process, long after loading
+verified the package's files, so each expert block carries a checksum from conversion that a
+load checks before ncnn parses the bytes, and a load first checks that ``experts.bin`` is still
+the file loaded (same size; a file renamed over it is reopened and checked the same way).
 
 No numpy matrix product runs in the hot loop (routing is a softmax/sigmoid and a partial sort
 over one row of E logits, the weighted sum is elementwise), so numpy's BLAS threads never
@@ -34,7 +37,8 @@ import ncnn
 import numpy as np
 
 from .. import ncnn_graph as G
-from ..errors import EdgevlError
+from ..errors import EdgevlError, PackageError
+from ..package import EXPERT_CHECKSUMS, EXPERT_ROUTING
 from ..runtime import _options, from_mat, heap_info, to_mat, trim_heap
 from ..weights import _STORAGE, _to_f32
 from .base import Q8_QUANT, Ctx, swiglu_mlp
@@ -77,7 +81,7 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(-x, k - 1, axis=1)[:, :k]
 
 
-ROUTING_KINDS = ("softmax", "sigmoid_biased")
+ROUTING_KINDS = tuple(EXPERT_ROUTING)
 
 
 class Router:
@@ -174,6 +178,10 @@ def emit_sparse_moe(ctx: Ctx, x: str, layer: int, prefix: str, hidden: int, num_
 # Storage of expert weights. "auto": q8 in every reduced-precision package (experts are ~95 %
 # of an MoE model's bytes), fp32 in fp32 packages (exact parity runs).
 EXPERT_DTYPES = ("auto", "q8", "bf16", "fp16", "fp32")
+# what conversion hashes each expert block with (package.EXPERT_CHECKSUMS): the runtime checks a
+# block when it reads it, since experts are read for the life of the process, long after the
+# package's files were verified at load
+EXPERT_CHECKSUM = "sha256-128"
 
 
 def dense_float_layers(package_dtype: str, choice: str = "auto"):
@@ -253,7 +261,7 @@ class ExpertSlice:
             raise EdgevlError(f"{os.path.basename(self.t.path)} ends inside tensor {self.t.name}; "
                               "the file is truncated — re-download it")
         raw = np.frombuffer(buf, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(b - a, k)
-        return _to_f32(raw, self.t.dtype)
+        return _to_f32(raw, self.t.dtype, f"{self.t.name} (expert {self.e})", self.t.path, self.r0 + a)
 
 
 def fused_expert(ctx_or_ckpt, gate_up_name: str, down_name: str, e: int, hidden: int, inter: int,
@@ -297,6 +305,7 @@ class ExpertWriter:
     layers: dict = field(default_factory=dict)
     _g: G.Graph | None = None
     _expert_bytes: int | None = None
+    _rfd: int | None = None
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -305,7 +314,7 @@ class ExpertWriter:
         self._g = G.Graph(self.out / "experts.bin")
 
     def add_layer(self, layer: int, experts, bias: np.ndarray | None = None) -> None:
-        g, count, start = self._g, 0, None
+        g, count, start, hashes = self._g, 0, None, []
         for e, (gate_up, down) in enumerate(experts):
             name = f"l{layer}.e{e}"
             x = g.input(f"{name}.x")
@@ -320,6 +329,7 @@ class ExpertWriter:
             if size != self._expert_bytes or (start is not None and s != start + e * size):
                 raise EdgevlError("experts of one package must have equal shapes; the checkpoint is inconsistent")
             start = s if start is None else start
+            hashes.append(self._digest(s, size))
             count += 1
         if count != self.num_experts:
             raise EdgevlError(f"layer {layer} has {count} experts but config.json says {self.num_experts}")
@@ -329,12 +339,25 @@ class ExpertWriter:
             G.memory_data(g, b, name=f"l{layer}.bias")  # fp32, after a 4-byte type tag
             entry["bias"] = {"offset": int(g.weight_offsets[f"l{layer}.bias"][0]) + 4,
                              "shape": [int(s) for s in b.shape]}
+        entry["hashes"] = hashes
         self.layers[int(layer)] = entry
+
+    def _digest(self, start: int, size: int) -> str:
+        """The checksum of the expert block just written at ``start``, read back while the page
+        cache still holds it."""
+        self._g._bin.flush()
+        if self._rfd is None:
+            self._rfd = os.open(self._g.bin_path, os.O_RDONLY)
+        new, keep = EXPERT_CHECKSUMS[EXPERT_CHECKSUM]
+        return new(os.pread(self._rfd, size, start)).digest()[:keep].hex()
 
     def finish(self, routing: dict) -> dict:
         if routing.get("kind") not in ROUTING_KINDS:
             raise EdgevlError(f"unknown routing kind {routing.get('kind')!r}")
         self._g.close()
+        if self._rfd is not None:
+            os.close(self._rfd)
+            self._rfd = None
         pg = G.Graph(os.devnull)  # the one expert net every byte range loads into
         x = pg.input("x")
         emit_expert(pg, x, np.zeros((2 * self.inter, self.hidden), np.float32),
@@ -342,7 +365,7 @@ class ExpertWriter:
         pg.save(self.out / "experts.param")
         return {"file": "experts.bin", "param": "experts.param", "dtype": self.dtype,
                 "hidden_size": self.hidden, "intermediate_size": self.inter, "num_experts": self.num_experts,
-                "expert_bytes": int(self._expert_bytes or 0), "routing": dict(routing),
+                "expert_bytes": int(self._expert_bytes or 0), "routing": dict(routing), "checksum": EXPERT_CHECKSUM,
                 "layers": [self.layers[k] for k in sorted(self.layers)]}
 
 
@@ -367,6 +390,8 @@ class ExpertStore:
     so a small cache does not fragment the heap. With a budget, a prompt's pass through a layer
     ends by giving the heap's free pages back (``trim_heap``). All nets share one pair of pool
     allocators for activations, emptied after every call, so no net keeps buffers of its own.
+    A miss checks the expert's bytes against its checksum before anything is evicted for it
+    (``_read``); a damaged or changed file is a ``PackageError``.
     ``stats()`` reports hits, misses, evictions and the resident bytes (now and peak)."""
 
     def __init__(self, folder, spec: dict, threads: int = 1, cache_mb: float | None = None):
@@ -383,7 +408,18 @@ class ExpertStore:
         # bf16 experts keep bf16 in memory; q8 and fp32 experts run with fp32 activations (q8
         # loads faster that way and quantizes its activations per call anyway).
         self.net_dtype = "bf16" if self.dtype == "bf16" else "fp32"
-        self._fd = os.open(self.folder / spec["file"], os.O_RDONLY)
+        self.path = self.folder / spec["file"]
+        self._fd = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self._fd)
+        self._file_id, self.file_bytes = (st.st_dev, st.st_ino), st.st_size
+        # per layer the expert blocks' digests (None: a package converted before checksums)
+        self._check, self._digests = None, None
+        if spec.get("checksum") is not None:
+            if spec["checksum"] not in EXPERT_CHECKSUMS:
+                raise EdgevlError(f"unknown expert checksum {spec['checksum']!r} in manifest.json; upgrade edgevl "
+                                  "or convert the model again")
+            self._check = EXPERT_CHECKSUMS[spec["checksum"]]
+            self._digests = {layer: [bytes.fromhex(h) for h in entry["hashes"]] for layer, entry in self.layers.items()}
         if self.budget is not None:
             _fixed_mmap_threshold()
         self._blob_pool, self._work_pool = ncnn.PoolAllocator(), ncnn.PoolAllocator()
@@ -391,6 +427,8 @@ class ExpertStore:
         self._nets: dict[int, OrderedDict] = {layer: OrderedDict() for layer in self.layers}
         self.share = None if self.budget is None else self.budget / max(1, len(self.layers))
         self.cost = self.expert_bytes       # resident bytes per loaded expert (measured at first load)
+        self._replaced = False              # experts.bin was reopened after a replacement (_source)
+        self._staging = None                # an expert's bytes while they are checked (_verified)
         self._measured = False
         self.hits = self.misses = self.evictions = 0
         self.resident = self.peak_resident = 0
@@ -416,13 +454,30 @@ class ExpertStore:
         n = int(np.prod(b["shape"])) * 4
         return np.frombuffer(os.pread(self._fd, n, int(b["offset"])), "<f4").reshape(b["shape"]).copy()
 
-    def _load(self, layer: int, e: int, into: "ncnn.Net | None" = None) -> "ncnn.Net":
-        """Expert ``e`` of ``layer`` as a net: loaded into ``into`` (an evicted expert's net,
-        whose weight buffers ncnn then refills in place) or a new one."""
+    def _read(self, layer: int, e: int) -> tuple[int, memoryview | None]:
+        """Where expert ``e`` of ``layer`` starts in experts.bin, after checking that the file is
+        still the one loaded, and with checksums its bytes, verified (else None: ncnn reads them
+        from the file itself)."""
         entry = self.layers.get(layer)
         if entry is None or not 0 <= e < self.num_experts:
             raise EdgevlError(f"no expert {e} in layer {layer} of this package; convert the model again")
         off = int(entry["offset"]) + e * self.expert_bytes
+        fd = self._source()
+        if off + self.expert_bytes > self.file_bytes:
+            raise PackageError(f"{self.path} ends inside expert {e} of layer {layer}: it is shorter than the "
+                               "manifest says; convert the model again or restore the file")
+        # with checksums, the expert is checked before ncnn parses a byte of it (ncnn trusts the
+        # type tags inside the weights: damaged ones make it read other byte counts, print raw
+        # errors and pack garbage) and before anything is evicted for it. It waits in one kept
+        # expert-sized buffer that ncnn's buffers are then filled from: a copy of ~0.3 ms next to
+        # a 3-4 ms load of a 3 MB expert, where hashing it costs ~1.8 ms.
+        return off, None if self._digests is None else self._verified(fd, layer, e, off)
+
+    def _load(self, layer: int, e: int, off: int, data: memoryview | None,
+              into: "ncnn.Net | None" = None) -> "ncnn.Net":
+        """Expert ``e`` of ``layer`` as a net, from ``data`` (see ``_read``) or the file at
+        ``off``: loaded into ``into`` (an evicted expert's net, whose weight buffers ncnn then
+        refills in place) or a new one."""
         before = None if self._measured else _heap_bytes()
         net = into
         if net is None:
@@ -431,23 +486,73 @@ class ExpertStore:
             net.opt.blob_allocator, net.opt.workspace_allocator = self._blob_pool, self._work_pool
             if net.load_param_mem(self.param) != 0:
                 raise EdgevlError(f"ncnn could not parse {self.spec['param']}; convert the model again")
-        reader = _SpanReader(self._fd, off, self.expert_bytes) if _SpanReader.usable() else None
-        if reader is not None:
-            ok = net.load_model(reader) == 0 and reader.pos == off + self.expert_bytes
+        if _SpanReader.usable():
+            reader = _SpanReader(self._fd, off, self.expert_bytes) if data is None else \
+                _SpanReader(None, 0, self.expert_bytes, data)
+            ok = net.load_model(reader) == 0 and reader.pos == reader.end
         else:       # a wheel whose DataReader cannot hand out its buffer: one copy more
-            data = os.pread(self._fd, self.expert_bytes, off)
+            data = os.pread(self._fd, self.expert_bytes, off) if data is None else bytes(data)
             ok = len(data) == self.expert_bytes
             if ok:
                 net.load_model_mem(data)   # the binding copies the bytes; packing happens inside the call
-            del data
-        if not ok:
-            raise EdgevlError(f"{self.spec['file']} is shorter than the manifest says; convert the model again")
+        del data
+        if not ok:      # bytes that fit no net: damaged, in a package without checksums
+            raise PackageError(f"{self.path}: expert {e} of layer {layer} does not load as {self.spec['param']} says "
+                               "(the file changed after conversion); convert the model again or restore the file")
         if before is not None:
             after = _heap_bytes()
             if before and after:
                 self.cost = max(self.expert_bytes, after - before)
             self._measured = True
         return net
+
+    def _verified(self, fd: int, layer: int, e: int, off: int) -> memoryview:
+        """Expert ``e`` of ``layer`` read into the staging buffer, checked against its digest."""
+        if self._staging is None:
+            self._staging = bytearray(self.expert_bytes)
+        view = memoryview(self._staging)
+        try:
+            n = os.preadv(fd, [view], off)
+        except OSError as exc:
+            raise PackageError(f"{self.path}: reading expert {e} of layer {layer} failed ({exc.strerror or exc}); "
+                               "check the disk, restore the file or convert the model again") from None
+        new, keep = self._check
+        if n != self.expert_bytes or new(view).digest()[:keep] != self._digests[layer][e]:
+            why = "the file was replaced while the model runs" if self._replaced else "the file changed after conversion"
+            raise PackageError(f"{self.path}: expert {e} of layer {layer} does not match its checksum ({why}); "
+                               "convert the model again or restore the file")
+        return view
+
+    def _source(self) -> int:
+        """The descriptor to read a missing expert from, once two syscalls have checked that
+        experts.bin is still the file the model loaded: one replaced (a new file renamed over it)
+        is reopened, its experts then checked against the manifest's digests as they load, and
+        one whose size changed (cut short, rewritten) is refused before ncnn reads from it."""
+        try:
+            st = os.stat(self.path)
+        except OSError:     # removed: the open descriptor still reads the bytes verified at load
+            st = None
+        # without digests a new file cannot be checked, while the old descriptor still reads
+        # the bytes verified at load: keep reading those
+        if st is not None and (st.st_dev, st.st_ino) != self._file_id and self._digests is not None:
+            if st.st_size != self.file_bytes:
+                raise PackageError(f"{self.path} was replaced while the model runs by a file of {st.st_size} "
+                                   f"bytes, not the package's {self.file_bytes}; restore the package's file or "
+                                   "convert the model again")
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except OSError:     # gone again: the old descriptor still reads the verified bytes
+                fd = None
+            if fd is not None:
+                os.close(self._fd)
+                st = os.fstat(fd)
+                self._fd, self._file_id, self._replaced = fd, (st.st_dev, st.st_ino), True
+        now = os.fstat(self._fd).st_size
+        if now != self.file_bytes:
+            raise PackageError(f"{self.path} is {now} bytes, not the {self.file_bytes} it had when the model loaded "
+                               "(cut short or rewritten while the model runs); restore the file or convert the "
+                               "model again")
+        return self._fd
 
     def cached(self, layer: int, e: int) -> bool:
         return e in self._nets.get(layer, ())
@@ -460,6 +565,7 @@ class ExpertStore:
             nets.move_to_end(e)
             return net
         self.misses += 1
+        off, data = self._read(layer, e)    # a damaged expert fails here and costs the cache nothing
         spare = []
         if self.budget is not None:  # make room first: memory stays within the budget
             # this layer's share first; then (a share smaller than one expert) the fullest layer's
@@ -473,7 +579,7 @@ class ExpertStore:
         # in 953 holes after 10 tokens; README, "Expert cache memory").
         into = spare.pop() if spare else None
         del spare
-        net = self._load(layer, e, into)
+        net = self._load(layer, e, off, data, into)
         nets[e] = net
         self.resident += self.cost
         self.peak_resident = max(self.peak_resident, self.resident)
@@ -564,7 +670,7 @@ class _SpanReader(ncnn.DataReader):
 
     _usable = None
 
-    def __init__(self, fd, offset: int, size: int, data: bytes | None = None):
+    def __init__(self, fd, offset: int, size: int, data=None):
         super().__init__()
         self.fd, self.data, self.pos, self.end = fd, data, int(offset), int(offset) + int(size)
 
@@ -579,11 +685,12 @@ class _SpanReader(ncnn.DataReader):
             ptr = _capsule_pointer(buf) if size > 0 else None
             if not ptr:
                 return 0
+            view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
             if self.data is not None:
-                ctypes.memmove(ptr, self.data[self.pos:self.pos + size], size)
+                view[:] = self.data[self.pos:self.pos + size]
                 n = size
             else:
-                n = os.preadv(self.fd, [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")], self.pos)
+                n = os.preadv(self.fd, [view], self.pos)
         except Exception:
             return 0
         self.pos += n
