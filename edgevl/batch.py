@@ -2,19 +2,37 @@
 
     edgevl batch [MODEL] --input photos/ --prompt "Describe the image." --output captions.jsonl
 
-Input: a folder of images (recursive, sorted; ids are the relative paths) or a JSONL / CSV /
-Parquet file with an image column (a path, relative to the file's folder) and optionally a prompt
-and an id column. Output (by extension): JSONL or Parquet, one row per input with the fields of
-``FIELDS``; ``error`` is null when the row went well.
+Input: a folder of images (recursive, sorted; ids are the relative paths, a file name that is
+not UTF-8 written with backslash escapes such as ``\\xff.png``) or a JSONL / CSV / Parquet file
+with an image column (a path, relative to the file's folder) and optionally a prompt and an id
+column. Output (by extension): JSONL or Parquet, one row per input with the fields of ``FIELDS``;
+``error`` is null when the row went well.
+
+Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
+into ``answer``; ``chat_template_kwargs`` (CLI: ``--thinking/--no-thinking``) reach the template.
+A row whose token limit ran out inside the thinking, before any answer, is not a success: it has
+``finish_reason`` "length", the thinking so far, an empty answer and the error ``THOUGHT_CUT``
+(raise --max-new-tokens or pass --no-thinking, then --retry-errors), so it counts as failed.
 
 Resume: the output is the job's state. Every finished row is appended with one write and an
 fsync (Parquet: to a JSONL journal beside it, turned into the Parquet file when the job ends), and
 rows whose id is already there are skipped on the next run; a torn last line (a kill during a
-write) is cut off before appending. A SIGKILL therefore loses only the rows in flight.
+write) is cut off before appending. A SIGKILL therefore loses only the rows in flight. Outputs
+written before a field was added (e.g. ``reasoning``) resume as they are.
+
+The output is only ever an edgevl batch output: one that is the input (after symlinks and hard
+links), or an existing file whose rows lack the result fields of ``RESULT_FIELDS``, is refused
+with or without ``overwrite`` (an empty file is taken over). A symlinked output is written through
+(the link stays a link) and locked as the file it points to; the output's inode is locked too, so
+a hard link to it cannot start a second job. A line of the output that is not a result row stops
+the job with the error offering ``repair``: it appends such lines, as they were (one per line),
+to ``OUT.rejected`` and keeps every good row.
 
 Engines: in this process (``workers=1``), ``workers`` local processes that each load the package
 once, or a Ray Data actor pool (``ray=True`` or an address) whose actors load the package once,
 read the images themselves and append their rows to per-actor shard files that the driver merges.
+Local workers each hold a copy of the model: more of them than the available memory holds (one
+worker: the package's files plus ``WORKER_MARGIN``) is refused before any starts.
 """
 
 from __future__ import annotations
@@ -38,13 +56,21 @@ from typing import Iterable, Iterator
 
 from .errors import EdgevlError
 
-FIELDS = ("id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason", "seconds",
-          "error")
+# What every edgevl batch output row has had from the start: an existing output whose rows lack
+# one of these is not a batch output (an input file, someone else's table) and is never touched.
+RESULT_FIELDS = ("id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
+                 "seconds", "error")
+FIELDS = ("id", "image", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out", "finish_reason",
+          "seconds", "error")
+THOUGHT_CUT = ("the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or pass "
+               "--no-thinking, then --retry-errors")
+WORKER_MARGIN = 512 << 20  # a worker beyond its weights: interpreter, ncnn, image and KV buffers
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TABLE_EXTS = (".jsonl", ".ndjson", ".csv", ".parquet")
 OUTPUT_EXTS = (".jsonl", ".parquet")
 INSTALL_PARQUET = "Parquet needs pyarrow: pip install 'edgevl[parquet]'"
 INSTALL_RAY = "--ray needs Ray Data: pip install 'edgevl[ray]'"
+CSV_FIELD_LIMIT = 2**31 - 1  # the largest the csv module takes everywhere (a C long)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,20 +105,24 @@ def process_row(model, item: dict, options: dict) -> dict:
     t0 = time.perf_counter()
     if row["error"] is None:
         try:
-            text, last = [], None
+            text, thought, last = [], [], None
             # reuse_cache=False: an answer must not depend on which row the worker ran before
             for ev in stream_events(model, item["prompt"], image=item["source"], reuse_cache=False, **options):
                 text.append(ev.text)
+                thought.append(ev.reasoning)
                 last = ev
-            answer = "".join(text)
-            row.update(answer=answer, boxes=extract_boxes(answer, last), tokens_in=last.prompt_tokens,
-                       tokens_out=last.generation_tokens, finish_reason=last.finish_reason)
+            answer, reasoning = "".join(text), "".join(thought)
+            row.update(answer=answer, reasoning=reasoning or None, boxes=extract_boxes(answer, last),
+                       tokens_in=last.prompt_tokens, tokens_out=last.generation_tokens,
+                       finish_reason=last.finish_reason)
+            if last.finish_reason == "length" and reasoning and not answer.strip():
+                row["error"] = THOUGHT_CUT  # an empty answer here is no answer, not a success
         except EdgevlError as e:
             row["error"] = str(e)
         except Exception as e:  # noqa: BLE001 - one bad row must not stop the others
             row["error"] = f"{type(e).__name__}: {e}"
     row["seconds"] = round(time.perf_counter() - t0, 4)
-    return row
+    return _clean(row)  # e.g. an error naming a file whose name is not UTF-8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +141,9 @@ def _pyarrow():
 def read_input(src, prompt: str | None = None, image_column: str = "image", prompt_column: str = "prompt",
                id_column: str = "id") -> list[dict]:
     """The job's rows: ``{"id", "image" (as given), "source" (path or PIL image), "prompt", "error"}``."""
+    if prompt is not None and _text(prompt) != prompt:
+        raise EdgevlError("--prompt is not valid UTF-8 text (it has a lone surrogate or undecodable bytes); "
+                          "pass it as UTF-8")
     if isinstance(src, (str, os.PathLike)):
         path = Path(src).expanduser()
         if not path.exists():
@@ -155,13 +188,28 @@ def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
     if not found:
         raise EdgevlError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root}")
     found.sort()
-    return [{"id": rel, "image": rel, "source": str(p), "prompt": prompt, "error": None} for rel, p in found]
+    rows, seen = [], {}
+    for rel, p in found:
+        # A name that is not UTF-8 (kept by Python as surrogates, which no JSON or Parquet file can
+        # hold) gets an id with backslash escapes (b"\xff.png" -> "\\xff.png"); the path opens as is.
+        rid = os.fsencode(rel).decode("utf-8", "backslashreplace")
+        if rid in seen:
+            raise EdgevlError(f"{seen[rid]!r} and {rid!r} under {root} get the same id {rid!r} (a file name "
+                              "that is not UTF-8 is written with backslash escapes); rename one of them")
+        seen[rid] = rel
+        rows.append({"id": rid, "image": rid, "source": str(p), "prompt": prompt, "error": None})
+    return rows
 
 
 def _jsonl_records(path: Path, _cols) -> list:
     out = []
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise EdgevlError(f"{path} line {n} is not UTF-8 text (byte {e.start + 1} of the line); save the "
+                                  "file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -177,11 +225,16 @@ def _jsonl_records(path: Path, _cols) -> list:
 
 
 def _csv_records(path: Path, _cols) -> list:
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        try:
-            return list(enumerate(csv.DictReader(f), 1))
-        except (csv.Error, UnicodeDecodeError) as e:
-            raise EdgevlError(f"{path} is not a readable UTF-8 CSV file ({e})") from None
+    # csv refuses fields over 131072 characters by default: a long prompt is a row like any other
+    old = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            try:
+                return list(enumerate(csv.DictReader(f), 1))
+            except (csv.Error, UnicodeDecodeError) as e:
+                raise EdgevlError(f"{path} is not a readable UTF-8 CSV file ({e})") from None
+    finally:
+        csv.field_size_limit(old)
 
 
 def _parquet_records(path: Path, cols) -> list:
@@ -223,7 +276,7 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
         else:
             err = f"the {image_column!r} value is a {type(img).__name__}, not an image path"
         rid = r.get(id_column)
-        rid = str(rid) if rid is not None and str(rid) != "" else shown if shown else f"{where} {n}"
+        rid = _text(str(rid) if rid is not None and str(rid) != "" else shown if shown else f"{where} {n}")
         p = r.get(prompt_column)
         p = str(p) if p is not None and str(p).strip() else prompt
         if p is None and err is None:
@@ -263,34 +316,67 @@ def _append(fd: int, data: bytes) -> None:
         raise
 
 
+def _text(s: str) -> str:
+    """``s`` as valid Unicode: lone surrogates (from a ``\\ud800`` escape in a JSON input, or an
+    error message naming a file whose name is not UTF-8) become backslash escapes, since JSON
+    lines and Parquet strings must be UTF-8."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        pass
+    try:  # bytes that were not UTF-8 (a file name, kept by surrogateescape): shown as \xff
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _clean(v):
+    if isinstance(v, str):
+        return _text(v)
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {_clean(k): _clean(x) for k, x in v.items()}
+    return v
+
+
 def _line(row: dict) -> bytes:
     return (json.dumps(row, ensure_ascii=False, separators=(", ", ": ")) + "\n").encode()
 
 
-def _read_rows_jsonl(path: Path, strict: bool) -> tuple[list[dict], int]:
-    """(complete rows, bytes of complete lines). A torn last line is left out; with ``strict`` any
-    other bad line is an error (not our file), else it is skipped (a shard cut by a kill)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], 0
+ROW_START = b'{"id": '  # how every row line written here begins (FIELDS starts with id)
+
+
+def _is_result(r) -> bool:
+    return isinstance(r, dict) and all(k in r for k in RESULT_FIELDS)
+
+
+def _scan_jsonl(data: bytes) -> tuple[list[dict], int, list[tuple[int, bytes]], int]:
+    """(result rows, bytes up to the end of the last complete line, bad lines as (line number,
+    bytes), bytes of a torn last row). A last line without its newline is a torn write (a kill
+    during an append) only when it begins as a row line does; anything else there is a bad line."""
     end = data.rfind(b"\n") + 1
-    rows = []
-    for n, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+    lines = data[:end].split(b"\n")[:-1]
+    rows, bad = [], []
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
-            ok = isinstance(r, dict) and "id" in r
-        except ValueError:
-            ok = False
-        if ok:
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, absurd nesting
+            r = None
+        if _is_result(r):
             r["id"] = str(r["id"])
             rows.append(r)
-        elif strict:
-            raise EdgevlError(f"{path} line {n} is not a batch result row; choose another --output, or "
-                              "pass --overwrite to replace the file")
-    return rows, end
+        else:
+            bad.append((n, line + b"\n"))
+    tail, torn = data[end:], 0
+    if tail.startswith(ROW_START) or ROW_START.startswith(tail):
+        torn = len(tail)
+    elif tail.strip():
+        bad.append((len(lines) + 1, tail))
+    return rows, end, bad, torn
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -310,75 +396,126 @@ def _write_atomic(path: Path, write) -> None:
 def _row_schema(pa):
     box = pa.struct([("box", pa.list_(pa.int64())), ("label", pa.string())])
     return pa.schema([("id", pa.string()), ("image", pa.string()), ("prompt", pa.string()),
-                      ("answer", pa.string()), ("boxes", pa.list_(box)), ("tokens_in", pa.int64()),
-                      ("tokens_out", pa.int64()), ("finish_reason", pa.string()), ("seconds", pa.float64()),
-                      ("error", pa.string())])
+                      ("answer", pa.string()), ("reasoning", pa.string()), ("boxes", pa.list_(box)),
+                      ("tokens_in", pa.int64()), ("tokens_out", pa.int64()), ("finish_reason", pa.string()),
+                      ("seconds", pa.float64()), ("error", pa.string())])
+
+
+NOT_OURS = "choose another --output, or move the file away yourself (--overwrite replaces only batch outputs)"
 
 
 class Sink:
     """The output file as the job's state: ``rows`` (id -> row) is what is done.
 
     JSONL: the output itself is an append-only journal. Parquet: rows go to ``OUT.partial.jsonl``
-    and ``finish`` writes the Parquet file (by rename) and removes the journal. A lock file keeps
-    two jobs from writing one output; Ray actors leave shards in ``OUT.ray-shards/``, merged here.
+    and ``finish`` writes the Parquet file (by rename) and removes the journal. Locks keep two jobs
+    from writing one output, however it is spelled: a lock file beside the real file (after
+    symlinks) and a lock on the output's own inode (hard links). Ray actors leave shards in
+    ``OUT.ray-shards/``, merged here. ``repair`` moves lines that are not result rows to
+    ``OUT.rejected`` instead of refusing the file.
     """
 
-    def __init__(self, path, overwrite: bool = False, retry_errors: bool = False):
-        self.path = Path(path).expanduser()
-        ext = self.path.suffix.lower()
+    def __init__(self, path, overwrite: bool = False, retry_errors: bool = False, repair: bool = False):
+        given = Path(path).expanduser()
+        self.shown = str(path)
+        ext = given.suffix.lower()
         if ext not in OUTPUT_EXTS:
             raise EdgevlError(f"--output {path}: the name must end in .jsonl or .parquet (that picks the format)")
         self.parquet = ext == ".parquet"
         if self.parquet:
             _pyarrow()
-        if self.path.is_dir():
+        if given.is_dir():
             raise EdgevlError(f"--output {path} is a folder; give a .jsonl or .parquet file name")
+        if given.exists() and not given.is_file():
+            raise EdgevlError(f"--output {path} is not a regular file; give a .jsonl or .parquet file name")
+        # Written through symlinks (a link stays a link) and named after the real file, so that
+        # every spelling of one output shares its lock, journal and shards.
+        self.path = Path(os.path.realpath(given))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.journal = self.path.with_name(self.path.name + ".partial.jsonl") if self.parquet else self.path
         self.shard_dir = self.path.with_name(self.path.name + ".ray-shards")
+        self.rejected = self.path.with_name(self.path.name + ".rejected")
         self._lock_path = self.path.with_name(self.path.name + ".lock")
-        import fcntl  # POSIX; imported here so that `import edgevl` works everywhere
-
+        self.fd = self._inode_lock = None
+        self.torn_bytes = self.recovered = self.repaired = 0
         self._lock = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
-            raise EdgevlError(f"{path} is being written by another edgevl batch job; wait for it or choose "
-                              "another --output") from None
-        self.fd = None
+            self._take(self._lock)
+        except EdgevlError:
+            os.close(self._lock)  # not ours: the lock file stays for the job that holds it
+            self._lock = None
+            raise
+        created = not self.journal.exists()
         try:
-            self._open(overwrite, retry_errors)
+            if self.parquet and self.path.exists():  # a hard link to it shares this inode
+                self._inode_lock = os.open(self.path, os.O_RDONLY)
+                self._take(self._inode_lock)
+            self.fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._take(self.fd)  # the journal's inode: a hard link to it shares it
+            self._open(overwrite, retry_errors, repair, created)
         except BaseException:
+            if created and self.fd is not None and os.fstat(self.fd).st_size == 0:
+                with contextlib.suppress(OSError):
+                    self.journal.unlink()
             self.close()
             raise
 
-    def _open(self, overwrite, retry_errors):
+    def _take(self, fd: int) -> None:
+        import fcntl  # POSIX; imported here so that `import edgevl` works everywhere
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EdgevlError(f"{self.shown} is being written by another edgevl batch job; wait for it or "
+                              "choose another --output") from None
+
+    def _open(self, overwrite, retry_errors, repair, created):
+        # Read and judge everything before anything is changed: a file that is not a batch
+        # output is refused even with --overwrite.
+        old = read_parquet_rows(self.path, self.shown) if self.parquet and self.path.exists() else []
+        data = self.journal.read_bytes()
+        rows, end, bad, torn = _scan_jsonl(data)
+        name = self.shown if not self.parquet else f"{self.shown}'s journal {self.journal.name}"
+        if bad and not rows:
+            raise EdgevlError(f"--output {name} is not an edgevl batch output (line {bad[0][0]} is not a result "
+                              f"row); {NOT_OURS}")
         if overwrite:
-            for p in (self.path, self.journal):
+            os.ftruncate(self.fd, 0)  # in place: the inode and its lock stay
+            os.fsync(self.fd)
+            if self.parquet:
                 with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+                    self.path.unlink()
             shutil.rmtree(self.shard_dir, ignore_errors=True)
-        self.rows: dict[str, dict] = {}
-        if self.parquet and self.path.exists():
-            self.rows.update((r["id"], r) for r in read_parquet_rows(self.path))
-        self._dirty = self.journal.exists()  # Parquet: rows not yet in the Parquet file
-        journal_rows, end = _read_rows_jsonl(self.journal, strict=True)
-        self.torn_bytes = (self.journal.stat().st_size - end) if self.journal.exists() else 0
-        self._file_order = [r["id"] for r in journal_rows]
-        for r in journal_rows:
+            old, rows, bad, torn = [], [], [], 0
+        if bad and not repair:
+            raise EdgevlError(f"{name} line {bad[0][0]} is not a batch result row ({len(bad)} such line(s)); "
+                              f"--repair moves them to {self.rejected.name} and keeps the {len(rows)} good rows "
+                              "(--overwrite starts over)")
+        self.rows: dict[str, dict] = {r["id"]: r for r in old}
+        self._dirty = not created  # Parquet: rows not yet in the Parquet file
+        self._file_order = [r["id"] for r in rows]
+        for r in rows:
             self.rows[r["id"]] = r
-        self.fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.torn_bytes:
+        self.torn_bytes = torn
+        if bad:
+            # the bad lines first, so that a kill in between duplicates them rather than losing them
+            fd = os.open(self.rejected, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                _append(fd, b"".join(line if line.endswith(b"\n") else line + b"\n" for _, line in bad))
+            finally:
+                os.close(fd)
+            self._rewrite(list(dict.fromkeys(self._file_order)))
+            self.repaired = len(bad)
+        elif torn:
             os.ftruncate(self.fd, end)  # a kill during a write: drop the partial line
             os.fsync(self.fd)
         self.recovered = self.merge_shards()
         if retry_errors:
-            bad = [k for k, r in self.rows.items() if r.get("error")]
-            for k in bad:
+            bad_rows = [k for k, r in self.rows.items() if r.get("error")]
+            for k in bad_rows:
                 del self.rows[k]
-            self._dirty |= bool(bad)
-            if bad and not self.parquet:
+            self._dirty |= bool(bad_rows)
+            if bad_rows and not self.parquet:
                 self._rewrite(list(self.rows))
 
     def write(self, row: dict) -> bool:
@@ -389,6 +526,7 @@ class Sink:
         new = []
         for r in rows:
             if r["id"] not in self.rows:
+                r = _clean(r)
                 self.rows[r["id"]] = r
                 new.append(r)
         if new:
@@ -403,7 +541,7 @@ class Sink:
             return 0
         rows = []
         for f in sorted(self.shard_dir.glob("*.jsonl")):
-            rows += _read_rows_jsonl(f, strict=False)[0]
+            rows += _scan_jsonl(f.read_bytes())[0]  # a shard cut by a kill: its complete rows
         n = self.write_many(rows)
         shutil.rmtree(self.shard_dir, ignore_errors=True)
         return n
@@ -415,8 +553,9 @@ class Sink:
 
     def _rewrite(self, ids: list[str]) -> None:
         _write_atomic(self.journal, lambda f: f.writelines(_line(self.rows[k]) for k in ids))
-        os.close(self.fd)
-        self.fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+        old, self.fd = self.fd, os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+        os.close(old)
+        self._take(self.fd)  # the new inode is the output now
         self._file_order = list(ids)
 
     def finish(self, order: list[str]) -> None:
@@ -434,9 +573,11 @@ class Sink:
             self._rewrite(ids)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for name in ("fd", "_inode_lock"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
         if self._lock is not None:
             with contextlib.suppress(OSError):
                 self._lock_path.unlink()
@@ -448,7 +589,7 @@ class MemorySink:
     """No output file (API): nothing is skipped or kept; Ray shards go to a temporary folder."""
 
     def __init__(self):
-        self.rows, self.torn_bytes, self.recovered = {}, 0, 0
+        self.rows, self.torn_bytes, self.recovered, self.repaired = {}, 0, 0, 0
         self.shard_dir = Path(tempfile.mkdtemp(prefix="edgevl-batch-")) / "shards"
 
     def write(self, row):
@@ -467,15 +608,22 @@ class MemorySink:
         shutil.rmtree(self.shard_dir.parent, ignore_errors=True)
 
 
-def read_parquet_rows(path) -> list[dict]:
+def read_parquet_rows(path, shown=None) -> list[dict]:
+    """The rows of a batch output in Parquet; anything else at ``path`` is refused (an empty file
+    is taken over)."""
     _, pq = _pyarrow()
+    shown = shown or str(path)
+    if os.path.getsize(path) == 0:
+        return []
     try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as e:  # noqa: BLE001
-        raise EdgevlError(f"{path} is not a readable Parquet file ({e}); pass --overwrite to replace it") from None
-    if rows and "id" not in rows[0]:
-        raise EdgevlError(f"{path} has no 'id' column, so it is not a batch output; choose another --output "
-                          "or pass --overwrite")
+        names = pq.read_schema(path).names
+        missing = [k for k in RESULT_FIELDS if k not in names]
+        rows = [] if missing else pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+        raise EdgevlError(f"--output {shown} is not a readable Parquet file ({e}); {NOT_OURS}") from None
+    if missing:
+        raise EdgevlError(f"--output {shown} is not an edgevl batch output (no {', '.join(missing)} column); "
+                          f"{NOT_OURS}")
     for r in rows:
         r["id"] = str(r["id"])
     return rows
@@ -693,6 +841,17 @@ def _run_ray(settings: dict, todo: list[dict], workers: int, address: str | None
     for it in todo:
         if not isinstance(it["source"], str) and it["error"] is None:
             raise EdgevlError("with Ray, images must be file paths (the actors read them), not PIL images")
+    # Ray Data holds the rows as Arrow text, which must be UTF-8: a path that is not (a file name
+    # that is not UTF-8) fails its own row here instead of the whole job.
+    unsent = [it for it in todo if _clean(it) != it]
+    for it in unsent:
+        row = empty_row(it)
+        row["error"] = row["error"] or ("with --ray, image paths and prompts must be UTF-8 text (Ray keeps them as "
+                                        "UTF-8); rename the file, or run this row without --ray")
+        yield _clean(row)
+    todo = [it for it in todo if _clean(it) == it]
+    if not todo:
+        return
     started = False
     if not ray.is_initialized():
         try:
@@ -737,6 +896,50 @@ def _run_ray(settings: dict, todo: list[dict], workers: int, address: str | None
 # The job
 
 
+def _refuse_output_is_input(src, output) -> None:
+    """An output that is the input file (by any spelling: symlinks, hard links) would be read as
+    results, or deleted by --overwrite."""
+    if not isinstance(src, (str, os.PathLike)):
+        return
+    try:
+        st_in = os.stat(Path(src).expanduser())
+    except OSError:
+        return  # read_input says what is wrong with it
+    out = Path(output).expanduser()
+    real = Path(os.path.realpath(out))
+    for o in (out, real.with_name(real.name + ".partial.jsonl")) if out.suffix.lower() == ".parquet" else (out,):
+        try:
+            st = os.stat(o)
+            same = (st.st_dev, st.st_ino) == (st_in.st_dev, st_in.st_ino)
+        except OSError:  # not there yet: the same path once symlinks are resolved
+            same = os.path.realpath(o) == os.path.realpath(Path(src).expanduser())
+        if same:
+            raise EdgevlError(f"--output {output} is the input file {src}; results go to a file of their own: "
+                              "choose another --output")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _check_worker_memory(path: Path, workers: int, started: int) -> None:
+    """Each local worker loads its own copy of the model: refuse more than the memory holds now,
+    before any starts (they would swap the machine to a halt or be killed one by one).
+    ``started``: the workers that would start (no more than there are rows)."""
+    from .models.moe import available_memory
+    from .package import read_manifest
+
+    free = available_memory()
+    if free is None:
+        return
+    one = sum(int(meta.get("bytes", 0)) for meta in read_manifest(path).get("files", {}).values()) + WORKER_MARGIN
+    if started * one > free:
+        fit = free // one
+        fix = f"use --workers {fit} or fewer" if fit >= 1 else "use --workers 1 with --low-memory"
+        raise EdgevlError(f"--workers {workers} would start {started} workers, about {_gb(started * one)} (each "
+                          f"worker loads the model: ~{_gb(one)}), but {_gb(free)} is available; {fix}")
+
+
 class BatchJob:
     """Read the input, skip what ``output`` already holds, run the rest, write each row as it ends.
 
@@ -746,7 +949,9 @@ class BatchJob:
                  threads: int | None = None, ray=None, overwrite: bool = False, retry_errors: bool = False,
                  image_column: str = "image", prompt_column: str = "prompt", id_column: str = "id",
                  max_image_patches: int | None = None, low_memory: bool = False, progress: bool = False,
-                 model_options: dict | None = None, **sampling):
+                 model_options: dict | None = None, chat_template_kwargs: dict | None = None,
+                 allow_special_in_content: bool = False, repair: bool = False, **sampling):
+        from .generate import template_kwargs
         from .model import Model
         from .sample import Sampler
 
@@ -772,14 +977,20 @@ class BatchJob:
         Sampler(given("temperature", 0.0), given("top_k", 0), given("top_p", 1.0),
                 given("repetition_penalty", 1.0))  # a bad value fails now, not on every row
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
-                         "options": dict(sampling, max_image_patches=max_image_patches),
+                         "options": dict(sampling, max_image_patches=max_image_patches,
+                                         chat_template_kwargs=template_kwargs(chat_template_kwargs),
+                                         allow_special_in_content=allow_special_in_content),
                          "model_options": dict(model_options or {})}   # the architecture's load-time options
+        if output is not None:
+            _refuse_output_is_input(rows, output)
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column)
-        self.output, self.overwrite, self.retry_errors = output, overwrite, retry_errors
+        if self.ray is None and not low_memory and min(self.workers, len(self.items)) > 1:
+            _check_worker_memory(path, self.workers, min(self.workers, len(self.items)))
+        self.output, self.overwrite, self.retry_errors, self.repair = output, overwrite, retry_errors, repair
         self.progress = progress
-        self.new = self.failed_new = self.skipped = self.failed = self.done = 0
+        self.new = self.failed_new = self.skipped = self.failed = self.done = self.cut_in_thinking = 0
         self.seconds = 0.0
-        self.torn_bytes = self.recovered = 0
+        self.torn_bytes = self.recovered = self.repaired = 0
 
     def oversubscribed(self) -> bool:
         return self.ray is None and self.workers * self.threads > _physical_cores()
@@ -787,8 +998,10 @@ class BatchJob:
     def run(self) -> Iterator[dict]:
         from .progress import Progress
 
-        sink = Sink(self.output, self.overwrite, self.retry_errors) if self.output is not None else MemorySink()
-        self.torn_bytes, self.recovered = sink.torn_bytes, sink.recovered
+        sink = (Sink(self.output, self.overwrite, self.retry_errors, self.repair) if self.output is not None
+                else MemorySink())
+        self.torn_bytes, self.recovered, self.repaired = sink.torn_bytes, sink.recovered, sink.repaired
+        self.rejected = getattr(sink, "rejected", None)
         bar = None
         try:
             todo = [it for it in self.items if it["id"] not in sink.rows]
@@ -822,6 +1035,7 @@ class BatchJob:
                 sink.close()
             done = [sink.rows[it["id"]] for it in self.items if it["id"] in sink.rows]
             self.done, self.failed = len(done), sum(1 for r in done if r.get("error"))
+            self.cut_in_thinking = sum(1 for r in done if r.get("error") == THOUGHT_CUT)
 
     def summary(self) -> str:
         n = len(self.items)
@@ -833,6 +1047,9 @@ class BatchJob:
             parts.append(f"{self.skipped} already done")
         if self.failed:
             parts.append(f"{self.failed} failed (see their 'error' field; --retry-errors runs them again)")
+        if self.cut_in_thinking:
+            parts.append(f"{self.cut_in_thinking} of them ran out of tokens while thinking (raise --max-new-tokens "
+                         "or pass --no-thinking)")
         return "; ".join(parts)
 
 
@@ -843,21 +1060,25 @@ def batch(model, rows, prompt: str | None = None, output=None, **kwargs) -> Iter
     a .jsonl/.csv/.parquet file, or an iterable of image paths / PIL images / dicts with ``image``
     (and optionally ``prompt``, ``id``). With ``output`` (.jsonl/.parquet) every row is written as
     it finishes and rows already there are skipped (not yielded). Options: ``workers``,
-    ``threads``, ``ray`` (True or an address), ``overwrite``, ``retry_errors``, ``progress``,
-    ``max_image_patches`` and the sampling options of ``generate``.
+    ``threads``, ``ray`` (True or an address), ``overwrite``, ``retry_errors``, ``repair``,
+    ``progress``, ``max_image_patches``, ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+    False}``), ``allow_special_in_content`` and the sampling options of ``generate``.
     """
     yield from BatchJob(model, rows, prompt, output, **kwargs).run()
 
 
-def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None) -> int:
+def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None,
+              chat_template_kwargs: dict | None = None) -> int:
     """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line).
     ``model_options``: the architecture's load-time options (e.g. expert_cache_mb)."""
     if a.ray not in (None, "local") and (Path(a.ray) / "manifest.json").is_file():
         raise EdgevlError(f"--ray took {a.ray!r} as the Ray address; put MODEL before --ray or write --ray=ADDRESS")
     job = BatchJob(model_path, a.input, a.prompt, a.output, workers=a.workers, threads=a.threads, ray=a.ray,
-                   overwrite=a.overwrite, retry_errors=a.retry_errors, image_column=a.image_column,
+                   overwrite=a.overwrite, retry_errors=a.retry_errors, repair=a.repair, image_column=a.image_column,
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
-                   low_memory=a.low_memory, progress=not a.quiet, model_options=model_options, **sampling)
+                   low_memory=a.low_memory, progress=not a.quiet, model_options=model_options,
+                   chat_template_kwargs=chat_template_kwargs, allow_special_in_content=a.allow_special_in_content,
+                   **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
           f"thread(s), {where}", file=sys.stderr)
@@ -868,6 +1089,8 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
         pass
     if job.torn_bytes:
         print(f"batch: cut a torn last line ({job.torn_bytes} bytes) left by a killed run", file=sys.stderr)
+    if job.repaired:
+        print(f"batch: moved {job.repaired} line(s) that were not result rows to {job.rejected}", file=sys.stderr)
     if job.recovered:
         print(f"batch: merged {job.recovered} rows that Ray actors had finished before the last stop",
               file=sys.stderr)

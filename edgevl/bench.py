@@ -304,10 +304,19 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmp
 # the command
 
 
+def check_counts(**counts) -> None:
+    """Each count (prompt_tokens, gen_tokens, repeats) is an integer >= 1: 0 runs have no median,
+    0 or negative tokens no speed."""
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise EdgevlError(f"--{name.replace('_', '-')} must be an integer >= 1, got {n!r:.40}")
+
+
 def bench(systems: dict, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int, progress=True) -> dict:
     """``systems``: name -> (worker kind, args). Runs are interleaved; returns medians per system."""
     from .progress import Progress
 
+    check_counts(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats)
     runs = {name: [] for name in systems}
     names = list(systems)
     bar = Progress(repeats * len(names), desc="bench", unit="runs", enabled=progress)
@@ -335,6 +344,7 @@ def bench_images(systems: dict, sizes: list, threads: int, repeats: int, progres
     Runs are interleaved like ``bench``; returns per system and size the median and spread."""
     from .progress import Progress
 
+    check_counts(repeats=repeats)
     runs = {name: [] for name in systems}
     names = list(systems)
     bar = Progress(repeats * len(names), desc="bench images", unit="runs", enabled=progress)
@@ -457,9 +467,11 @@ def llamacpp_types(packages) -> list[str]:
 def bench_cli(a) -> int:
     from . import models
     from .package import read_manifest
-    from .runtime import default_threads
+    from .runtime import check_threads, default_threads
 
-    threads = a.threads or default_threads()
+    # checked before any work (a checkpoint given here is converted first)
+    check_counts(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats)
+    threads = default_threads() if a.threads is None else check_threads(a.threads, "--threads")
     target = Path(a.model)
     systems = {}
 

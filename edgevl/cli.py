@@ -2,7 +2,7 @@
 
     edgevl convert HF_DIR OUT_DIR [--dtype fp32|fp16|bf16|q8]
     edgevl run [MODEL] --prompt "..." [--image PATH|demo] [sampling flags]
-    edgevl verify [MODEL] [--reference HF_DIR] [--prompt ...] [--image PATH]
+    edgevl verify [MODEL] [--reference HF_DIR] [--prompt ...] [--image PATH|demo]
     edgevl chat [MODEL] [--image PATH|demo]
     edgevl serve [MODEL] [--host 127.0.0.1] [--port 8080]
     edgevl bench [MODEL] [--compare torch,llamacpp] [--images 1024x768]
@@ -24,15 +24,35 @@ from pathlib import Path
 from .errors import EdgevlError
 
 
-def _positive_int(name):
+def _int_at_least(name, minimum: int):
+    """An argparse type: an integer >= minimum, else the one-line ``error: ...`` of every user
+    mistake (raised through parse_args into main, before any work)."""
     def parse(v):
         try:
             n = int(v)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {v!r}") from None
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {n}")
+            raise EdgevlError(f"{name} must be an integer, got {v!r}") from None
+        if n < minimum:
+            raise EdgevlError(f"{name} must be >= {minimum}, got {n}")
         return n
+    return parse
+
+
+def _positive_int(name):
+    return _int_at_least(name, 0)
+
+
+def _threads(name):
+    """An argparse type: a thread count under the one rule of ``runtime.check_threads`` (0 and
+    negatives are mistakes, not "the default"), in every command."""
+    def parse(v):
+        from .runtime import check_threads
+
+        try:
+            n = int(v)
+        except ValueError:
+            raise EdgevlError(f"{name} must be an integer, got {v!r}") from None
+        return check_threads(n, name)
     return parse
 
 
@@ -64,7 +84,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_threads("--threads"), default=None,
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=int, default=None,
                    help="patch budget per image; bigger images are downscaled to fit (default: the model's "
@@ -121,10 +141,12 @@ def template_args(a) -> dict:
 def check_model_args(a) -> None:
     """Absurd values fail before anything is loaded (ncnn crashed on some instead of refusing)."""
     from .processing.image import MAX_IMAGE_PATCHES
-    from .runtime import check_threads
+    from .runtime import check_threads, default_threads
 
-    if a.threads:
+    if a.threads is not None:
         check_threads(a.threads, "--threads")
+    else:
+        default_threads()  # a bad EDGEVL_THREADS fails now, not after the demo model is converted
     n = getattr(a, "max_image_patches", None)
     if n is not None and not 4 <= n <= MAX_IMAGE_PATCHES:
         raise EdgevlError(f"--max-image-patches must be between 4 and {MAX_IMAGE_PATCHES} (a 4096x4096 image), "
@@ -180,9 +202,20 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def resolve_images(a) -> list:
+    """The --image values of run and verify, ``demo`` drawn as a saved demo scene
+    (``demo.scene_file.demo_images``: --seed picks the scenes as in chat)."""
+    from .demo.scene_file import demo_images
+
+    images, saved = demo_images(a.image or [], a.seed, a.demo_out)
+    for path in saved:
+        print(f"[demo scene saved to {path}]", file=sys.stderr)
+    return images
+
+
 def cmd_run(a) -> int:
     from . import load
-    from .demo.scene_file import save_demo_scene
+    from .chat import no_image_note
     from .generate import default_max_new_tokens, stream_events, with_reasoning
     from .sample import resolve
 
@@ -193,14 +226,10 @@ def cmd_run(a) -> int:
     if a.raw and images:
         raise EdgevlError("--raw cannot be combined with --image: images need the chat template")
     model_path = resolve_model(a.model)
-    for k, im in enumerate(images):
-        if im == "demo":
-            out = a.demo_out or "demo_scene.png"
-            if images.count("demo") > 1:
-                out = str(Path(out).with_name(f"{Path(out).stem}-{k + 1}{Path(out).suffix or '.png'}"))
-            images[k], saved = save_demo_scene(out, None if a.seed is None else a.seed + k)
-            print(f"[demo scene saved to {saved}]", file=sys.stderr)
+    images = resolve_images(a)
     model = load(model_path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    if not images and (note := no_image_note(model, "--image")):
+        print(note, file=sys.stderr)
     kwargs = sampling_kwargs(a)
     if a.verbose:
         settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty)
@@ -243,7 +272,10 @@ def cmd_run(a) -> int:
 def cmd_verify(a) -> int:
     from .verify import verify
 
-    ok = verify(resolve_model(a.model), a.reference, prompt=a.prompt, image=a.image,
+    check_model_args(a)
+    check_image_out(a.demo_out, "--demo-out")
+    model_path = resolve_model(a.model)
+    ok = verify(model_path, a.reference, prompt=a.prompt, image=resolve_images(a) or None,
                 max_new_tokens=a.max_new_tokens, max_image_patches=a.max_image_patches, threads=a.threads,
                 options=runtime_option_values(a))
     return 0 if ok else 1
@@ -285,6 +317,7 @@ def cmd_check(a) -> int:
 def cmd_bench(a) -> int:
     from .bench import bench_cli
 
+    check_model_args(a)
     a.model = resolve_model(a.model)
     a.model_options = runtime_option_values(a)
     return bench_cli(a)
@@ -326,10 +359,13 @@ def _convert_options() -> dict:
         for name, opt in arch.options.items():
             out.setdefault(name, (opt, []))[1].append(arch.name)
     return out
+
+
 def cmd_batch(a) -> int:
     from .batch import batch_cli
 
-    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a))
+    check_model_args(a)  # as in run: before the demo model is converted or anything is read
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a), template_args(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir", help="the checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     c.add_argument("out_dir", help="the package folder to write (must not exist unless --force)")
     c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"],
-                   help="weight format: fp32 exact parity, bf16 fast, fp16, q8 block-quantized (smallest)")
+                   help="weight format: fp32 (exact parity), bf16, fp16, or q8: int8 weights (one scale per "
+                        "output row) with activations quantized per row at run time (ncnn's int8 Gemm): the "
+                        "fastest; the architecture keeps some layers (e.g. the vision tower) in bf16")
     for name, (opt, archs) in _convert_options().items():  # the architectures' own options
         c.add_argument("--" + name.replace("_", "-"), dest=name, default=None, choices=list(opt.choices),
                        help=f"{opt.help} (default {opt.default}; {', '.join(archs)} models)")
@@ -376,7 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--reference", default=None,
                    help="the Hugging Face checkpoint folder (default: the one the package was converted from)")
     v.add_argument("--prompt", default="Describe the image in one sentence.", help="the prompt")
-    v.add_argument("--image", help="an image to include (default: none; text only)")
+    v.add_argument("--image", action="append", default=None,
+                   help="image path, or 'demo' for a random demo scene; repeat for several images (default: "
+                        "none; text only)")
+    v.add_argument("--demo-out", help="where --image demo saves the scene (default: demo_scene.png)")
+    v.add_argument("--seed", type=_positive_int("--seed"), default=None,
+                   help="picks the --image demo scene, as in run and chat (default: random)")
     v.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=32,
                    help="greedy tokens compared")
     add_model_args(v)
@@ -409,12 +452,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = command("bench", "measure prefill/decode speed and memory")
     b.add_argument("model", nargs="?",
                    help="a package folder, a Hugging Face checkpoint (converted on the fly), or 'demo' (default)")
-    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
-    b.add_argument("--gen-tokens", type=int, default=32, help="tokens decoded after the prompt")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    b.add_argument("--prompt-tokens", type=_int_at_least("--prompt-tokens", 1), default=128, help="prompt length")
+    b.add_argument("--gen-tokens", type=_int_at_least("--gen-tokens", 1), default=32,
+                   help="tokens decoded after the prompt")
+    b.add_argument("--threads", type=_threads("--threads"), default=None,
+                   help="CPU threads (default: physical cores, or EDGEVL_THREADS)")
     b.add_argument("--compare", default="", help="comma list: torch,llamacpp (default: edgevl only)")
     b.add_argument("--reference", default=None, help="HF checkpoint for --compare (default: the package's source)")
-    b.add_argument("--repeats", type=int, default=3, help="interleaved runs per system; the table shows medians")
+    b.add_argument("--repeats", type=_int_at_least("--repeats", 1), default=3,
+                   help="interleaved runs per system; the table shows medians")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG plot here")
     b.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -446,14 +492,20 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--prompt", help="the prompt for every row; a prompt column overrides it per row (default: "
                                      "none; needed unless the table has a prompt column)")
     bt.add_argument("--output", required=True, metavar="OUT",
-                    help="results, .jsonl or .parquet; rows already there are skipped")
+                    help="results, .jsonl or .parquet; rows already there are skipped; never the input, nor a "
+                         "file that is not a batch output; a thinking model's thinking goes to its 'reasoning' "
+                         "field")
     bt.add_argument("--workers", type=int, default=1,
-                    help="local worker processes, or Ray actors with --ray (default: 1)")
+                    help="local worker processes, or Ray actors with --ray; each loads the model, so more than "
+                         "the available memory holds is refused (default: 1)")
     bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray; "
                          "default: no Ray)")
     bt.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
     bt.add_argument("--retry-errors", action="store_true", help="run rows that failed last time again")
+    bt.add_argument("--repair", action="store_true",
+                    help="move lines of OUT that are not result rows (a corrupt line) to OUT.rejected and keep "
+                         "the good rows, instead of stopping")
     bt.add_argument("--image-column", default="image", help="a table's image path column (default: image)")
     bt.add_argument("--prompt-column", default="prompt", help="a table's per-row prompt column (default: prompt)")
     bt.add_argument("--id-column", default="id",
@@ -461,14 +513,15 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sampling_args(bt)
     add_model_args(bt)
+    add_content_args(bt, show=False)  # the thinking is kept in each row's 'reasoning' field
     bt.set_defaults(fn=cmd_batch)
     return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
     try:
+        a = parser.parse_args(argv)  # value types raise EdgevlError (one line) as the commands do
         return a.fn(a)
     except EdgevlError as e:
         msg = " ".join(str(e).splitlines())  # one line, whatever text a hostile input put in it

@@ -31,12 +31,31 @@ def check_token_ids(cfg: dict, where: str) -> None:
                               f"got {v!r:.60}; fix the checkpoint's {where}")
 
 
+def check_image_token(cfg: dict, tokenizer: Tokenizer) -> None:
+    """The image placeholder id must be a token of the tokenizer: prompts find images by it, so
+    any other id makes every image prompt count 0 placeholders at run time."""
+    i = cfg.get("image_token_id")
+    if i is None:
+        return
+    if isinstance(i, list):
+        raise EdgevlError(f"config.json image_token_id must be one token id, got the list {i!r:.60}; fix the "
+                          "checkpoint's config.json")
+    try:
+        known = tokenizer.id_to_token(i) is not None
+    except OverflowError:  # beyond any token id the tokenizer can hold
+        known = False
+    if not known:
+        raise EdgevlError(f"config.json image_token_id {i} is not a token of tokenizer.json ({tokenizer.vocab_size} "
+                          "tokens), so no prompt could hold an image; fix image_token_id or the tokenizer")
+
+
 def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, progress: bool = True,
-            **options) -> Path:
+            needs_image: bool = False, **options) -> Path:
     """Convert a Hugging Face checkpoint folder into an edgevl package folder.
 
     ``options`` are the architecture's own conversion options (``edgevl convert --help`` lists
-    them), e.g. a KV cache layout."""
+    them), e.g. a KV cache layout. ``needs_image``: the model was trained on images only, so
+    the package says that an answer without one is not meaningful (``run`` and ``chat`` note it)."""
     if dtype not in DTYPES:
         raise EdgevlError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     ckpt = Checkpoint(hf_path)
@@ -47,7 +66,9 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     if gen.is_file():
         check_token_ids(read_json_object(gen), "generation_config.json")
     # the tokenizer and chat template must work now, not first at run time
-    Tokenizer(ckpt.folder, fallback_template=arch.chat_template).compile_template()
+    tokenizer = Tokenizer(ckpt.folder, fallback_template=arch.chat_template)
+    tokenizer.compile_template()
+    check_image_token(ckpt.config, tokenizer)
     out_dir = Path(out_path)
     # never replace anything but an old package, nor a folder holding (or inside) the checkpoint
     check_output(out_dir, overwrite, protected=[ckpt.folder, *ckpt.files])
@@ -80,6 +101,8 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
             "source": {"path": str(Path(hf_path).resolve()), "files": source_hashes},
             **parts,
         }
+        if needs_image:
+            manifest["needs_image"] = True
         finalize(tmp, out_dir, manifest, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -112,6 +112,10 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     from .model import Model
 
     log = log or (lambda line: None)
+    if threads is not None:  # 0 is a mistake, not "the default"
+        from .runtime import check_threads
+
+        check_threads(threads)
     reference_dir = Path(reference_dir) if reference_dir else source_of(package)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     steps = 5 if images else 4

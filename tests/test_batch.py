@@ -15,7 +15,7 @@ import pytest
 
 import edgevl
 from edgevl import cli
-from edgevl.batch import Sink
+from edgevl.batch import Sink, empty_row
 from edgevl.demo import demo_package
 from edgevl.demo.scenes import make_scene
 
@@ -83,9 +83,10 @@ def test_folder_of_30_scenes_gives_rows_equal_to_generate(pkg, scenes, reference
     rows = read_jsonl(out)
     assert_complete(rows, reference)
     r = rows[0]
-    assert list(r) == ["id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
-                       "seconds", "error"]
+    assert list(r) == ["id", "image", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out",
+                       "finish_reason", "seconds", "error"]
     assert r["image"] == r["id"] and r["prompt"] == PROMPT and r["boxes"] == [] and r["finish_reason"] == "stop"
+    assert r["reasoning"] is None  # the demo model does not think
     assert r["tokens_in"] > 16 and r["tokens_out"] >= 2 and r["seconds"] > 0  # 16 image tokens + the text
     assert re.search(r"batch: \d+% \(\d+/30\) [0-9.e+]+ rows/s eta \d+s", p.stderr), p.stderr  # progress
     assert f"batch: 30 of 30 rows in {out}; 30 new in" in p.stderr
@@ -329,7 +330,7 @@ def test_ray_local_on_loopback_gives_the_same_answers(pkg, scenes, reference, tm
 
 def test_ray_shards_of_a_killed_run_are_merged_once(tmp_path):
     out = tmp_path / "out.jsonl"
-    row = lambda i: {"id": f"r{i}", "answer": str(i), "error": None}  # noqa: E731
+    row = lambda i: dict(empty_row({"id": f"r{i}"}), answer=str(i))  # noqa: E731
     out.write_text(json.dumps(row(1)) + "\n")
     shards = tmp_path / "out.jsonl.ray-shards"
     shards.mkdir()
@@ -376,7 +377,7 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
                              "--output", str(tmp_path / "o.jsonl")], "put MODEL before --ray")
     not_ours = tmp_path / "notes.jsonl"
     not_ours.write_text("hello\n")
-    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(not_ours)], "--overwrite")
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(not_ours)], "not an edgevl batch output")
 
     held = Sink(tmp_path / "busy.jsonl")  # another job holds this output
     try:

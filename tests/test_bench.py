@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import edgevl
 from helpers import make_youtu
 
@@ -38,6 +40,35 @@ def test_bench_json_table_and_plot(tmp_path):
 def test_bench_bad_model_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "none"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--repeats", "0"), "--repeats must be >= 1, got 0"),          # was: IndexError
+    (("--repeats", "-1"), "--repeats must be >= 1, got -1"),
+    (("--gen-tokens", "-1"), "--gen-tokens must be >= 1, got -1"),  # was: a negative speed
+    (("--gen-tokens", "0"), "--gen-tokens must be >= 1, got 0"),
+    (("--prompt-tokens", "-5"), "--prompt-tokens must be >= 1, got -5"),  # was: a numpy error
+    (("--prompt-tokens", "x"), "--prompt-tokens must be an integer, got 'x'"),
+    (("--threads", "0"), "--threads must be between 1 and"),
+])
+def test_bench_counts_below_one_are_usage_errors_before_any_work(tmp_path, capsys, monkeypatch, args, needle):
+    from hostile import cli, one_line_error
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))   # the demo is not even converted
+    one_line_error(*cli(capsys, "bench", *args)[::2], needle)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_bench_api_refuses_zero_runs():
+    from edgevl.bench import bench, bench_images
+    from edgevl.errors import EdgevlError
+
+    with pytest.raises(EdgevlError, match="--repeats must be an integer >= 1, got 0"):
+        bench({}, 16, 4, 1, 0)
+    with pytest.raises(EdgevlError, match="--gen-tokens must be an integer >= 1, got -1"):
+        bench({}, 16, -1, 1, 2)
+    with pytest.raises(EdgevlError, match="--repeats must be an integer >= 1"):
+        bench_images({}, [(64, 64)], 1, 0)
 
 
 def test_bench_images_json_and_table(tmp_path):

@@ -33,6 +33,7 @@ def test_threads_100000_is_refused_not_a_segfault(pkg):
 
 @pytest.mark.parametrize("case", [
     ("threads-negative", ("--threads", "-3"), "--threads must be between 1 and"),
+    ("threads-zero", ("--threads", "0"), "--threads must be between 1 and"),   # was: the default, silently
     ("threads-huge", ("--threads", str(10 ** 12)), "--threads must be between 1 and"),
     ("patches-1e9", ("--max-image-patches", "1000000000"), f"between 4 and {MAX_IMAGE_PATCHES}"),
     ("patches-zero", ("--max-image-patches", "0"), "--max-image-patches must be between 4"),
@@ -51,6 +52,9 @@ def test_absurd_flag_values(pkg, capsys, case):
 def test_threads_env_is_bounded_too(pkg, capsys, monkeypatch):
     monkeypatch.setenv("EDGEVL_THREADS", "100000")
     one_line_error(*run(capsys, pkg)[::2], "EDGEVL_THREADS must be between 1 and")
+    monkeypatch.setenv("EDGEVL_THREADS", "0")  # was: 1 thread, silently
+    one_line_error(*run(capsys, pkg)[::2], "EDGEVL_THREADS must be between 1 and", "got 0")
+    monkeypatch.setenv("EDGEVL_THREADS", "100000")
     with pytest.raises(EdgevlError, match="threads must be between 1 and"):
         edgevl.load(pkg, threads=100000)
 

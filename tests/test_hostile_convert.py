@@ -19,7 +19,7 @@ import pytest
 import edgevl
 from edgevl.errors import EdgevlError
 from edgevl.package import MANIFEST, check_package
-from hostile import cli, edit_json, one_line_error, package_digest, tiny_checkpoint, tree_digest
+from hostile import TINY, cli, edit_json, one_line_error, package_digest, tiny_checkpoint, tree_digest
 
 
 @pytest.fixture(scope="module")
@@ -477,3 +477,137 @@ def test_good_config_values_of_every_type_still_convert(tiny, tmp_path):
     out = edgevl.convert(ck, tmp_path / "out", dtype="fp32", progress=False)
     assert package_digest(out)["decoder.bin"] == package_digest(tiny[1])["decoder.bin"]
     assert math.isclose(edgevl.load(out).manifest["graphs"]["decoder"]["extra"]["rope_theta"], 500000.0)
+
+
+# -- a package that converts must take images (or know it has none) and hold finite weights ----
+
+def demo_copy(folder) -> Path:
+    """The demo checkpoint (a Youtu-VL) with its small files copied and its weights linked."""
+    from edgevl.demo import demo_checkpoint
+
+    folder.mkdir()
+    for f in demo_checkpoint().iterdir():
+        if f.name == "model.safetensors":
+            (folder / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    """A tiny Qwen3.5 VL checkpoint (vision tower, preprocessor_config.json)."""
+    from edgevl.models.qwen3_5 import ARCH
+
+    return ARCH.make_tiny(tmp_path_factory.mktemp("hostile-qwen") / "ck", seed=1)
+
+
+def refused_before_writing(capsys, ck, tmp_path, *needles):
+    one_line_error(*cli(capsys, "convert", ck, tmp_path / "out", "--quiet")[::2], *needles)
+    assert not (tmp_path / "out").exists() and left_over(tmp_path, "out") == []
+
+
+def test_vl_checkpoint_without_a_fitting_preprocessor_config_is_refused(qwen_vl, tmp_path, capsys):
+    """Converted anyway, the package failed to load with "sizes differ from the vision tower's"
+    (the fallback processor settings are Qwen2-VL's patch 14, not the tower's 16)."""
+    ck = copy_ck(qwen_vl, tmp_path / "ck")
+    (ck / "preprocessor_config.json").unlink()
+    refused_before_writing(capsys, ck, tmp_path, "has no preprocessor_config.json",
+                           "copy it from the model's original files")
+    shutil.copy(qwen_vl / "preprocessor_config.json", ck)
+    edit_json(ck / "preprocessor_config.json", lambda p: p.update(patch_size=14))
+    refused_before_writing(capsys, ck, tmp_path, "patch/merge/temporal sizes 14/2/2 differ from vision_config's 16/2/2")
+    (ck / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "size": [1]}))
+    refused_before_writing(capsys, ck, tmp_path, "preprocessor_config.json holds a value of the wrong type")
+
+
+def test_youtu_vl_without_preprocessor_config_takes_images_with_its_processor_defaults(tmp_path):
+    """Youtu-VL's processor settings come from the tower (patch, merge) and the HF processor's
+    defaults (mean/std 0.5, 36864 patches), so its package works without the file."""
+    from PIL import Image
+
+    ck = demo_copy(tmp_path / "ck")
+    (ck / "preprocessor_config.json").unlink()
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    assert model.vision.default_max_patches == 36864
+    rows, info = model.vision(Image.new("RGB", (128, 128), "white"))
+    assert info["spatial_shapes"] == (8, 8) and len(rows) == 16
+
+
+@pytest.mark.parametrize("value", [713, 10 ** 6, 2 ** 40])
+def test_image_token_id_outside_the_tokenizer_is_refused(tmp_path, capsys, value):
+    """Was converted; every image prompt then had "0 image placeholders" at run time."""
+    ck = demo_copy(tmp_path / "ck")
+    edit_json(ck / "config.json", lambda c: c.update(image_token_id=value))
+    refused_before_writing(capsys, ck, tmp_path, f"image_token_id {value} is not a token of tokenizer.json (713 tokens)")
+
+
+def test_image_token_id_list_is_refused(tmp_path, capsys):
+    ck = demo_copy(tmp_path / "ck")
+    edit_json(ck / "config.json", lambda c: c.update(image_token_id=[4]))
+    refused_before_writing(capsys, ck, tmp_path, "image_token_id must be one token id")
+
+
+def test_vision_weights_without_vision_config_are_refused(qwen_vl, tmp_path, capsys):
+    """Qwen3.5 became a text-only package without a word; Youtu-VL named only the config."""
+    words = "the checkpoint has vision weights but config.json has no vision_config"
+    ck = copy_ck(qwen_vl, tmp_path / "qwen")
+    edit_json(ck / "config.json", lambda c: {k: v for k, v in c.items() if k != "vision_config"})
+    refused_before_writing(capsys, ck, tmp_path, words)
+    ck = demo_copy(tmp_path / "youtu")
+    edit_json(ck / "config.json", lambda c: c.update(vision_config=None))
+    refused_before_writing(capsys, ck, tmp_path, words)
+
+
+def poison(ck, name_part: str, value: float, row: int = 1) -> str:
+    """Put ``value`` into one element of the first tensor whose name contains ``name_part``."""
+    from safetensors.torch import load_file, save_file
+
+    path = ck / "model.safetensors"
+    t = load_file(str(path))
+    name = next(k for k in sorted(t) if name_part in k)
+    t[name] = t[name].clone()
+    t[name].view(t[name].shape[0], -1)[row, -1] = value
+    path.unlink()  # it may be a link to the shipped weights
+    save_file(t, str(path), metadata={"format": "pt"})
+    return name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("source", ["fp32", "bf16"])
+def test_nan_or_inf_weights_are_refused_naming_the_tensor(tmp_path, capsys, value, source):
+    """Were converted: the demo then answered '' (every logit NaN)."""
+    if source == "fp32":
+        ck = demo_copy(tmp_path / "ck")
+    else:
+        from helpers import make_youtu
+
+        ck = make_youtu(tmp_path / "ck", seed=1, dtype="bf16", **TINY)
+    name = poison(ck, "mlp.down_proj", value, row=3)
+    refused_before_writing(capsys, ck, tmp_path, f"tensor {name} in model.safetensors holds NaN or infinite values "
+                                                 "(row 3)", "re-download it")
+
+
+def test_nan_in_a_fused_expert_is_refused_naming_the_expert(tmp_path, capsys):
+    """Routed experts are read through their own slices of the fused [E, 2I, H] tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from edgevl.models.youtu_moe import ARCH
+
+    ck = ARCH.make_tiny(tmp_path / "ck", seed=1)
+
+    t = load_file(str(ck / "model.safetensors"))
+    name = next(k for k in sorted(t) if k.endswith("experts.gate_up_proj"))
+    t[name] = t[name].clone()
+    t[name][5, 7, 0] = float("nan")
+    save_file(t, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    refused_before_writing(capsys, ck, tmp_path, f"tensor {name} (expert 5) in model.safetensors holds NaN or "
+                                                 "infinite values (row 7)")
+
+
+def test_finite_weights_of_any_size_still_convert(tiny, tmp_path):
+    """Huge finite values (the sum of squares overflows) are not mistaken for infinity."""
+    ck = copy_ck(tiny[0], tmp_path / "ck")
+    name = poison(ck, "mlp.down_proj", 3e38, row=0)
+    out = edgevl.convert(ck, tmp_path / "out", dtype="fp32", progress=False)
+    assert (out / "manifest.json").is_file(), name

@@ -46,7 +46,9 @@ def demo_package(progress: bool = False) -> Path:
     out = demo_package_path()
     if not (out / MANIFEST).is_file():
         try:
-            convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists())
+            # trained on images only (demo/train.py): the package says so, and run and chat note
+            # that an answer without an image means nothing
+            convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists(), needs_image=True)
         except EdgevlError:
             if not (out / MANIFEST).is_file():  # another process may have won the race
                 raise

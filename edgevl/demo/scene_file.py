@@ -1,4 +1,4 @@
-"""``--image demo`` (run, chat) and ``/image demo`` (chat): a random demo scene saved as a file."""
+"""``--image demo`` (run, verify, chat) and ``/image demo`` (chat): a random demo scene saved as a file."""
 
 from __future__ import annotations
 
@@ -14,3 +14,27 @@ def save_demo_scene(out, seed: int | None = None):
     out = Path(out)
     scene.image.save(out)
     return scene.image, out
+
+
+def is_demo_image(image) -> bool:
+    """``demo`` asks for a demo scene, unless a file of that name is there (then it is that file)."""
+    return image == "demo" and not Path("demo").is_file()
+
+
+def demo_images(images, seed: int | None = None, out=None, first: int = 0) -> tuple[list, list]:
+    """(images, saved paths): ``images`` with each ``demo`` replaced by the path of a fresh demo
+    scene. Every command resolves them here, so one ``--seed`` draws the same scenes in run,
+    verify and chat: image ``first + k`` of a command (counted over all its images) gets scene
+    ``seed + first + k``, a random one without a seed. Scenes are saved to ``out`` (default
+    demo_scene.png), or OUT-1.png, OUT-2.png ... (by image position) when there are several."""
+    images = list(images)
+    out = Path(out or "demo_scene.png")
+    several = sum(map(is_demo_image, images)) > 1
+    saved = []
+    for k, im in enumerate(images):
+        if is_demo_image(im):
+            path = out.with_name(f"{out.stem}-{first + k + 1}{out.suffix or '.png'}") if several else out
+            _, path = save_demo_scene(path, None if seed is None else seed + first + k)
+            images[k] = str(path)
+            saved.append(path)
+    return images, saved

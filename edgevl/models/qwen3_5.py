@@ -352,6 +352,7 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
     a q8 package keeps in bf16."""
     cfg = ckpt.config
     a = a or TextArgs.from_config(cfg)
+    v = checked_vision_args(ckpt, a.hidden_size)
     prefix = text_prefix(ckpt)
     parts = {"graphs": {}, "context": int(a.max_position_embeddings)}
 
@@ -366,12 +367,7 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
         head_weight_name(ckpt, a.tie_word_embeddings, embed_name))
     parts["graphs"]["lm_head"] = head
 
-    if cfg.get("vision_config"):
-        v = VisionArgs.from_config(cfg)
-        if v.out_hidden_size != a.hidden_size:
-            raise EdgevlError(f"vision_config.out_hidden_size {v.out_hidden_size} != text hidden_size {a.hidden_size}")
-        if cfg.get("image_token_id") is None:
-            raise EdgevlError("config.json of a qwen3_5 model with a vision_config needs image_token_id")
+    if v is not None:
         # float tower (bf16 for q8 packages): small next to the LM, large M per image
         g = G.Graph(out / "vision.bin")
         info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v)
@@ -389,6 +385,48 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
         if cfg.get(k) is not None:
             parts[k] = int(cfg[k])
     return parts
+
+
+def checked_vision_args(ckpt, hidden_size: int, prefix: str = VISION_PREFIX, what: str = "qwen3_5"):
+    """The vision tower's arguments (None: a text-only checkpoint), with everything a package
+    needs to take images checked before a file is written: a package that converts but refuses
+    every image (or silently has no tower) is worse than a refusal now."""
+    cfg = ckpt.config
+    if not cfg.get("vision_config"):
+        if f"{prefix}.patch_embed.proj.weight" in ckpt:
+            raise EdgevlError("the checkpoint has vision weights but config.json has no vision_config; restore "
+                              "config.json's vision_config from the model's original files")
+        return None
+    v = VisionArgs.from_config(cfg)
+    if v.out_hidden_size != hidden_size:
+        raise EdgevlError(f"vision_config.out_hidden_size {v.out_hidden_size} != text hidden_size {hidden_size}")
+    if cfg.get("image_token_id") is None:
+        raise EdgevlError(f"config.json of a {what} model with a vision_config needs image_token_id")
+    check_processor_config(ckpt.folder, v)
+    return v
+
+
+def check_processor_config(folder, v: VisionArgs) -> None:
+    """preprocessor_config.json must be there and fit the tower: the built-in defaults are
+    Qwen2-VL's (patch 14, CLIP mean and std), not this family's, so they are no fallback."""
+    from ..processing import qwen_vl
+    from ..tokenizer import read_json_object
+
+    p = Path(folder) / "preprocessor_config.json"
+    if not p.is_file():
+        raise EdgevlError(f"{folder} has no preprocessor_config.json (the image processor's sizes, mean and std), "
+                          "which a model with a vision_config needs; copy it from the model's original files")
+    try:
+        c = qwen_vl.ProcessorConfig.from_dict(read_json_object(p))
+    except (TypeError, ValueError, AttributeError) as e:
+        raise EdgevlError(f"{p} holds a value of the wrong type ({' '.join(str(e).split())[:80]}); fix or "
+                          "re-download it") from None
+    if (c.patch_size, c.merge_size, c.temporal_patch_size) != (v.patch_size, v.spatial_merge_size,
+                                                               v.temporal_patch_size):
+        raise EdgevlError(f"preprocessor_config.json's patch/merge/temporal sizes {c.patch_size}/{c.merge_size}/"
+                          f"{c.temporal_patch_size} differ from vision_config's {v.patch_size}/"
+                          f"{v.spatial_merge_size}/{v.temporal_patch_size}; the checkpoint files do not belong "
+                          "together")
 
 
 def text_prefix(ckpt) -> str:

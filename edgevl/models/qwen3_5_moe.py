@@ -69,6 +69,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     ``experts.bin``/``experts.param`` and the manifest's ``experts`` section."""
     keep = moe.dense_float_layers(dtype, options.get("dense", "auto"))   # checked before any file is written
     a = MoeTextArgs.from_config(ckpt.config)
+    qwen3_5.checked_vision_args(ckpt, a.hidden_size)   # before the experts are written
     prefix = qwen3_5.text_prefix(ckpt)
     # the experts first: a checkpoint that lacks some fails before the long decoder pass
     w = moe.ExpertWriter(out, a.hidden_size, a.moe_intermediate_size, a.num_experts,

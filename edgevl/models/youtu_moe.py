@@ -157,7 +157,7 @@ class LayoutView:
 
     def __init__(self, ckpt, layout: CheckpointLayout = CHECKPOINT_LAYOUT):
         self.ckpt, self.layout = ckpt, layout
-        self.config = ckpt.config
+        self.config, self.folder = ckpt.config, ckpt.folder
 
     def get(self, name: str, shape=None):
         return self.ckpt.get(self.layout.name(name), shape)
@@ -407,16 +407,10 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     a = TextArgs.from_config(cfg)
     view = LayoutView(ckpt, layout)
     print(f"note: {LAYOUT_NOTE}", file=sys.stderr)
-    v = None
-    if cfg.get("vision_config"):   # refused before anything is written
-        v = qwen3_5.VisionArgs.from_config(cfg)
-        if (cfg["vision_config"].get("deepstack_visual_indexes") or []) != []:
-            raise EdgevlError("vision_config.deepstack_visual_indexes is not empty: deepstack vision features are "
-                              "not supported for Youtu MoE yet")
-        if v.out_hidden_size != a.hidden_size:
-            raise EdgevlError(f"vision_config.out_hidden_size {v.out_hidden_size} != hidden_size {a.hidden_size}")
-        if cfg.get("image_token_id") is None:
-            raise EdgevlError("config.json of a Youtu MoE model with a vision_config needs image_token_id")
+    v = qwen3_5.checked_vision_args(view, a.hidden_size, VISION_PREFIX, "Youtu MoE")   # before anything is written
+    if v is not None and (cfg["vision_config"].get("deepstack_visual_indexes") or []) != []:
+        raise EdgevlError("vision_config.deepstack_visual_indexes is not empty: deepstack vision features are "
+                          "not supported for Youtu MoE yet")
     parts = {"graphs": {}, "context": int(a.max_position_embeddings),
              "checkpoint_layout": {"assumed": True, "note": LAYOUT_NOTE}}
     # the experts first: a checkpoint that lacks some fails before the long decoder pass

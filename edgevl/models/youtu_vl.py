@@ -180,7 +180,10 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
 def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     """Language model (root config) + vision graph into one package."""
     cfg = ckpt.config
-    if "vision_config" not in cfg:
+    if cfg.get("vision_config") is None:
+        if any(f"{pre}.embeddings.patch_embedding.weight" in ckpt for pre in ("siglip2.vision_model", "siglip2")):
+            raise EdgevlError("the checkpoint has vision weights but config.json has no vision_config; restore "
+                              "config.json's vision_config from the model's original files")
         raise EdgevlError("config.json of a youtu_vl model needs a nested vision_config")
     v = VisionArgs.from_config(cfg)
     a = youtu.ModelArgs.from_config(cfg)

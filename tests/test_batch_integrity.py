@@ -1,0 +1,388 @@
+"""`edgevl batch` never takes the wrong file for its output, never loses or duplicates rows, and
+says in one line what is wrong: an output that is the input (by any spelling), files that are not
+batch outputs, outputs spelled through symlinks and hard links, corrupt lines, thinking models
+whose token limit ran out inside the thinking, file names and inputs that are not UTF-8, long CSV
+fields, bad --max-image-patches and more workers than the memory holds."""
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hostile import cli, one_line_error
+
+import edgevl
+from edgevl.batch import FIELDS, RESULT_FIELDS, THOUGHT_CUT, BatchJob, Sink
+from edgevl.demo import demo_package
+from edgevl.demo.scenes import make_scene
+from edgevl.errors import EdgevlError
+
+PROMPT = "Describe the image."
+
+
+@pytest.fixture(scope="module")
+def pkg():
+    return demo_package()
+
+
+@pytest.fixture(scope="module")
+def model(pkg):
+    return edgevl.load(pkg, threads=1)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scenes")
+    for i in range(3):
+        make_scene(7000 + i).image.save(d / f"s{i}.png")
+    return d
+
+
+def batch(capsys, pkg, *args):
+    return cli(capsys, "batch", pkg, "--prompt", PROMPT, "--threads", 1, "--quiet", *args)
+
+
+def read_jsonl(path):
+    data = Path(path).read_bytes()
+    assert data == b"" or data.endswith(b"\n"), "torn last line"
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def input_jsonl(path, folder):
+    """An input table with a column of its own, as users keep them."""
+    path.write_text("".join(json.dumps({"id": f"q{i}", "image": str(folder / f"s{i}.png"), "prompt": PROMPT,
+                                        "note": "mine"}) + "\n" for i in range(3)))
+    return path.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# the output is only ever a batch output
+
+
+def test_an_output_that_is_the_input_is_refused_by_any_spelling(pkg, folder, tmp_path, capsys):
+    q = tmp_path / "q.jsonl"
+    before = input_jsonl(q, folder)
+    (tmp_path / "link.jsonl").symlink_to(q)
+    os.link(q, tmp_path / "hard.jsonl")
+    (tmp_path / "sub").mkdir()
+    for out in (q, tmp_path / "link.jsonl", tmp_path / "hard.jsonl", tmp_path / "sub" / ".." / "q.jsonl"):
+        for extra in ([], ["--overwrite"]):
+            code, _, err = batch(capsys, pkg, "--input", q, "--output", out, *extra)
+            one_line_error(code, err, "is the input file", "choose another --output")
+            assert q.read_bytes() == before
+    # a Parquet output's journal is a JSONL file beside it: it must not be the input either
+    journal = tmp_path / "r.parquet.partial.jsonl"
+    input_jsonl(journal, folder)
+    code, _, err = batch(capsys, pkg, "--input", journal, "--output", tmp_path / "r.parquet", "--overwrite")
+    one_line_error(code, err, "is the input file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hard.jsonl", "link.jsonl", "q.jsonl",
+                                                          "r.parquet.partial.jsonl", "sub"]
+
+
+def test_an_existing_file_that_is_not_a_batch_output_is_never_taken(pkg, folder, tmp_path, capsys):
+    q = tmp_path / "q.jsonl"
+    input_jsonl(q, folder)
+    other = tmp_path / "other.jsonl"
+    theirs = {
+        "input-like rows": input_jsonl(other, folder),
+        "text": b"hello\n",
+        "one line without its newline": b'{"image": "a.png"}',  # was cut off as a "torn" row
+    }
+    for what, data in theirs.items():
+        other.write_bytes(data)
+        for extra in ([], ["--overwrite"], ["--repair"]):
+            code, _, err = batch(capsys, pkg, "--input", q, "--output", other, *extra)
+            one_line_error(code, err, "not an edgevl batch output", "choose another --output")
+            assert other.read_bytes() == data, (what, extra)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.jsonl", "q.jsonl"]  # no lock, no journal
+
+    other.write_bytes(b"")  # an empty file is taken over
+    code, _, err = batch(capsys, pkg, "--input", q, "--output", other)
+    assert code == 0, err
+    assert [r["id"] for r in read_jsonl(other)] == ["q0", "q1", "q2"]
+
+
+def test_a_foreign_parquet_file_at_the_output_is_refused_up_front(pkg, folder, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    q = tmp_path / "q.jsonl"
+    input_jsonl(q, folder)
+    out = tmp_path / "table.parquet"
+    pq.write_table(pa.table({"id": ["q1", "zz"], "score": [0.5, 0.7]}), out)  # q1 would count as done
+    data = out.read_bytes()
+    for extra in ([], ["--overwrite"]):
+        code, _, err = batch(capsys, pkg, "--input", q, "--output", out, *extra)
+        one_line_error(code, err, "not an edgevl batch output", "answer", "choose another --output")
+        assert out.read_bytes() == data
+    out.write_bytes(b"PAR1 not really")
+    for extra in ([], ["--overwrite"]):
+        code, _, err = batch(capsys, pkg, "--input", q, "--output", out, *extra)
+        one_line_error(code, err, "not a readable Parquet file")
+        assert out.read_bytes() == b"PAR1 not really"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl", "table.parquet"]  # nothing stranded
+
+
+# ---------------------------------------------------------------------------------------------
+# one output, however it is spelled
+
+
+def test_symlinks_and_hard_links_to_a_busy_output_are_refused(pkg, folder, tmp_path, capsys):
+    real = tmp_path / "real.jsonl"
+    held = Sink(real)  # another job writes real.jsonl
+    try:
+        (tmp_path / "link.jsonl").symlink_to(real)
+        os.link(real, tmp_path / "hard.jsonl")
+        (tmp_path / "d").symlink_to(tmp_path, target_is_directory=True)
+        for out in ("link.jsonl", "hard.jsonl", "d/real.jsonl"):
+            code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / out)
+            one_line_error(code, err, "being written by another edgevl batch job")
+    finally:
+        held.close()
+    assert real.read_bytes() == b""
+
+    # and the other way round: the job through the link holds the real file
+    held = Sink(tmp_path / "link.jsonl")
+    try:
+        code, _, err = batch(capsys, pkg, "--input", folder, "--output", real)
+        one_line_error(code, err, "being written by another edgevl batch job")
+    finally:
+        held.close()
+
+    # Parquet: a hard link to a finished output while a job appends to it
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "p.parquet")
+    assert code == 0, err
+    os.link(tmp_path / "p.parquet", tmp_path / "p2.parquet")
+    held = Sink(tmp_path / "p.parquet")
+    try:
+        code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "p2.parquet", "--overwrite")
+        one_line_error(code, err, "being written by another edgevl batch job")
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_an_output_that_is_a_symlink_stays_a_symlink(pkg, folder, model, tmp_path, capsys, ext):
+    src = tmp_path / "rows.csv"
+    with open(src, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "image"])
+        w.writeheader()
+        w.writerows([{"id": "a", "image": str(folder / "s0.png")}, {"id": "gone", "image": "nowhere.png"},
+                     {"id": "b", "image": str(folder / "s1.png")}])
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / f"results{ext}"
+    link = tmp_path / f"out{ext}"
+    link.symlink_to(target)  # dangling until the job writes its target
+
+    def rows():
+        if ext == ".jsonl":
+            return read_jsonl(target)
+        import pyarrow.parquet as pq
+
+        return pq.read_table(target).to_pylist()
+
+    code, _, err = batch(capsys, pkg, "--input", src, "--output", link)
+    assert code == 1 and "1 failed" in err, err
+    (tmp_path / "nowhere.png").symlink_to(folder / "s2.png")
+    # --retry-errors rewrites the whole output (by rename): through the link, not over it
+    code, _, err = batch(capsys, pkg, "--input", src, "--output", link, "--retry-errors")
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    got = rows()
+    assert [r["id"] for r in got] == ["a", "gone", "b"] and all(r["error"] is None for r in got)
+    assert got[1]["answer"] == edgevl.generate(model, PROMPT, image=str(folder / "s2.png"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "nowhere.png", f"out{ext}", "rows.csv"]
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [f"results{ext}"]  # no lock or journal left
+
+
+# ---------------------------------------------------------------------------------------------
+# a corrupt line costs nothing but itself
+
+
+def test_repair_moves_bad_lines_aside_and_keeps_the_good_rows(pkg, folder, model, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out)
+    assert code == 0, err
+    lines = out.read_bytes().splitlines(keepends=True)
+    bad = b'{"id": "s1.png", "image": "s1.png", "pro\x00\xff garbage\n'  # a flipped block on disk
+    out.write_bytes(lines[0] + bad + lines[2])
+    before = out.read_bytes()
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out)
+    one_line_error(code, err, "line 2 is not a batch result row", "--repair", "out.jsonl.rejected", "2 good rows")
+    assert out.read_bytes() == before
+
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out, "--repair")
+    assert code == 0, err
+    assert "moved 1 line(s) that were not result rows" in err
+    assert "1 new" in err and "2 already done" in err
+    assert (tmp_path / "out.jsonl.rejected").read_bytes() == bad  # byte for byte
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"]
+    assert rows[0] == json.loads(lines[0]) and rows[2] == json.loads(lines[2])  # kept, not redone
+    assert rows[1]["answer"] == edgevl.generate(model, PROMPT, image=str(folder / "s1.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# thinking models
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A tiny random Qwen3.5 (its template opens a think block: the output is all thinking)."""
+    from qwen_helpers import make_qwen3_5
+
+    root = tmp_path_factory.mktemp("thinker")
+    ck = make_qwen3_5(root / "ck", seed=3)
+    return edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
+
+
+def test_a_thinking_model_whose_limit_ran_out_in_the_thinking_fails_its_rows(thinker, folder, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    args = ("--input", folder, "--output", out, "--max-new-tokens", 4, "--temperature", 0)
+    code, _, err = cli(capsys, "batch", thinker, "--prompt", "hi", "--threads", 1, "--quiet", *args)
+    assert code == 1, err
+    assert "3 failed" in err and "3 of them ran out of tokens while thinking" in err
+    model = edgevl.load(thinker, threads=1)
+    rows = read_jsonl(out)
+    for r in rows:
+        assert list(r) == list(FIELDS)
+        done = edgevl.complete(model, "hi", image=str(folder / r["id"]), max_new_tokens=4, temperature=0)
+        assert done.reasoning and done.text == "" and done.finish_reason == "length"
+        assert r["reasoning"] == done.reasoning and r["answer"] == "" and r["finish_reason"] == "length"
+        assert r["error"] == THOUGHT_CUT and "--max-new-tokens" in THOUGHT_CUT and "--no-thinking" in THOUGHT_CUT
+
+    code, _, err = cli(capsys, "batch", thinker, "--prompt", "hi", "--threads", 1, "--quiet", *args,
+                       "--no-thinking", "--retry-errors")
+    assert code == 0 and "3 new" in err, err
+    for r in read_jsonl(out):
+        off = edgevl.complete(model, "hi", image=str(folder / r["id"]), max_new_tokens=4, temperature=0,
+                              chat_template_kwargs={"enable_thinking": False})
+        assert r["error"] is None and r["reasoning"] is None and r["answer"] == off.text and off.text
+
+
+def test_outputs_written_before_the_reasoning_field_resume(pkg, folder, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    old = {"id": "s1.png", "image": "s1.png", "prompt": PROMPT, "answer": "Red.", "boxes": [], "tokens_in": 38,
+           "tokens_out": 3, "finish_reason": "stop", "seconds": 0.01, "error": None}
+    assert list(old) == list(RESULT_FIELDS)
+    (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
+    pq.write_table(pa.Table.from_pylist([old]), tmp_path / "old.parquet")
+    for name in ("old.jsonl", "old.parquet"):
+        code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / name)
+        assert code == 0 and "1 already done" in err and "2 new" in err, err
+    rows = read_jsonl(tmp_path / "old.jsonl")
+    assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"] and rows[1] == old
+    table = pq.read_table(tmp_path / "old.parquet")
+    assert table.column_names == list(FIELDS)
+    assert table.to_pylist()[1] == dict(old, reasoning=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def test_a_file_name_that_is_not_utf8_is_a_row(pkg, folder, model, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "imgs"
+    d.mkdir()
+    make_scene(7000).image.save(d / "a.png")
+    with open(os.path.join(os.fsencode(d), b"\xffx.png"), "wb") as f:
+        make_scene(7001).image.save(f, format="PNG")
+    weird = os.fsdecode(os.path.join(os.fsencode(d), b"\xffx.png"))
+    for out in (tmp_path / "out.jsonl", tmp_path / "out.parquet"):
+        for _ in range(2):  # the rerun resumes
+            code, _, err = batch(capsys, pkg, "--input", d, "--output", out)
+            assert code == 0, err
+        assert "2 already done" in err
+        rows = read_jsonl(out) if out.suffix == ".jsonl" else pq.read_table(out).to_pylist()
+        assert [r["id"] for r in rows] == ["a.png", "\\xffx.png"] and rows[1]["image"] == "\\xffx.png"
+        assert rows[1]["error"] is None and rows[1]["answer"] == edgevl.generate(model, PROMPT, image=weird)
+    # an error message that names such a file is written too
+    with open(os.path.join(os.fsencode(d), b"\xfebad.png"), "wb") as f:
+        f.write(b"not an image")
+    rows = list(edgevl.batch(pkg, d, PROMPT, output=tmp_path / "bad.jsonl", threads=1))
+    assert [r["id"] for r in rows] == ["a.png", "\\xfebad.png", "\\xffx.png"]
+    assert "Not a readable image file" in rows[1]["error"] and read_jsonl(tmp_path / "bad.jsonl") == rows
+    os.unlink(os.path.join(os.fsencode(d), b"\xfebad.png"))
+    # Ray Data keeps rows as UTF-8 text: the row fails, not the job (Ray is not even started here)
+    (d / "a.png").unlink()
+    rows = list(edgevl.batch(pkg, d, PROMPT, output=tmp_path / "ray.jsonl", ray=True, workers=1))
+    assert [r["id"] for r in rows] == ["\\xffx.png"] and "must be UTF-8" in rows[0]["error"]
+    assert read_jsonl(tmp_path / "ray.jsonl") == rows
+
+
+def test_jsonl_input_that_is_not_utf8_names_the_line(pkg, folder, tmp_path, capsys):
+    src = tmp_path / "rows.jsonl"
+    src.write_bytes(b'{"image": "a.png"}\n{"image": "caf\xe9.png"}\n')  # Latin-1
+    code, _, err = batch(capsys, pkg, "--input", src, "--output", tmp_path / "o.jsonl")
+    one_line_error(code, err, str(src), "line 2 is not UTF-8")
+
+
+def test_lone_surrogates_in_a_jsonl_input_are_rows_not_a_crash(pkg, folder, tmp_path, capsys):
+    """JSON allows "\\ud800" escapes, which no UTF-8 output can hold: written escaped, resumable."""
+    src, out = tmp_path / "rows.jsonl", tmp_path / "o.parquet"
+    src.write_text('{"id": "a\\ud800", "image": "s0.png", "prompt": "x\\udcff"}\n'
+                   '{"id": "b", "image": "s1.png\\udcff"}\n')
+    (tmp_path / "s0.png").symlink_to(folder / "s0.png")
+    for _ in range(2):
+        code, _, err = batch(capsys, pkg, "--input", src, "--output", out)
+        assert code == 1 and "2 failed" in err, err
+    assert "2 already done" in err
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out).to_pylist()
+    assert [r["id"] for r in rows] == ["a\\ud800", "b"] and rows[0]["prompt"] == "x\\xff"
+    assert "invalid Unicode" in rows[0]["error"] and "not found" in rows[1]["error"]
+
+
+def test_csv_fields_over_131072_characters(pkg, folder, model, tmp_path, capsys):
+    src = tmp_path / "rows.csv"
+    long_prompt = "red " * 40000
+    with open(src, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "image", "prompt", "notes"])
+        w.writeheader()
+        w.writerow({"id": "notes", "image": str(folder / "s0.png"), "prompt": "", "notes": "x" * 200000})
+        w.writerow({"id": "long", "image": str(folder / "s1.png"), "prompt": long_prompt, "notes": ""})
+    out = tmp_path / "o.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", src, "--output", out)
+    assert code == 1 and "1 failed" in err, err
+    rows = {r["id"]: r for r in read_jsonl(out)}
+    assert rows["notes"]["answer"] == edgevl.generate(model, PROMPT, image=str(folder / "s0.png"))
+    assert rows["long"]["prompt"] == long_prompt and "context is 2048" in rows["long"]["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+def test_max_image_patches_out_of_range_is_a_usage_error(pkg, folder, tmp_path, capsys, monkeypatch):
+    for n in ("0", "3", "1000000000"):
+        code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "o.jsonl",
+                             "--max-image-patches", n)
+        one_line_error(code, err, "--max-image-patches must be between 4 and")
+    assert not list(tmp_path.iterdir())  # refused before the output was even opened
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    code, _, err = cli(capsys, "batch", "--input", folder, "--prompt", PROMPT, "--output", tmp_path / "o.jsonl",
+                       "--max-image-patches", "0")
+    one_line_error(code, err, "--max-image-patches must be between 4 and")
+    assert not list(tmp_path.iterdir())  # nor was the demo model converted
+
+
+def test_more_workers_than_the_memory_holds_are_refused(pkg, folder, tmp_path, capsys, monkeypatch):
+    from edgevl.models import moe
+
+    monkeypatch.setattr(moe, "available_memory", lambda: 1 << 30)  # 1 GiB
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "o.jsonl", "--workers", 3)
+    line = one_line_error(code, err, "--workers 3", "1.0 GiB is available", "use --workers 1 or fewer")
+    assert "each worker loads the model" in line
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(EdgevlError, match="--workers 24"):
+        BatchJob(pkg, folder, PROMPT, workers=24)
+    BatchJob(pkg, folder, PROMPT, workers=1)                    # runs in this process: no check
+    BatchJob(pkg, folder, PROMPT, workers=24, low_memory=True)  # weights are not kept resident
+    monkeypatch.setattr(moe, "available_memory", lambda: 64 << 30)
+    BatchJob(pkg, folder, PROMPT, workers=24)
