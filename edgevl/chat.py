@@ -34,6 +34,16 @@ from .sample import resolve
 
 LEAVE_WINDOW = 2.0  # seconds: a second Ctrl-C at the prompt within this leaves
 
+
+def no_image_note(model, how: str) -> str | None:
+    """The note for a prompt without images to a model whose package says it needs one (the
+    demo model, trained on images only: its text-only answers are confident and meaningless);
+    None for every other model. ``how``: how to give an image (e.g. ``--image``)."""
+    if model.manifest.get("needs_image") is True:
+        return f"note: this model was trained on images only; its answer without {how} is not meaningful"
+    return None
+
+
 HELP = """commands:
   /image PATH   attach an image to your next message ('demo': a random demo scene)
   /reset        forget the conversation (and the KV cache); attached images stay
@@ -164,9 +174,7 @@ class ChatSession:
                     text.append(ev.text)
                 if shown:
                     yield shown
-        except KeyboardInterrupt:
-            # Ctrl-C can land between a KV-cache update and its bookkeeping: recompute next turn
-            self.model.reset()
+        except KeyboardInterrupt:  # the model keeps its cache whole (Model: whole or nothing)
             record()
             raise
         except GeneratorExit:  # the caller stopped reading: keep what was shown
@@ -193,25 +201,34 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     settings raise EdgevlError (the CLI exits 2).
     """
     out = out or sys.stdout
+    if threads is not None:  # 0 is a mistake here too, not "the default"
+        from .runtime import check_threads
+
+        check_threads(threads)
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seed=seed, stop=stop, allow_special_in_content=allow_special_in_content,
                           chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning)
-    demo_scenes = 0
+    demo_scenes = attached = 0
+    noted = False  # the no-image note, once per conversation
 
     def attach(arg: str) -> str:
         """Attach an image (``demo``: a fresh demo scene, saved beside the others); returns its name."""
-        nonlocal demo_scenes
-        if arg == "demo" and not Path(arg).exists() and model.vision is not None:
-            from .demo.scene_file import save_demo_scene
+        nonlocal demo_scenes, attached
+        from .demo.scene_file import demo_images, is_demo_image
 
+        if is_demo_image(arg) and model.vision is not None:
             demo_scenes += 1
-            # a new file per scene: earlier turns keep showing their own picture
-            _, path = save_demo_scene("demo_scene.png" if demo_scenes == 1 else f"demo_scene-{demo_scenes}.png")
-            session.attach(str(path))
+            # a new file per scene: earlier turns keep showing their own picture; the k-th image
+            # of the chat is scene seed + k, as the k-th --image of run
+            (path,), _ = demo_images([arg], seed, "demo_scene.png" if demo_scenes == 1 else
+                                     f"demo_scene-{demo_scenes}.png", first=attached)
+            session.attach(path)
+            attached += 1
             return f"a random demo scene, saved to {path}"
         session.attach(arg)
+        attached += 1
         return arg
 
     if image:
@@ -262,6 +279,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                     say(HELP)
                 elif cmd == "/reset":
                     session.reset(keep_attached=True)
+                    noted = False
                     n = len(session.pending_images)
                     say("[conversation cleared" + (f"; the {n} attached image(s) stay for your next message]"
                                                    if n else "]"))
@@ -280,6 +298,12 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
             except OSError as e:  # /save into a missing folder, a full disk, ...
                 say(f"error: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
             continue
+        if not noted and not session.pending_images and not any(
+                isinstance(m["content"], list) for m in session.messages):
+            note = no_image_note(model, "an image (--image, /image)")
+            if note:
+                print(note, file=sys.stderr, flush=True)
+                noted = True
         try:
             with closing(session.send(line)) as pieces:
                 if session.dropped:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -79,7 +80,7 @@ class Model:
         self.options = self.arch.resolve_runtime_options(options or {})
         self.config = m["config"]
         self.dtype = m["dtype"]
-        self.threads = check_threads(threads) if threads else default_threads()
+        self.threads = check_threads(threads) if threads is not None else default_threads()
         self.tokenizer = Tokenizer(self.path, fallback_template=self.arch.chat_template)
 
         graphs = m["graphs"]
@@ -236,18 +237,19 @@ class Model:
         points = {p for p in self.arch.snapshot_points(self, list(input_ids)) if start < p < len(keys)}
         step = int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
         cuts = sorted(points | set(range(start + step, len(keys), step)) | {len(keys)})
-        s = start
-        for e in cuts:
-            # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed
-            # smaller caches as heap holes (a 2B model, a 1000-token prompt in 512-token chunks:
-            # 0.84 -> 0.45 GB of prefill memory)
-            hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e], ids=input_ids[s:e],
-                                             kv_hint=len(keys) if len(cuts) > 1 else 0)
-            if e in points:
-                self.cache.snapshot()
-            s = e
-        self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
-        self.cache_keys.extend(keys[start:])
+        with self._whole_or_nothing():
+            s = start
+            for e in cuts:
+                # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed
+                # smaller caches as heap holes (a 2B model, a 1000-token prompt in 512-token
+                # chunks: 0.84 -> 0.45 GB of prefill memory)
+                hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e], ids=input_ids[s:e],
+                                                 kv_hint=len(keys) if len(cuts) > 1 else 0)
+                if e in points:
+                    self.cache.snapshot()
+                s = e
+            self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
+            self.cache_keys.extend(keys[start:])
         self.last_prefill_tokens = len(keys) - start
         logits = self.logits(hidden[-1:])[0]
         if len(keys) - start > 1:
@@ -256,10 +258,25 @@ class Model:
 
     def step(self, token: int) -> np.ndarray:
         pos = np.full((1, 1), self.cache.next_position, np.int64)
-        # no ids: a decoded token's row is always a text embedding, whatever its id
-        hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos)
-        self.cache_keys.append(int(token))
+        with self._whole_or_nothing():
+            # no ids: a decoded token's row is always a text embedding, whatever its id
+            hidden, _ = self.decoder.forward(self.embedding([token]), self.cache, pos)
+            self.cache_keys.append(int(token))
         return self.logits(hidden)[0]
+
+    @contextmanager
+    def _whole_or_nothing(self):
+        """The cache either takes a whole prefill or step or is left as whole as before it: an
+        exception or a Ctrl-C inside a forward (an expert read failing, a notebook interrupt)
+        would leave earlier layers' recurrent state advanced while the length is not, and the
+        next prompt reusing the cache would silently continue from a state no prompt produced."""
+        length = self.cache.length
+        try:
+            yield
+        except BaseException:
+            kept = self.cache.recover(min(length, len(self.cache_keys)))
+            del self.cache_keys[kept:]
+            raise
 
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,

@@ -44,7 +44,7 @@ def default_threads() -> int:
             n = int(env)
         except ValueError:
             raise EdgevlError(f"EDGEVL_THREADS must be an integer, got {env!r}") from None
-        return check_threads(max(1, n), "EDGEVL_THREADS")
+        return check_threads(n, "EDGEVL_THREADS")  # 0 is a mistake, as for --threads
     try:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # pragma: no cover - very old wheels
@@ -229,22 +229,30 @@ class Net:
         if kv_hint:
             ex.set_kvcache_max_seqlen_hint(int(kv_hint))
         _feed(ex, feeds)
-        done, keep = {}, {n for n, _ in wanted}
-        for i, p in enumerate(passes):
-            names, fn = p[0], p[1]
-            got = _extract(ex, [(n, 0) for n in names], self.where)
-            # only what the caller wants is kept past its pass
-            done.update((n, m) for n, m in got.items() if n in keep)
-            raw = len(p) > 2 and p[2]  # the hook takes the Mats themselves (no copies)
-            _feed(ex, fn(got if raw else {n: from_mat(m) for n, m in got.items()}))
-            del got
-            # a blob no layer consumes stays in the extractor until it is destroyed (light mode
-            # frees a blob when its consumers have run): drop the host passes' leaves now (a
-            # 128-token prefill at the 35B-A3B layer shapes, 16 layers: peak 1484 -> 1412 MB)
-            later = {n for q in passes[i + 1:] for n in q[0]}
-            for n in names:
-                if n in self.leaves and n not in later:
-                    ex.input(n, ncnn.Mat())
+        done, keep, got = {}, {n for n, _ in wanted}, None
+        try:
+            for i, p in enumerate(passes):
+                names, fn = p[0], p[1]
+                got = _extract(ex, [(n, 0) for n in names], self.where)
+                # only what the caller wants is kept past its pass
+                done.update((n, m) for n, m in got.items() if n in keep)
+                raw = len(p) > 2 and p[2]  # the hook takes the Mats themselves (no copies)
+                _feed(ex, fn(got if raw else {n: from_mat(m) for n, m in got.items()}))
+                got = None
+                # a blob no layer consumes stays in the extractor until it is destroyed (light
+                # mode frees a blob when its consumers have run): drop the host passes' leaves
+                # now (a 128-token prefill at the 35B-A3B layer shapes, 16 layers: peak 1484 ->
+                # 1412 MB)
+                later = {n for q in passes[i + 1:] for n in q[0]}
+                for n in names:
+                    if n in self.leaves and n not in later:
+                        ex.input(n, ncnn.Mat())
+        except BaseException:
+            # A traceback kept after a failed pass (pytest.raises, a notebook's last error) holds
+            # this frame: its extractor and Mats would outlive the pools they came from, and
+            # ncnn aborts when the pools go first. Drop them before the exception leaves.
+            ex = done = got = None
+            raise
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
         # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
         rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
@@ -423,6 +431,9 @@ class HostState(RecurrentState):
     ``recurrent``: snapshots restore it."""
 
     kind = "host"
+    # handed out by ``get`` during a forward that has not completed: hooks update the arrays in
+    # place, so the state may be ahead of the cache's length until ``update`` marks it whole
+    dirty = False
 
     def feeds(self) -> dict:
         return {}
@@ -431,12 +442,17 @@ class HostState(RecurrentState):
         return []
 
     def update(self, res: dict) -> None:
-        pass
+        self.dirty = False
+
+    def restore(self, snap) -> None:
+        super().restore(snap)
+        self.dirty = False
 
     def get(self) -> tuple:
         """The state Mats (zeros before the first update)."""
         if self.mats is None:
             self.mats = tuple(to_mat(np.zeros(s, np.float32)) for s in self.shapes)
+        self.dirty = True
         return self.mats
 
     def set(self, mats) -> None:
@@ -488,16 +504,40 @@ class Cache:
             return
         if self.rollback_point(n) != n:
             raise ValueError(f"this cache cannot go back to {n} tokens")
+        self._go_back(n)
+
+    def _go_back(self, n: int) -> None:
+        """Truncate KV to ``n`` tokens and restore the other states' snapshot taken at ``n``."""
         snap = self._snapshots.get(n)
         for s in self.layers:
             if s.truncatable:
                 s.truncate(n)
-        if not self.truncatable:
+        if snap is not None:
             for s, a in zip((s for s in self.layers if not s.truncatable), snap):
                 s.restore(a)
         self._snapshots = {k: v for k, v in self._snapshots.items() if k <= n}
         self.length = n
         del self.next_positions[n:]
+
+    def recover(self, n: int) -> int:
+        """After a forward that failed part-way (an exception, a Ctrl-C): go back to a state
+        that is whole, at length ``n`` (where the failed call started) or the nearest earlier
+        point kept; returns that length. KV and in-graph recurrent states change only when a
+        forward completes, but host states are updated in place layer by layer, so a failure
+        inside a forward leaves them ahead of ``length``: they come back from a snapshot."""
+        if n == self.length and not any(getattr(s, "dirty", False) for s in self.layers):
+            return n
+        if n < self.length:
+            p = self.rollback_point(n)
+        elif any(s.truncatable for s in self.layers) and not kv_truncation_works():
+            p = 0
+        else:   # host state ahead of the length: only a snapshot at or before it is whole
+            p = max((k for k in self._snapshots if k <= n), default=0)
+        if p == 0:
+            self.__init__(self.specs)
+        else:
+            self._go_back(p)
+        return p
 
     def snapshot(self) -> None:
         """Remember the recurrent state at the current length (a turn boundary)."""

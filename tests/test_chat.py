@@ -102,7 +102,13 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(pkg):
     with pytest.raises(KeyboardInterrupt):
         "".join(chat.send("How many shapes are there?"))
     assert len(chat.last_tokens) == 3 and chat.messages[-1]["role"] == "assistant"  # the partial answer is kept
-    assert model.cache_keys == []  # the cache may be half-updated: it is recomputed next turn
+    # the interrupted step left the cache whole: the conversation goes on from it as from scratch
+    assert model.cache.length == len(model.cache_keys) > 0
+    ids = model.cache_keys + [chat.last_tokens[-1]]
+    model.step = real
+    assert list(model.generate_tokens(ids, 6, ignore_eos=True)) == \
+        list(edgevl.load(pkg).generate_tokens(ids, 6, ignore_eos=True))
+    model.step = step
     calls[:] = [0] * 12  # the next call is the 13th: the first answer is interrupted, the next ones are not
     code, out = run_script(model, ["How many shapes are there?", "Two?", "/save /dev/null"], max_new_tokens=4)
     assert code == 0 and out.count("[interrupted]") == 1 and out.rstrip().endswith("[transcript saved to /dev/null]")
