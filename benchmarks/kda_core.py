@@ -13,8 +13,7 @@ import time
 
 import numpy as np
 
-from edgevl.models import gated_delta as gd
-from edgevl.models import youtu_moe as Y
+from edgevl.blocks import gated_delta as gd
 
 
 def main(argv=None) -> int:
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     a = ap.parse_args(argv)
     h, d, n = a.heads, a.dim, a.layers
-    core = Y.KdaCore(gd.DeltaDims(h, h, d, d), -5.0)
+    core = gd.KdaCore(gd.DeltaDims(h, h, d, d), -5.0)
     rng = np.random.default_rng(0)
     consts = core.consts(np.ones(h * d, np.float32), np.zeros(h * d, np.float32))
     states = [core.new_state(rng.standard_normal((h, d, d)).astype(np.float32)) for _ in range(n)]

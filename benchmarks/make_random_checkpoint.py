@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import YoutuConfig, YoutuForCausalLM
 
-    from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
+    from edgevl.verification.tokenizers import save_tokenizer, train_tokenizer
     from random_weights import param_count, write_config, write_shards
 
     cfg = YoutuConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

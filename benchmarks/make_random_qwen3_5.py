@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
+    from edgevl.verification.tokenizers import save_tokenizer, train_tokenizer
     from random_weights import param_count, write_config, write_shards
 
     text = dict(TEXT)

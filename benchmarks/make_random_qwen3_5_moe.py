@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from edgevl.models import qwen3_5 as q
+from edgevl.verification.families import qwen3_5 as q
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")

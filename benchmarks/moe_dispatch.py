@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgevl.models import moe  # noqa: E402
+from edgevl.blocks import moe  # noqa: E402
 
 
 def random_experts(n, hidden, inter, seed=0):

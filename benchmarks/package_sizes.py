@@ -44,7 +44,7 @@ def shapes_youtu_llm_2b() -> tuple[dict, bool]:
 def shapes_youtu_vl_4b() -> tuple[dict, bool]:
     import torch
 
-    from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration, make_config
+    from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration, make_config
 
     cfg = make_config(**YOUTU_VL_4B)
     with torch.device("meta"):
@@ -77,7 +77,7 @@ def package_bytes(shapes: dict, tied: bool, dtype: str) -> int:
 
 
 def q8_keeps_bf16(name: str) -> bool:
-    from edgevl.models.youtu import q8_keeps_bf16 as keeps
+    from edgevl.models.youtu.model import q8_keeps_bf16 as keeps
 
     return keeps(name.removesuffix(".weight"))
 

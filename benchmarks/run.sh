@@ -31,8 +31,8 @@ convert "$ck" "$WORK/pk2b-bf16" bf16
 convert "$ck" "$WORK/pk2b-q8" q8
 vl=$WORK/vl4b
 [ -f "$vl/config.json" ] || python -c "
-import sys; from edgevl.models.youtu_vl import ARCH
-ARCH.make_tiny(sys.argv[1], 'default', seed=0, dtype='bf16', hidden_size=2560, intermediate_size=512,
+import sys; from edgevl.verification.families.youtu_vl import VERIFY
+VERIFY.make_tiny(sys.argv[1], None, seed=0, dtype='bf16', hidden_size=2560, intermediate_size=512,
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
                kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
                vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,

@@ -9,7 +9,8 @@ column. Output (by extension): JSONL or Parquet, one row per input with the fiel
 ``error`` is null when the row went well.
 
 Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
-into ``answer``; ``chat_template_kwargs`` (CLI: ``--thinking/--no-thinking``) reach the template.
+into ``answer``; ``thinking`` (CLI: ``--thinking/--no-thinking``) and ``chat_template_kwargs`` reach
+the template.
 A row whose token limit ran out inside the thinking, before any answer, is not a success: it has
 ``finish_reason`` "length", the thinking so far, an empty answer and the error ``THOUGHT_CUT``
 (raise --max-new-tokens or pass --no-thinking, then --retry-errors), so it counts as failed.
@@ -77,18 +78,11 @@ CSV_FIELD_LIMIT = 2**31 - 1  # the largest the csv module takes everywhere (a C 
 # One row: the only place that calls the model
 
 
-def extract_boxes(answer: str, event=None) -> list[dict]:
+def extract_boxes(event) -> list[dict]:
     """Structured boxes of an answer, ``[{"box": [x1, y1, x2, y2], "label": str | None}]`` in
-    original-image pixels.
-
-    The one place that knows where boxes come from: the generation's own (Box tuples on the last
-    event, where generation provides them), else the ``<box>`` tokens of the text."""
-    boxes = getattr(event, "boxes", None)
-    if boxes is not None:
-        return [{"box": [int(v) for v in b.xyxy], "label": b.label} for b in boxes]
-    from .boxes import parse_boxes
-
-    return [{"box": [int(v) for v in b["box"]], "label": b["label"]} for b in parse_boxes(answer)]
+    original-image pixels: the ones generation found (its last event's Box tuples; only a model
+    with an output processor, e.g. one that reads grounding coordinates, finds any)."""
+    return [{"box": [int(v) for v in b.xyxy], "label": b.label} for b in (getattr(event, "boxes", None) or [])]
 
 
 def empty_row(item: dict) -> dict:
@@ -112,7 +106,7 @@ def process_row(model, item: dict, options: dict) -> dict:
                 thought.append(ev.reasoning)
                 last = ev
             answer, reasoning = "".join(text), "".join(thought)
-            row.update(answer=answer, reasoning=reasoning or None, boxes=extract_boxes(answer, last),
+            row.update(answer=answer, reasoning=reasoning or None, boxes=extract_boxes(last),
                        tokens_in=last.prompt_tokens, tokens_out=last.generation_tokens,
                        finish_reason=last.finish_reason)
             if last.finish_reason == "length" and reasoning and not answer.strip():
@@ -926,7 +920,7 @@ def _check_worker_memory(path: Path, workers: int, started: int) -> None:
     """Each local worker loads its own copy of the model: refuse more than the memory holds now,
     before any starts (they would swap the machine to a halt or be killed one by one).
     ``started``: the workers that would start (no more than there are rows)."""
-    from .models.moe import available_memory
+    from .runtime import available_memory
     from .package import read_manifest
 
     free = available_memory()
@@ -950,7 +944,8 @@ class BatchJob:
                  image_column: str = "image", prompt_column: str = "prompt", id_column: str = "id",
                  max_image_patches: int | None = None, low_memory: bool = False, progress: bool = False,
                  model_options: dict | None = None, chat_template_kwargs: dict | None = None,
-                 allow_special_in_content: bool = False, repair: bool = False, **sampling):
+                 thinking: bool | None = None, allow_special_in_content: bool = False, repair: bool = False,
+                 **sampling):
         from .generate import template_kwargs
         from .model import Model
         from .sample import Sampler
@@ -979,7 +974,7 @@ class BatchJob:
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
                          "options": dict(sampling, max_image_patches=max_image_patches,
                                          chat_template_kwargs=template_kwargs(chat_template_kwargs),
-                                         allow_special_in_content=allow_special_in_content),
+                                         thinking=thinking, allow_special_in_content=allow_special_in_content),
                          "model_options": dict(model_options or {})}   # the architecture's load-time options
         if output is not None:
             _refuse_output_is_input(rows, output)
@@ -1061,14 +1056,14 @@ def batch(model, rows, prompt: str | None = None, output=None, **kwargs) -> Iter
     (and optionally ``prompt``, ``id``). With ``output`` (.jsonl/.parquet) every row is written as
     it finishes and rows already there are skipped (not yielded). Options: ``workers``,
     ``threads``, ``ray`` (True or an address), ``overwrite``, ``retry_errors``, ``repair``,
-    ``progress``, ``max_image_patches``, ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
-    False}``), ``allow_special_in_content`` and the sampling options of ``generate``.
+    ``progress``, ``max_image_patches``, ``thinking`` (False: a direct answer from a model that can
+    think first), ``chat_template_kwargs``, ``allow_special_in_content`` and the sampling options
+    of ``generate``.
     """
     yield from BatchJob(model, rows, prompt, output, **kwargs).run()
 
 
-def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None,
-              chat_template_kwargs: dict | None = None) -> int:
+def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = None) -> int:
     """``edgevl batch``: exit 0 when every row has an answer, 1 when some rows failed (summary line).
     ``model_options``: the architecture's load-time options (e.g. expert_cache_mb)."""
     if a.ray not in (None, "local") and (Path(a.ray) / "manifest.json").is_file():
@@ -1077,7 +1072,7 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
                    overwrite=a.overwrite, retry_errors=a.retry_errors, repair=a.repair, image_column=a.image_column,
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
                    low_memory=a.low_memory, progress=not a.quiet, model_options=model_options,
-                   chat_template_kwargs=chat_template_kwargs, allow_special_in_content=a.allow_special_in_content,
+                   thinking=a.thinking, allow_special_in_content=a.allow_special_in_content,
                    **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "

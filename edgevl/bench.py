@@ -59,7 +59,7 @@ def worker_edgevl(a: dict) -> dict:
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
             "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
             "dtype": m.dtype, "options": m.manifest.get("options", {}), "load_options": m.options,
-            "llamacpp_type": m.arch.llamacpp_type(m.manifest), "runtime": m.runtime_stats()}
+            "llamacpp_type": m.arch.bench.type_of(m.manifest), "runtime": m.runtime_stats()}
 
 
 def worker_torch(a: dict) -> dict:
@@ -71,9 +71,11 @@ def worker_torch(a: dict) -> dict:
     from .weights import Checkpoint
 
     torch.set_num_threads(a["threads"])
+    from .verification import get
+
     arch = models.resolve(Checkpoint(a["reference"]).config)
     t0 = time.perf_counter()
-    ref = arch.reference(a["reference"], dtype="bf16")
+    ref = get(arch.name).reference(a["reference"], dtype="bf16")
     load = time.perf_counter() - t0
     ids = _prompt_ids(a["prompt_tokens"], a["vocab"])
     ref.start(ids[:4])
@@ -222,25 +224,26 @@ def _run_worker(kind: str, args: dict, timeout: int = 3600) -> dict:
 # llama.cpp: GGUF conversion with the converter shipped in llama-cpp-python's sdist
 
 
-# tensors a GGUF type like "bf16+q8_0-experts-head" stores apart from the rest (llama.cpp's
-# names; "head" includes the embedding, which a tied model's head is)
-GGUF_PARTS = {"experts": r"_exps\.weight$", "head": r"^(output|token_embd)\.weight$"}
+# the head (with the embedding, which a tied model's head is), by llama.cpp's tensor names: a
+# part every model has, which a GGUF type like "bf16+q8_0-head" stores apart from the rest; an
+# architecture's benchmark profile adds its own parts (e.g. an MoE's routed experts)
+GGUF_HEAD = {"head": r"^(output|token_embd)\.weight$"}
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
-def parse_gguf_type(outtype: str) -> tuple[str, dict]:
+def parse_gguf_type(outtype: str, parts: dict) -> tuple[str, dict]:
     """``BASE[+TYPE-PART[-PART...]]...`` -> (base type, {tensor-name pattern: type}); e.g.
     ``bf16+q8_0-experts``: routed experts in q8_0, every other weight bf16, as llama-quantize's
-    ``--tensor-type`` would make it."""
+    ``--tensor-type`` would make it. ``parts``: part name -> tensor-name pattern."""
     base, *overrides = outtype.split("+")
     forced = {}
     for o in overrides:
-        t, _, parts = o.partition("-")
-        names = parts.split("-") if parts else []
-        if t not in GGUF_TYPES or not names or any(p not in GGUF_PARTS for p in names):
+        t, _, named = o.partition("-")
+        names = named.split("-") if named else []
+        if t not in GGUF_TYPES or not names or any(p not in parts for p in names):
             raise EdgevlError(f"GGUF type {outtype!r}: write BASE+TYPE-PART, TYPE one of {', '.join(GGUF_TYPES)}, "
-                              f"PART one of {', '.join(GGUF_PARTS)} (e.g. bf16+q8_0-experts)")
-        forced.update({GGUF_PARTS[p]: t for p in names})
+                              f"PART one of {', '.join(parts)} (e.g. bf16+q8_0-head)")
+        forced.update({parts[p]: t for p in names})
     if base not in GGUF_TYPES:
         raise EdgevlError(f"GGUF type {outtype!r}: the base type must be one of {', '.join(GGUF_TYPES)}")
     return base, forced
@@ -260,13 +263,17 @@ def forced_quant(forced: dict, own, types):
     return force
 
 
-def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", extra_args=(), mmproj: bool = False) -> Path:
+def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", profile=None, mmproj: bool = False) -> Path:
     """The checkpoint as a GGUF file (``mmproj``: its vision projector, for llama.cpp's mtmd;
-    ``extra_args``: the architecture's ``llamacpp_convert_args``; ``outtype`` as
-    :func:`parse_gguf_type` reads it)."""
+    ``profile``: the architecture's ``BenchProfile``, for its converter arguments and parts;
+    ``outtype`` as :func:`parse_gguf_type` reads it)."""
     import tarfile
 
-    base, forced = parse_gguf_type(outtype)
+    from .models.protocol import BenchProfile
+
+    profile = profile or BenchProfile()
+    extra_args = profile.convert_args
+    base, forced = parse_gguf_type(outtype, {**GGUF_HEAD, **profile.parts})
     out = work / f"{hf_dir.name}{'-mmproj' if mmproj else ''}-{outtype}.gguf"
     if out.exists():
         return out
@@ -410,7 +417,7 @@ def markdown_table(results: dict) -> str:
 
 def same_precision_ratios(results: dict) -> list[tuple[str, str, float, float]]:
     """(edgevl variant, llama.cpp variant, decode ratio, prefill ratio) for every edgevl variant
-    whose llama.cpp counterpart (its ``llamacpp_type``: q8 against q8_0, an MoE package's q8
+    whose llama.cpp counterpart (its ``bench.type_of``: q8 against q8_0, an MoE package's q8
     experts against q8_0 experts) ran in the same run."""
     from .models.protocol import GGUF_OF_DTYPE
 
@@ -453,14 +460,14 @@ def plot(results: dict, path, title: str = "") -> None:
 
 def llamacpp_types(packages) -> list[str]:
     """The GGUF types llama.cpp runs at without ``--gguf-types``: each package's precision
-    (its architecture's ``llamacpp_type``), bf16 where none has a counterpart."""
+    (its architecture's ``bench.type_of``), bf16 where none has a counterpart."""
     from . import models
     from .package import read_manifest
 
     types = []
     for p in packages:
         m = read_manifest(p)
-        types.append(models.get(m["architecture"]).llamacpp_type(m))
+        types.append(models.get(m["architecture"]).bench.type_of(m))
     return [t for t in dict.fromkeys(types) if t] or ["bf16"]
 
 
@@ -524,10 +531,10 @@ def bench_cli(a) -> int:
             from .weights import Checkpoint
 
             work = ref.resolve().parent  # GGUF files (GBs) go beside the checkpoint
-            extra = models.resolve(Checkpoint(ref).config).llamacpp_convert_args
+            profile = models.resolve(Checkpoint(ref).config).bench
             packages = [args["model"] for kind, args in systems.values() if kind == "edgevl"]
             for outtype in (a.gguf_types.split(",") if a.gguf_types else llamacpp_types(packages)):
-                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, extra))})
+                systems[f"llama.cpp {outtype}"] = ("llamacpp", {"gguf": str(gguf_for(ref, work, outtype, profile))})
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")
     res = bench(systems, a.prompt_tokens, a.gen_tokens, threads, a.repeats)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import EdgevlError
-from .generate import Event, default_max_new_tokens, prepare, stream_events, template_kwargs, with_reasoning
+from .generate import Event, default_max_new_tokens, model_template_kwargs, prepare, stream_events, with_reasoning
 from .model import Model, load
 from .sample import resolve
 
@@ -84,12 +84,12 @@ class ChatSession:
                  max_image_patches: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
                  stop=None, allow_special_in_content: bool = False, chat_template_kwargs=None,
-                 show_reasoning: bool = False):
+                 show_reasoning: bool = False, thinking: bool | None = None):
         # unset values come from the model's generation_config.json; bad ones fail now, not per turn
         resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty)
         # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
         self.allow_special_in_content = allow_special_in_content
-        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)
+        self.chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
         self.show_reasoning = show_reasoning  # the history keeps only answers either way
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(model)
@@ -165,7 +165,8 @@ class ChatSession:
                                    max_image_patches=self.max_image_patches,
                                    allow_special_in_content=self.allow_special_in_content,
                                    chat_template_kwargs=self.chat_template_kwargs, **self.sampling)
-            for shown, ev in (with_reasoning(events) if self.show_reasoning else ((e.text, e) for e in events)):
+            for shown, ev in (with_reasoning(events, self.model.arch.reasoning_tokens) if self.show_reasoning
+                              else ((e.text, e) for e in events)):
                 if ev.token is not None:
                     tokens.append(ev.token)
                 if ev.finish_reason:
@@ -193,7 +194,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
               max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
               top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
               stop=None, system: str | None = None, input_fn=input, out=None,
-              allow_special_in_content: bool = False, chat_template_kwargs=None, show_reasoning: bool = False) -> int:
+              allow_special_in_content: bool = False, chat_template_kwargs=None, show_reasoning: bool = False,
+              thinking: bool | None = None) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -209,7 +211,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seed=seed, stop=stop, allow_special_in_content=allow_special_in_content,
-                          chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning)
+                          chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning, thinking=thinking)
     demo_scenes = attached = 0
     noted = False  # the no-image note, once per conversation
 

@@ -127,15 +127,12 @@ def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
                         "default message contents are plain text and only the chat template adds control tokens")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="models that can think before answering: --no-thinking asks the chat template for a "
-                        "direct answer (enable_thinking=false); default: the template's own, often on)")
+                        "direct answer (through the template's own switch); default: the template's own, "
+                        "often on)")
     if show:
         p.add_argument("--show-thinking", action="store_true",
-                       help="also print the model's thinking, inside <think>...</think> (default: answer only)")
-
-
-def template_args(a) -> dict:
-    """chat_template_kwargs from --thinking/--no-thinking."""
-    return {} if a.thinking is None else {"enable_thinking": a.thinking}
+                       help="also print the model's thinking, between its reasoning markers such as "
+                            "<think>...</think> (default: answer only)")
 
 
 def check_model_args(a) -> None:
@@ -242,8 +239,9 @@ def cmd_run(a) -> int:
     text, boxes = [], []
     events = stream_events(model, a.prompt, image=images or None, raw=a.raw, max_image_patches=a.max_image_patches,
                            allow_special_in_content=a.allow_special_in_content,
-                           chat_template_kwargs=template_args(a), **kwargs)
-    for shown, ev in (with_reasoning(events) if a.show_thinking else ((e.text, e) for e in events)):
+                           thinking=a.thinking, **kwargs)
+    for shown, ev in (with_reasoning(events, model.arch.reasoning_tokens) if a.show_thinking
+                      else ((e.text, e) for e in events)):
         if shown:
             sys.stdout.write(shown)
             sys.stdout.flush()
@@ -270,7 +268,7 @@ def cmd_run(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from .verify import verify
+    from .verification.verify import verify
 
     check_model_args(a)
     check_image_out(a.demo_out, "--demo-out")
@@ -288,7 +286,7 @@ def cmd_chat(a) -> int:
     check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
-                     allow_special_in_content=a.allow_special_in_content, chat_template_kwargs=template_args(a),
+                     allow_special_in_content=a.allow_special_in_content, thinking=a.thinking,
                      show_reasoning=a.show_thinking, **sampling_kwargs(a))
 
 
@@ -303,7 +301,7 @@ def cmd_serve(a) -> int:
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
-                 chat_template_kwargs=template_args(a))
+                 thinking=a.thinking)
 
 
 def cmd_check(a) -> int:
@@ -365,7 +363,7 @@ def cmd_batch(a) -> int:
     from .batch import batch_cli
 
     check_model_args(a)  # as in run: before the demo model is converted or anything is read
-    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a), template_args(a))
+    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a))
 
 
 def build_parser() -> argparse.ArgumentParser:

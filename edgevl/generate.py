@@ -12,7 +12,8 @@ Sampling settings left as None come from the checkpoint's ``generation_config.js
 Models that think before answering (their architecture declares ``reasoning_tokens``, e.g.
 ``<think>``/``</think>``) get that text apart from the answer: ``Event.reasoning``, never mixed
 into ``Event.text``; ``stream_generate``/``generate`` leave it out unless ``show_reasoning``.
-``chat_template_kwargs`` reach the chat template (e.g. ``{"enable_thinking": False}``).
+``chat_template_kwargs`` reach the chat template (e.g. ``{"enable_thinking": False}``);
+``thinking=False`` asks any model that can switch its thinking off for a direct answer.
 """
 
 from __future__ import annotations
@@ -133,7 +134,10 @@ def _validate_messages(messages) -> None:
             raise EdgevlError("video input is not supported; send frames as images")
 
 
-def template_kwargs(kwargs) -> dict:
+def template_kwargs(kwargs, switches=()) -> dict:
+    """``chat_template_kwargs`` checked: named values, none the template renderer sets itself, the
+    template's ``switches`` (``Architecture.template_switches``) booleans, and no value a string
+    that reads as a boolean — to a template the string "false" is true (thinking stayed on)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
@@ -141,10 +145,21 @@ def template_kwargs(kwargs) -> dict:
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"} & set(kwargs)
     if reserved:
         raise EdgevlError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-    for k in ("enable_thinking", "add_vision_id"):  # to a template "false" is true: thinking stayed on
-        if k in kwargs and not isinstance(kwargs[k], bool):
-            raise EdgevlError(f"chat_template_kwargs {k} must be true or false (a JSON boolean), got {kwargs[k]!r}")
+    for k, v in kwargs.items():
+        # a template reads any non-empty string as true: "false" would switch a thing on
+        if (k in switches and not isinstance(v, bool)) or (isinstance(v, str) and v.strip().lower() in BOOLEAN_WORDS):
+            raise EdgevlError(f"chat_template_kwargs {k} must be true or false (a JSON boolean), got {v!r:.40}")
     return dict(kwargs)
+
+
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "0", "1")
+
+
+def model_template_kwargs(model, chat_template_kwargs=None, thinking: bool | None = None) -> dict:
+    """The template arguments for ``model``: its switch for ``thinking`` (None: the template's
+    default) under the given ``chat_template_kwargs``, checked against its switches."""
+    kw = {**model.arch.thinking_args(thinking), **template_kwargs(chat_template_kwargs)}
+    return template_kwargs(kw, model.arch.template_switches)
 
 
 _MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -179,7 +194,8 @@ def _masked(messages, marks) -> list[dict]:
 def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_template_kwargs=None) -> list[int]:
     """Render the chat template and tokenize it. Control tokens come only from the template:
     special-token text inside a message (``<|end_of_text|><|begin_of_text|>system``...) is
-    tokenized as plain text, so a client cannot forge turns, unless ``allow_special_in_content``."""
+    tokenized as plain text, so a client cannot forge turns, unless ``allow_special_in_content``.
+    ``chat_template_kwargs``: as ``template_kwargs`` checks them."""
     kw = template_kwargs(chat_template_kwargs)
     text = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
     contents = _contents(messages)
@@ -208,12 +224,15 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
 
 
 def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
-            allow_special_in_content: bool = False, chat_template_kwargs=None) -> Prepared:
+            allow_special_in_content: bool = False, chat_template_kwargs=None,
+            thinking: bool | None = None) -> Prepared:
     """Render the chat template, tokenize, encode images and expand each image placeholder.
 
     Message contents are plain text (see ``encode_messages``); ``raw=True`` tokenizes the prompt
-    as it is, special-token text included."""
+    as it is, special-token text included. ``thinking``: ask a model that can think first to do
+    so or not (its chat template's switch; None: the template's default)."""
     tok = model.tokenizer
+    chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -271,7 +290,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
                   seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
                   reuse_cache: bool = True, postprocess: bool = True,
-                  allow_special_in_content: bool = False, chat_template_kwargs=None) -> Iterator[Event]:
+                  allow_special_in_content: bool = False, chat_template_kwargs=None,
+                  thinking: bool | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer."""
@@ -281,9 +301,10 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         max_new_tokens = default_max_new_tokens(model)
     t0 = time.perf_counter()
     prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches,
-                   allow_special_in_content=allow_special_in_content, chat_template_kwargs=chat_template_kwargs)
+                   allow_special_in_content=allow_special_in_content, chat_template_kwargs=chat_template_kwargs,
+                   thinking=thinking)
     # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
-    post = model.arch.output_processor(model, prep.images) if postprocess else None
+    post = model.arch.output_processor(prep.images) if postprocess else None
     split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
     gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
                                 reuse_cache=reuse_cache, **settings.kwargs())
@@ -340,28 +361,28 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     yield stats(tail, None, finish, thought)
 
 
-REASONING_OPEN, REASONING_CLOSE = "<think>\n", "\n</think>\n\n"
-
-
-def with_reasoning(events) -> Iterator[tuple[str, Event]]:
-    """(text to show, event) with the reasoning shown inside ``<think>``...``</think>``."""
+def with_reasoning(events, markers) -> Iterator[tuple[str, Event]]:
+    """(text to show, event) with the reasoning shown between the model's own ``markers``
+    (``Architecture.reasoning_tokens``, e.g. ``<think>``...``</think>``) on lines of their own."""
+    start, end = markers or ("", "")
     inside = False
     for ev in events:
         out = ""
         if ev.reasoning:
-            out += ("" if inside else REASONING_OPEN) + ev.reasoning
+            out += ("" if inside else f"{start}\n") + ev.reasoning
             inside = True
         if inside and (ev.text or ev.finish_reason):
-            out += REASONING_CLOSE
+            out += f"\n{end}\n\n"
             inside = False
         yield out + ev.text, ev
 
 
 def stream_generate(model, prompt, image=None, show_reasoning: bool = False, **kwargs) -> Iterator[str]:
     """Yield text pieces as they are generated (see ``stream_events`` for the options);
-    ``show_reasoning`` includes the model's thinking, inside ``<think>``...``</think>``."""
+    ``show_reasoning`` includes the model's thinking, between its reasoning markers."""
     events = stream_events(model, prompt, image=image, **kwargs)
-    for text, _ in (with_reasoning(events) if show_reasoning else ((ev.text, ev) for ev in events)):
+    for text, _ in (with_reasoning(events, model.arch.reasoning_tokens) if show_reasoning
+                    else ((ev.text, ev) for ev in events)):
         if text:
             yield text
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import models
 from .errors import EdgevlError
+from .models.protocol import PackageView
 from .package import check_listed, package_path, read_manifest, verify_files
 from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads, trim_heap
 from .sample import Sampler
@@ -85,7 +86,9 @@ class Model:
 
         graphs = m["graphs"]
         self.max_context = int(m["context"])
-        self.decoder = self.arch.make_decoder(self, self._net("decoder", light_mode))
+        # what the architecture sees of this package (never the whole model)
+        self.package = PackageView(self.path, m, self.options, self.threads, self.dtype, self.open_net)
+        self.decoder = self.arch.make_decoder(self.package, self._net("decoder", light_mode))
         self.head = LMHead(self._net("lm_head"), graphs["lm_head"])
         e = m["embedding"]
         self.embedding = Embedding(str(package_path(self.path, e["file"], m, "embedding file")), e["segments"],
@@ -102,7 +105,7 @@ class Model:
                 self.eos_ids.add(tid)
 
         self.image_token_id = m.get("image_token_id")
-        self.vision = self.arch.make_vision(self, self._net("vision", light_mode)) if "vision" in graphs else None
+        self.vision = self.arch.make_vision(self.package, self._net("vision", light_mode)) if "vision" in graphs else None
 
         self.cache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
@@ -115,13 +118,13 @@ class Model:
     def runtime_stats(self) -> dict:
         """What the runtime measured beyond speed (e.g. an expert cache's hit rate):
         {name: {..., "summary": one line}}; empty for most models."""
-        return self.arch.runtime_stats(self)
+        return self.arch.runtime_stats(self.package)
 
     def preload(self, progress: bool = False) -> "Model":
         """Load what the model would otherwise load on first use (an MoE's routed experts kept all
         resident; see ``Architecture.preload``): a server's first requests then run as fast as
         later ones. Returns the model."""
-        self.arch.preload(self, progress=progress)
+        self.arch.preload(self.package, progress=progress)
         return self
 
     def _net(self, name: str, light_mode: bool = True) -> Net:
@@ -234,7 +237,7 @@ class Model:
         hidden = None
         # runs end at the architecture's snapshot points (where a later prompt may diverge from
         # this one, e.g. before an answer that the next turn's template renders differently)
-        points = {p for p in self.arch.snapshot_points(self, list(input_ids)) if start < p < len(keys)}
+        points = {p for p in self.arch.snapshot_points(self.tokenizer, list(input_ids)) if start < p < len(keys)}
         step = int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
         cuts = sorted(points | set(range(start + step, len(keys), step)) | {len(keys)})
         with self._whole_or_nothing():

@@ -68,7 +68,8 @@ def from_mat(m: "ncnn.Mat") -> np.ndarray:
     return np.array(m, dtype=np.float32, copy=True)
 
 
-def _options(opt, threads: int, dtype: str, packing: bool = True) -> None:
+def set_net_options(opt, threads: int, dtype: str, packing: bool = True) -> None:
+    """ncnn options of a net in the package's precision (before its param and weights load)."""
     opt.num_threads = int(threads)  # before load: Gemm keeps the load-time value
     # packing off keeps blobs in the plain layout numpy reads: no repacking copies of large
     # host-held states between runs (for small weightless nets that pass a state through)
@@ -149,6 +150,19 @@ def heap_info() -> tuple[int, int] | None:
     return int(m.uordblks + m.hblkhd), int(m.fordblks)
 
 
+def available_memory() -> int | None:
+    """Bytes the system can still hand out without swapping (Linux ``MemAvailable``); None
+    where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def trim_heap(min_free: int = 0) -> None:
     """Give the C heap's free pages back to the system (glibc keeps freed blocks below its mmap
     threshold otherwise), if at least ``min_free`` bytes are free. No-op outside glibc."""
@@ -177,7 +191,7 @@ class Net:
     def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True,
                  packing: bool = True):
         self.net = ncnn.Net()
-        _options(self.net.opt, threads, dtype, packing)
+        set_net_options(self.net.opt, threads, dtype, packing)
         self.light_mode = light_mode
         self.where = param  # for error messages
         if self.net.load_param(param) != 0:
@@ -321,7 +335,7 @@ class SectionedNet(Net):
         net = Net.__new__(Net)
         net.net, net.light_mode = ncnn.Net(), True
         net.where = os.path.join(self.folder, sec["param"])
-        _options(net.net.opt, self.threads, self.dtype)
+        set_net_options(net.net.opt, self.threads, self.dtype)
         with open(self.binfile, "rb") as f:
             f.seek(sec["bin"][0])
             data = f.read(sec["bin"][1] - sec["bin"][0])

@@ -67,7 +67,7 @@ from urllib.parse import unquote, urlsplit
 
 from . import __version__
 from .errors import EdgevlError, PackageError
-from .generate import stream_events, template_kwargs
+from .generate import model_template_kwargs, stream_events
 from .model import Model, load
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
@@ -358,7 +358,7 @@ def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, 
     if ctk and (ctk.get("tools") or ctk.get("functions")):  # the template would render them into the prompt
         raise HTTPError(400, NO_TOOLS, "chat_template_kwargs.tools")
     try:
-        ctk = template_kwargs({**server.chat_template_kwargs, **(ctk or {})})
+        ctk = model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
     except EdgevlError as e:
         raise HTTPError(400, str(e), "chat_template_kwargs") from None
     kwargs = dict(
@@ -754,7 +754,8 @@ class EdgevlServer(ThreadingHTTPServer):
     def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
-                 max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None):
+                 max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
+                 thinking: bool | None = None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -767,7 +768,9 @@ class EdgevlServer(ThreadingHTTPServer):
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
-        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)  # defaults; requests override
+        # defaults (--no-thinking: the model's own switch); a request's chat_template_kwargs override
+        self.thinking = thinking
+        self.chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs)
         self.token_span = token_span(model.tokenizer)
         _one_malloc_arena()
         folder = Path(model.path).resolve().name
@@ -827,14 +830,14 @@ def _is_loopback(host: str) -> bool:
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
-          strict_model: bool = False, chat_template_kwargs=None) -> int:
+          strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,
-                          chat_template_kwargs=chat_template_kwargs)
+                          chat_template_kwargs=chat_template_kwargs, thinking=thinking)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

@@ -88,22 +88,27 @@ class LazyTensor:
     def row_elems(self) -> int:
         return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
-    def read_raw_rows(self, r0: int, r1: int) -> np.ndarray:
-        """Rows [r0, r1) in the checkpoint's own dtype (bf16 as uint16)."""
+    def read_raw_rows(self, r0: int, r1: int, width: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) in the checkpoint's own dtype (bf16 as uint16); with ``width``, rows of
+        the tensor seen as a [-1, width] matrix (e.g. one expert's rows of a fused [E, R, K] one)."""
         np_dtype, itemsize = _STORAGE[self.dtype]
-        per_row = self.row_elems * itemsize
+        per_row = (self.row_elems if width is None else int(width)) * itemsize
         with open(self.path, "rb") as f:
             f.seek(self.start + r0 * per_row)
             buf = f.read((r1 - r0) * per_row)
         if len(buf) != (r1 - r0) * per_row:
             raise EdgevlError(f"{os.path.basename(self.path)} ends inside tensor {self.name}; "
                               "the file is truncated — re-download it")
-        return np.frombuffer(buf, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(
-            (r1 - r0,) + self.shape[1:])
+        shape = (r1 - r0,) + (self.shape[1:] if width is None else (int(width),))
+        return np.frombuffer(buf, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
 
-    def read_rows(self, r0: int, r1: int) -> np.ndarray:
-        """Rows [r0, r1) as float32 (NaN or infinity is a one-line error naming the tensor)."""
-        return _to_f32(self.read_raw_rows(r0, r1), self.dtype, self.name, self.path, r0)
+    def read_rows(self, r0: int, r1: int, width: int | None = None, what: str | None = None,
+                  shown_row: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) as float32 (``width``: as ``read_raw_rows``); NaN or infinity is a
+        one-line error naming the tensor (``what``: the part of it that was read, whose first
+        row is ``shown_row``)."""
+        return _to_f32(self.read_raw_rows(r0, r1, width), self.dtype, what or self.name, self.path,
+                       r0 if shown_row is None else shown_row)
 
     def numpy(self) -> np.ndarray:
         n = self.shape[0] if self.shape else 1

@@ -111,7 +111,7 @@ def _bf16_copy(src: Path, dst: Path, vl: bool) -> Path:
         if p.is_file() and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
             shutil.copy(p, dst / p.name)
     if vl:
-        from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration
+        from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration
 
         YoutuVLForConditionalGeneration.from_pretrained(src).save_pretrained(dst, dtype=torch.bfloat16)
     else:
@@ -126,10 +126,10 @@ class Reference:
     teacher-forced logits."""
 
     def __init__(self, ck: Path):
-        from edgevl import models
+        from edgevl import models, verification
         from edgevl.weights import Checkpoint
 
-        self.ref = models.resolve(Checkpoint(ck).config).reference(ck)
+        self.ref = verification.get(models.resolve(Checkpoint(ck).config).name).reference(ck)
 
     def _images(self, image, infos):
         return None if image is None else self.ref.prepare_images([image], infos)
@@ -253,13 +253,13 @@ def _store(arrays: dict, results: dict, prefix: str) -> None:
 
 
 def fp16_options() -> dict:
-    """What runtime._options chooses here for an fp16 package."""
+    """What runtime.set_net_options chooses here for an fp16 package."""
     import ncnn
 
-    from edgevl.runtime import _options
+    from edgevl.runtime import set_net_options
 
     opt = ncnn.Option()
-    _options(opt, 1, "fp16")
+    set_net_options(opt, 1, "fp16")
     return {"use_fp16_storage": bool(opt.use_fp16_storage), "use_fp16_arithmetic": bool(opt.use_fp16_arithmetic)}
 
 
@@ -267,15 +267,15 @@ def _force_fp16_variant(variant: str) -> None:
     """Measurement only (ARM_FP16_VARIANT): run fp16 packages with chosen ncnn fp16 options."""
     import edgevl.runtime as rt
 
-    plain = rt._options
+    plain = rt.set_net_options
 
-    def options(opt, threads, dtype):
-        plain(opt, threads, dtype)
+    def options(opt, threads, dtype, packing=True):
+        plain(opt, threads, dtype, packing)
         if dtype == "fp16":
             opt.use_fp16_storage = opt.use_fp16_packed = variant in ("storage", "arithmetic")
             opt.use_fp16_arithmetic = variant == "arithmetic"
 
-    rt._options = options
+    rt.set_net_options = options
 
 
 def target(work: Path, label: str) -> None:

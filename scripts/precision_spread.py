@@ -56,6 +56,7 @@ def cases():
 def build(out: Path, seeds: list[int]) -> None:
     import edgevl
     import precision
+    from edgevl import verification
     from edgevl.progress import Progress
 
     todo = [(c, s) for c in cases() for s in sorted({c[3], *seeds})]
@@ -72,7 +73,7 @@ def build(out: Path, seeds: list[int]) -> None:
         if prompts is None:    # the MoE q8 test replays the fp32 package's expert choices
             edgevl.convert(ck, root / "fp32", dtype="fp32", progress=False)
         model = edgevl.load(root / dtypes[0])
-        ref = model.arch.reference(ck)
+        ref = verification.get(model.arch.name).reference(ck)
         ids = prompts(model) if prompts else None
         rows = [precision.reference_rows(ref, i) for i in ids] if ids else None
         with open(root / "rows.pkl", "wb") as f:
@@ -97,6 +98,7 @@ def ref_rows_moe(model, ref):
 def measure(out: Path, cpu: str) -> list[dict]:
     import edgevl
     import precision
+    from edgevl import verification
 
     results = []
     for rows_file in sorted(out.glob("*/*/s*/rows.pkl")):
@@ -109,7 +111,7 @@ def measure(out: Path, cpu: str) -> list[dict]:
                 got = precision.Agreement()
                 for ids, (seq, want) in zip(data["ids"], data["rows"]):
                     got.add(precision.teacher_forced(model, seq, len(ids)), want)
-                stats = {"outliers": int(model.arch.precision_outlier_rows * got.total)}
+                stats = {"outliers": int(verification.get(model.arch.name).precision_outlier_rows * got.total)}
             else:
                 got, forced = moe_q8(model, edgevl.load(root / "fp32"), data["ref"])
                 stats = {"forced_min_cosine": forced.low()}

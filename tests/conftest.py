@@ -25,6 +25,6 @@ torch.set_num_threads(1)
 # In-process conversions split the lm_head into several shards even for tiny vocabularies, so
 # the sharded head and the segmented embedding are exercised everywhere (subprocess CLI tests
 # keep the default: one shard).
-import edgevl.models.base as _base  # noqa: E402
+import edgevl.blocks.base as _base  # noqa: E402
 
 _base.HEAD_SHARD_ROWS = 128

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevl.models.youtu import ARCH as YOUTU
-from edgevl.models.youtu_vl import YOUTU_VL_TEMPLATE  # noqa: F401 - re-exported for tests
-from edgevl.testing import CORPUS, init_random, tiny_tokenizer, train_briefly  # noqa: F401
+from edgevl.models.youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE  # noqa: F401 - re-exported for tests
+from edgevl.verification.families.youtu import VERIFY as YOUTU
+from edgevl.verification.tiny import CORPUS, init_random, tiny_tokenizer, train_briefly  # noqa: F401
 
 
 def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, init_scale: float = 0.15,
@@ -29,7 +29,7 @@ def load_hf(folder):
 
 def hf_greedy(model, input_ids, n: int) -> list[int]:
     """Greedy tokens from transformers with its KV cache, no early stop, no logits processors."""
-    from edgevl.models.protocol import TransformersCausalLM
+    from edgevl.verification.reference import TransformersCausalLM
 
     return TransformersCausalLM(model).greedy(input_ids, n, eos=())
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevl.models import moe
+from edgevl.blocks import moe
 
 
 def random_experts(n, hidden, inter, seed):

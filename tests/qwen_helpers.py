@@ -1,6 +1,6 @@
 """transformers' side of the Qwen3.5 tests: the processor (input_ids and pixel tensors exactly as
 transformers makes them) and its own greedy ``generate``. Tiny checkpoints come from the
-architecture (``edgevl.models.qwen3_5.ARCH.make_tiny``)."""
+verification wing (``edgevl.verification.families.qwen3_5``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from edgevl.models.qwen3_5 import ARCH, TINY_PREPROCESSOR  # noqa: F401 - re-exported for tests
+from edgevl.models.qwen3_5 import ARCH  # noqa: F401 - re-exported for tests
+from edgevl.verification.families.qwen3_5 import TINY_PREPROCESSOR, VERIFY  # noqa: F401 - re-exported for tests
 
 
 def make_qwen3_5(folder, seed: int = 0, dtype: str = "fp32", train_steps: int = 0, variant: str = "",
                  **overrides) -> Path:
-    return ARCH.make_tiny(Path(folder), variant, seed=seed, dtype=dtype, train_steps=train_steps, **overrides)
+    return VERIFY.make_tiny(Path(folder), variant, seed=seed, dtype=dtype, train_steps=train_steps, **overrides)
 
 
 def load_hf(folder):

@@ -373,9 +373,9 @@ def test_max_image_patches_out_of_range_is_a_usage_error(pkg, folder, tmp_path, 
 
 
 def test_more_workers_than_the_memory_holds_are_refused(pkg, folder, tmp_path, capsys, monkeypatch):
-    from edgevl.models import moe
+    from edgevl import runtime
 
-    monkeypatch.setattr(moe, "available_memory", lambda: 1 << 30)  # 1 GiB
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)  # 1 GiB
     code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "o.jsonl", "--workers", 3)
     line = one_line_error(code, err, "--workers 3", "1.0 GiB is available", "use --workers 1 or fewer")
     assert "each worker loads the model" in line
@@ -384,5 +384,5 @@ def test_more_workers_than_the_memory_holds_are_refused(pkg, folder, tmp_path, c
         BatchJob(pkg, folder, PROMPT, workers=24)
     BatchJob(pkg, folder, PROMPT, workers=1)                    # runs in this process: no check
     BatchJob(pkg, folder, PROMPT, workers=24, low_memory=True)  # weights are not kept resident
-    monkeypatch.setattr(moe, "available_memory", lambda: 64 << 30)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 64 << 30)
     BatchJob(pkg, folder, PROMPT, workers=24)

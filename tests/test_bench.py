@@ -73,9 +73,9 @@ def test_bench_api_refuses_zero_runs():
 
 def test_bench_images_json_and_table(tmp_path):
     """--images times image encoding per size; the token counts are the model's own."""
-    from edgevl.models.youtu_vl import ARCH
+    from edgevl.verification.families.youtu_vl import VERIFY
 
-    ck = ARCH.make_tiny(tmp_path / "vl", "custom_full", seed=3)
+    ck = VERIFY.make_tiny(tmp_path / "vl", "custom_full", seed=3)
     edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "96x64,40x200",
                         "--threads", "1", "--repeats", "2", "--json", tmp_path / "r.json", "--markdown",
@@ -127,14 +127,15 @@ def test_moe_packages_pair_with_llamacpp_at_their_mixed_precision(tmp_path):
     from edgevl.bench import llamacpp_types
     from edgevl.models.qwen3_5_moe import ARCH
     from edgevl.models.youtu import ARCH as YOUTU
+    from edgevl.verification.families.qwen3_5_moe import VERIFY
 
-    ck = ARCH.make_tiny(tmp_path / "ck", "e8k2-tied", seed=1, text_only=True)
+    ck = VERIFY.make_tiny(tmp_path / "ck", "e8k2-tied", seed=1, text_only=True)
     edgevl.convert(ck, tmp_path / "pk", dtype="bf16", progress=False)                 # experts q8 by default
     edgevl.convert(ck, tmp_path / "pk-q8", dtype="q8", dense="q8", progress=False)
     assert llamacpp_types([tmp_path / "pk", tmp_path / "pk-q8", tmp_path / "pk"]) == ["bf16+q8_0-experts", "q8_0"]
 
     def moe(dtype, experts, dense="auto"):
-        return ARCH.llamacpp_type({"dtype": dtype, "experts": {"dtype": experts}, "options": {"dense": dense}})
+        return ARCH.bench.type_of({"dtype": dtype, "experts": {"dtype": experts}, "options": {"dense": dense}})
 
     assert moe("bf16", "bf16") == "bf16" and moe("fp32", "fp32") == "f32"
     assert moe("fp16", "q8") == "f16+q8_0-experts"
@@ -142,19 +143,21 @@ def test_moe_packages_pair_with_llamacpp_at_their_mixed_precision(tmp_path):
     assert moe("q8", "q8") == "bf16+q8_0-experts-head"            # dense path bf16, head int8
     assert moe("q8", "bf16") == "bf16+q8_0-head"
     assert moe("q8", "fp16", dense="q8") == "q8_0+f16-experts"
-    assert ARCH.llamacpp_type({"dtype": "bf16"}) == "bf16"                   # no experts section
-    assert YOUTU.llamacpp_type({"dtype": "q8"}) == "q8_0" and YOUTU.llamacpp_type({"dtype": "fp16"}) == "f16"
+    assert ARCH.bench.type_of({"dtype": "bf16"}) == "bf16"                   # no experts section
+    assert YOUTU.bench.type_of({"dtype": "q8"}) == "q8_0" and YOUTU.bench.type_of({"dtype": "fp16"}) == "f16"
 
 
 def test_mixed_gguf_types_force_llamacpp_tensor_names():
     """``BASE+TYPE-PART``: the converter's per-tensor override picks weights by their GGUF names."""
     import pytest
 
-    from edgevl.bench import forced_quant, parse_gguf_type
+    from edgevl.bench import GGUF_HEAD, forced_quant, parse_gguf_type
     from edgevl.errors import EdgevlError
+    from edgevl.models.qwen3_5_moe import ARCH
 
-    assert parse_gguf_type("q8_0") == ("q8_0", {})
-    base, forced = parse_gguf_type("bf16+q8_0-experts-head")
+    parts = {**GGUF_HEAD, **ARCH.bench.parts}     # an MoE architecture's parts, and the head
+    assert parse_gguf_type("q8_0", parts) == ("q8_0", {})
+    base, forced = parse_gguf_type("bf16+q8_0-experts-head", parts)
     types = {"Q8_0": "Q8_0 type", "F16": "F16 type"}
     force = forced_quant(forced, lambda self, name, new, bid, n: False, types)
     assert base == "bf16"
@@ -164,8 +167,8 @@ def test_mixed_gguf_types_force_llamacpp_tensor_names():
                           ("blk.3.ffn_gate_inp.weight", 2, False), ("blk.3.attn_q.weight", 2, False),
                           ("blk.3.ffn_exps_norm.weight", 1, False)):
         assert force(None, "hf.name", name, 3, n) == want, name
-    _, forced = parse_gguf_type("bf16+q8_0-experts")
+    _, forced = parse_gguf_type("bf16+q8_0-experts", parts)
     assert forced_quant(forced, lambda *a: False, types)(None, "x", "output.weight", None, 2) is False
     for bad in ("bf16+q4-experts", "bf16+q8_0-mlp", "bf16+q8_0", "q9"):
         with pytest.raises(EdgevlError, match="GGUF type"):
-            parse_gguf_type(bad)
+            parse_gguf_type(bad, parts)

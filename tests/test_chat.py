@@ -11,10 +11,10 @@ from PIL import Image
 
 import edgevl
 from edgevl.chat import ChatSession, chat_loop
-from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
-from edgevl.reference.youtu_vl import make_config, make_random
+from edgevl.verification.references.youtu_vl import make_config, make_random
 from helpers import make_youtu, tiny_tokenizer
 
 

@@ -14,9 +14,9 @@ from PIL import Image
 
 import edgevl
 from edgevl.demo import DEMO_CHECKPOINT, demo_package
-from edgevl.demo import evaluate as E
+from edgevl.verification import demo_evaluate as E
 from edgevl.demo import scenes as S
-from edgevl.demo import train as T
+from edgevl.verification import demo_train as T
 
 RESULT = re.compile(r"^describe_acc=([0-9.]+) count_acc=([0-9.]+) grounding_acc=([0-9.]+) parity=([0-9.]+|nan)"
                     r"((?: \w+=(?:[0-9.]+|nan))*)$")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
 
-from edgevl.models import gated_delta as gd
+from edgevl.blocks import gated_delta as gd
 from edgevl.runtime import from_mat, to_mat
 
 

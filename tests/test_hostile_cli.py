@@ -10,7 +10,7 @@ from PIL import Image
 import edgevl
 from edgevl.errors import EdgevlError
 from edgevl.processing.image import MAX_IMAGE_PATCHES
-from edgevl.processing.siglip2 import preprocess
+from edgevl.models.youtu_vl.processing import preprocess
 from hostile import cli, one_line_error, tiny_checkpoint
 
 

@@ -497,7 +497,7 @@ def demo_copy(folder) -> Path:
 @pytest.fixture(scope="module")
 def qwen_vl(tmp_path_factory):
     """A tiny Qwen3.5 VL checkpoint (vision tower, preprocessor_config.json)."""
-    from edgevl.models.qwen3_5 import ARCH
+    from edgevl.verification.families.qwen3_5 import VERIFY as ARCH
 
     return ARCH.make_tiny(tmp_path_factory.mktemp("hostile-qwen") / "ck", seed=1)
 
@@ -592,7 +592,7 @@ def test_nan_in_a_fused_expert_is_refused_naming_the_expert(tmp_path, capsys):
     """Routed experts are read through their own slices of the fused [E, 2I, H] tensor."""
     from safetensors.torch import load_file, save_file
 
-    from edgevl.models.youtu_moe import ARCH
+    from edgevl.verification.families.youtu_moe import VERIFY as ARCH
 
     ck = ARCH.make_tiny(tmp_path / "ck", seed=1)
 

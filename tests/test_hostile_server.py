@@ -326,7 +326,8 @@ BAD_REQUESTS = [  # (id, body, status, words)
     # "false" is a true value to the template: thinking stayed on
     ("thinking-string", {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": "false"}}, 400,
      "chat_template_kwargs enable_thinking must be true or false (a JSON boolean), got 'false'"),
-    ("vision-id-number", {"messages": MSGS, "chat_template_kwargs": {"add_vision_id": 1}}, 400,
+    # a string that reads as a boolean, whatever the template (this model's has no such switch)
+    ("vision-id-string", {"messages": MSGS, "chat_template_kwargs": {"add_vision_id": "0"}}, 400,
      "add_vision_id must be true or false"),
     # the template rendered them into the prompt, though a top-level tools field is refused
     ("tools-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"tools": [{"type": "function", "function": {

@@ -15,9 +15,9 @@ from PIL import Image
 
 from edgevl.errors import EdgevlError
 from edgevl.processing import image as imp
-from edgevl.processing import siglip2
+from edgevl.models.youtu_vl import processing as siglip2
 from edgevl.processing.image import load_image, resize_uint8_antialias
-from edgevl.processing.siglip2 import (
+from edgevl.models.youtu_vl.processing import (
     apply_window_order,
     preprocess,
     restore_order,

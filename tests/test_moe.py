@@ -15,7 +15,7 @@ import torch
 from edgevl import ncnn_graph as G
 from edgevl import runtime
 from edgevl.errors import EdgevlError, PackageError
-from edgevl.models import base, moe
+from edgevl.blocks import base, moe
 from edgevl.weights import Checkpoint
 from moe_helpers import workload, write_random_package
 
@@ -63,7 +63,7 @@ QH, QI, QE, QK, QSI = 48, 40, 12, 3, 56
 def qwen_moe(tmp_path_factory):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from edgevl.testing import init_random
+    from edgevl.verification.tiny import init_random
 
     cfg = Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=QH, num_hidden_layers=1, num_attention_heads=2,
                                num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
@@ -131,7 +131,7 @@ def test_group_by_expert():
 
 
 def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
-    from edgevl.reference import youtu_moe as R
+    from edgevl.verification.references import youtu_moe as R
 
     cfg = R.make_config()
     model = R.make_random(cfg, 0)
@@ -300,7 +300,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     sys.path[:0] = [{root!r}, {tests!r}]
-    from edgevl.models import moe
+    from edgevl.blocks import moe
     from moe_helpers import workload
 
     def status(key):

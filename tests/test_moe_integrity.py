@@ -14,8 +14,8 @@ import pytest
 
 import edgevl
 from edgevl.errors import EdgevlError, PackageError
-from edgevl.models import moe
-from edgevl.models.qwen3_5_moe import ARCH
+from edgevl.blocks import moe
+from edgevl.verification.families.qwen3_5_moe import VERIFY as ARCH
 from edgevl.package import MANIFEST, check_experts
 from hostile import cli, edit_json, one_line_error
 from moe_helpers import random_experts, write_random_package

@@ -16,8 +16,8 @@ from edgevl.errors import EdgevlError
 from edgevl.package import read_manifest
 
 ROOT = Path(edgevl.__file__).parent
-GENERIC = ["model.py", "runtime.py", "generate.py", "chat.py", "server.py", "bench.py", "verify.py",
-           "convert.py", "cli.py", "package.py", "tokenizer.py", "sample.py"]
+GENERIC = ["model.py", "runtime.py", "generate.py", "chat.py", "server.py", "bench.py", "batch.py",
+           "verification/verify.py", "convert.py", "cli.py", "package.py", "tokenizer.py", "sample.py"]
 FAMILY = re.compile(r"youtu|qwen|siglip|deepseek|kimi|\bmla\b", re.I)
 
 
@@ -72,8 +72,8 @@ def test_no_import_cycles():
 
 
 def test_layer_params_only_in_graph_writer():
-    """Architecture files use ncnn_graph's named wrappers: param ids live in one place."""
-    for p in (ROOT / "models").glob("*.py"):
+    """Architecture files and shared blocks use ncnn_graph's named wrappers: param ids live in one place."""
+    for p in [*(ROOT / "models").rglob("*.py"), *(ROOT / "blocks").rglob("*.py")]:
         for i, line in enumerate(p.read_text().splitlines(), 1):
             assert ".layer(" not in line, f"{p.name}:{i} writes a raw ncnn layer: {line.strip()}"
 

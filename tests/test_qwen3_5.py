@@ -11,14 +11,17 @@ import torch
 from PIL import Image
 
 import edgevl
+from edgevl import verification
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.models import gated_delta as gd
+from edgevl.blocks import gated_delta as gd
+from edgevl.blocks import rope
 from edgevl.models import qwen3_5 as q
+from edgevl.models.qwen3_5 import model as qm
 from helpers import CORPUS, first_diff
 from qwen_helpers import cosine, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
 
-CONFIGS = list(q.ARCH.tiny_variants)   # Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
+CONFIGS = list(verification.get("qwen3_5").tiny_variants)   # Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
 N_NEW = 48
 
 
@@ -151,7 +154,7 @@ def test_chat_second_turn_prefills_only_new_tokens(models, thinking):
     assert prepare(model, turn2, chat_template_kwargs=kw).input_ids == ids2
     second = list(model.generate_tokens(ids2, 24, image=[img], ignore_eos=True))
     ids1 = prepare(model, turn1, chat_template_kwargs=kw).input_ids
-    header = q.ARCH.snapshot_points(model, ids1)[-1]          # after turn 1's "<|im_start|>assistant\n"
+    header = q.ARCH.snapshot_points(model.tokenizer, ids1)[-1]          # after turn 1's "<|im_start|>assistant\n"
     assert ids2[:header] == ids1[:header] and ids2[header:header + 2] != ids1[header:header + 2]
     assert model.last_prefill_tokens == len(ids2) - header   # the image and turn 1's prompt are not recomputed
     fresh = list(edgevl.load(pk).generate_tokens(ids2, 24, image=[img], ignore_eos=True))
@@ -211,7 +214,7 @@ def test_text_only_checkpoint(tmp_path):
     assert model.vision is None and model.arch.name == "qwen3_5"
     ids = prepare(model, LONG[:200]).input_ids
     ours = list(model.generate_tokens(ids, 16, ignore_eos=True))
-    assert ours == model.arch.reference(ck).greedy(ids, 16)
+    assert ours == verification.get("qwen3_5").reference(ck).greedy(ids, 16)
     with pytest.raises(EdgevlError, match="no vision tower"):
         edgevl.generate(model, "hi", image=image(32, 32))
 
@@ -238,7 +241,7 @@ def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
         c = json.loads(json.dumps(cfg))
         change(c)
         with pytest.raises(EdgevlError, match=msg):
-            q.TextArgs.from_config(c)
+            qm.TextArgs.from_config(c)
 
 
 def test_video_parts_are_refused(models):
@@ -250,11 +253,11 @@ def test_video_parts_are_refused(models):
 
 def test_positions_errors():
     with pytest.raises(EdgevlError, match="image tokens but the image gives"):
-        q.rope_positions([1, 5, 5, 5, 2], [(1, 4, 4)], 5, 2)
+        rope.rope_positions([1, 5, 5, 5, 2], [(1, 4, 4)], 5, 2)
     with pytest.raises(EdgevlError, match="more image-token runs"):
-        q.rope_positions([1, 5, 5, 5, 5, 2], [], 5, 2)
+        rope.rope_positions([1, 5, 5, 5, 5, 2], [], 5, 2)
     with pytest.raises(EdgevlError, match="2 images were given"):
-        q.rope_positions([1, 5, 5, 5, 5, 2], [(1, 4, 4), (1, 4, 4)], 5, 2)
+        rope.rope_positions([1, 5, 5, 5, 5, 2], [(1, 4, 4), (1, 4, 4)], 5, 2)
     with pytest.raises(EdgevlError, match="M-RoPE needs the image's grid"):
         q.ARCH.positions([1, 5, 5, 2], [None], 5)
 
@@ -290,6 +293,11 @@ def test_server_returns_reasoning_content_and_passes_template_kwargs(models):
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
             client.chat.completions.create(model="m", messages=msgs, max_tokens=2,
                                            extra_body={"chat_template_kwargs": ["enable_thinking"]})
+        # the architecture's template switches take JSON booleans only
+        for k, v in (("add_vision_id", 1), ("enable_thinking", None)):
+            with pytest.raises(openai.BadRequestError, match=f"{k} must be true or false"):
+                client.chat.completions.create(model="m", messages=msgs, max_tokens=2,
+                                               extra_body={"chat_template_kwargs": {k: v}})
     finally:
         srv.stop()
 
@@ -317,7 +325,7 @@ def test_cli_thinking_flags(models):
 def test_verify_table_has_the_recurrent_states(models, capsys):
     """edgevl verify: per-layer rows plus, for each recurrent layer, its conv window and delta-rule
     matrix against transformers' cache after the prefill."""
-    from edgevl.verify import verify
+    from edgevl.verification.verify import verify
 
     ck, pk = models["hd256-i3"]
     assert verify(pk, ck, prompt="Describe the image.", image=image(50, 40, 2), max_new_tokens=4)

@@ -17,8 +17,8 @@ import edgevl
 import precision
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.models import gated_delta as gd
-from edgevl.models.qwen3_5_moe import ARCH
+from edgevl.blocks import gated_delta as gd
+from edgevl.verification.families.qwen3_5_moe import VERIFY as ARCH
 from helpers import CORPUS, first_diff
 from qwen_helpers import hf_greedy, hf_inputs, hf_processor
 
@@ -137,7 +137,7 @@ def test_experts_that_do_not_fit_get_a_cache_by_default(models, monkeypatch, cap
     """With no --expert-cache-mb, experts that fit in 80 % of the available memory all stay
     resident; those that do not get a cache of that size (said on stderr) instead of loading
     until the system runs out; an explicit size, or an unknown amount of memory, is left alone."""
-    from edgevl.models import moe
+    from edgevl.blocks import moe
 
     _, pk = models[CONFIGS[0]]
     ids = edgevl.load(pk).tokenizer.encode("Describe it in a few words.", special=False)
@@ -148,7 +148,7 @@ def test_experts_that_do_not_fit_get_a_cache_by_default(models, monkeypatch, cap
     assert {"lm_head", "vision"} <= set(graphs)
 
     def store_of(model):
-        return model.arch._stores()[model]
+        return model.package.resources["experts"]
 
     monkeypatch.setattr(moe, "available_memory", lambda: int((10 * total + pending) / moe.AUTO_SHARE))
     roomy = edgevl.load(pk)
@@ -252,7 +252,7 @@ def q8_agreement(q8, f32, ref, patch) -> tuple:
     """(plain, forced) teacher-forced agreement of the q8 package with the fp32 reference:
     plain as it runs, forced with the fp32 package's expert choices replayed (weighted by the q8
     package's own router logits). ``patch(obj, name, value)`` swaps the routing function."""
-    from edgevl.models import moe
+    from edgevl.blocks import moe
 
     route, chosen = moe.softmax_topk, []
 

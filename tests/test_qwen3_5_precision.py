@@ -4,6 +4,7 @@ trained tiny models (random nets have logits too flat to judge rounding by)."""
 import pytest
 
 import edgevl
+from edgevl import verification
 import precision
 from edgevl.generate import prepare
 from helpers import CORPUS
@@ -43,7 +44,7 @@ def test_reduced_precision_teacher_forced_top1(trained, tmp_path_factory, name, 
     ck = trained[name]
     ours = edgevl.load(edgevl.convert(ck, tmp_path_factory.mktemp("pk") / f"{name}-{dtype}", dtype=dtype,
                                       progress=False))
-    got = precision.compare(ours, ours.arch.reference(ck), prompt_ids(ours))   # the reference computes in fp32
+    got = precision.compare(ours, verification.get("qwen3_5").reference(ck), prompt_ids(ours))   # the reference computes in fp32
     top1, cos = TOLERANCE[dtype]
     print(f"{name} {dtype}: {got.line()}")
     assert got.total == precision.N_NEW * len(PROMPTS)

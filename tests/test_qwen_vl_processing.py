@@ -9,7 +9,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from edgevl.errors import EdgevlError
-from edgevl.models import qwen3_5 as q
+from edgevl.blocks import qwen_vision, rope
 from edgevl.processing import qwen_vl
 from qwen_helpers import TINY_PREPROCESSOR as PREPROCESSOR
 
@@ -88,14 +88,14 @@ def test_rope_index_and_tables_match_transformers(tmp_path):
     ids = [1, 2] + [img] * 6 + [3, 4, 5] + [img] * 5 + [8] + [img] * 1 + [6, 7]
     t = torch.tensor([ids])
     ref, delta = model.get_rope_index(t, (t == img).int(), torch.tensor(grids))
-    ours = q.rope_positions(ids, grids, img, 2)
+    ours = rope.rope_positions(ids, grids, img, 2)
     np.testing.assert_array_equal(ours, ref[:, 0].numpy())
     assert ours.max() + 1 - len(ids) == int(delta)
     # interleaved M-RoPE angles
     rot = Qwen3_5TextRotaryEmbedding(cfg.text_config)
     pos = torch.from_numpy(np.concatenate([ours, ours.max() + 1 + np.zeros((3, 1), np.int64)], 1))[:, None]
     cos, sin = rot(torch.zeros(1), pos)
-    oc, os_ = q.mrope_tables(pos[:, 0].numpy(), 32, 1e7, [6, 5, 5])
+    oc, os_ = rope.mrope_tables(pos[:, 0].numpy(), 32, 1e7, [6, 5, 5])
     np.testing.assert_allclose(oc, cos[0, :, :16].numpy(), atol=2e-6)
     np.testing.assert_allclose(os_, sin[0, :, :16].numpy(), atol=2e-6)
     np.testing.assert_array_equal(cos[0, :, :16].numpy(), cos[0, :, 16:].numpy())   # cat(f, f): half is enough
@@ -111,11 +111,11 @@ def test_vision_tables_match_transformers(grid):
     g = torch.tensor([grid])
     pos_ids = get_vision_position_ids(g, 2)
     cos, sin = Qwen3_5VisionRotaryEmbedding(vc)(torch.zeros(1), pos_ids)
-    oc, os_ = q.vision_rope_tables(grid[1], grid[2], 16, vc.rope_parameters["rope_theta"], 2)
+    oc, os_ = qwen_vision.vision_rope_tables(grid[1], grid[2], 16, vc.rope_parameters["rope_theta"], 2)
     np.testing.assert_allclose(oc, cos[:, :8].numpy(), atol=1e-6)
     np.testing.assert_allclose(os_, sin[:, :8].numpy(), atol=1e-6)
     table = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
     idx, w = get_vision_interpolation_indices_and_weights(g, 8, mode="bilinear", align_corners=True,
                                                           spatial_merge_size=2)
     ref = (torch.nn.functional.embedding(idx, table) * w[:, :, None]).sum(1)
-    np.testing.assert_allclose(q.vision_pos_embed(table.numpy(), grid[1], grid[2], 2), ref.numpy(), atol=1e-6)
+    np.testing.assert_allclose(qwen_vision.vision_pos_embed(table.numpy(), grid[1], grid[2], 2), ref.numpy(), atol=1e-6)

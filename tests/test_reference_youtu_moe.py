@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgevl.models import moe
-from edgevl.reference import youtu_moe as R
+from edgevl.blocks import moe
+from edgevl.verification.references import youtu_moe as R
 
 
 
@@ -220,7 +220,7 @@ def test_router_matches_patch_formula_per_modality():
     wi, ww = _sorted(want_idx, want_w)
     assert np.array_equal(gi, wi) and np.allclose(gw, ww, atol=1e-6)
     assert np.allclose(gw.sum(1), 2.83, atol=1e-5)                     # normalised, then scaled
-    # the host router (edgevl.models.moe) gives the same experts and weights
+    # the host router (edgevl.blocks.moe) gives the same experts and weights
     hi, hw = _sorted(*moe.sigmoid_topk_biased(logits.numpy(), cfg["num_experts_per_token"], router.qb_beta.numpy(),
                                               modality.numpy(), 2.83))
     assert np.array_equal(hi, wi) and np.allclose(hw, ww, atol=1e-6)

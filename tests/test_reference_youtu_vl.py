@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from edgevl.reference.youtu_vl import (  # noqa: E402
+from edgevl.verification.references.youtu_vl import (  # noqa: E402
     VisionConfig,
     YoutuVLForConditionalGeneration,
     make_config,

@@ -14,9 +14,9 @@ from openai import OpenAI
 from PIL import Image
 
 import edgevl
-from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.generate import prepare
-from edgevl.reference.youtu_vl import make_config, make_random
+from edgevl.verification.references.youtu_vl import make_config, make_random
 from edgevl.server import make_server
 from helpers import make_youtu, tiny_tokenizer
 

@@ -202,8 +202,8 @@ def tokenizers(server, tmp_path_factory):
     characters, and cuts through long runs split them (summed over the pieces, the counts exceed
     the real one, e.g. 1584 against 1551 in 64-character pieces, unless the tokens near each cut
     are left out)."""
-    from edgevl.demo.tokenizer import save_tokenizer, train_tokenizer
-    from edgevl.testing import CORPUS
+    from edgevl.verification.tokenizers import save_tokenizer, train_tokenizer
+    from edgevl.verification.tiny import CORPUS
     from edgevl.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("trained-tokenizer")

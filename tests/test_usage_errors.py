@@ -64,7 +64,7 @@ def test_threads_zero_in_the_python_chat_and_verify(tmp_path):
     with pytest.raises(EdgevlError, match="threads must be between 1 and"):
         chat_loop(pkg, threads=0, input_fn=lambda _: "/quit", out=io.StringIO())
     pytest.importorskip("torch")
-    from edgevl.verify import compare
+    from edgevl.verification.verify import compare
 
     with pytest.raises(EdgevlError, match="threads must be between 1 and"):
         compare(pkg, tmp_path / "ck", "hi", threads=0)

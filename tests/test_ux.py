@@ -13,13 +13,14 @@ import pytest
 from PIL import Image
 
 import edgevl
+from edgevl import verification
 from edgevl import cli
 from edgevl.boxes import Box
 from edgevl.demo import DEMO_CHECKPOINT, demo_package
 from edgevl.demo import scenes as S
 from edgevl.errors import EdgevlError
 from edgevl.model import Model
-from edgevl.processing.siglip2 import target_size
+from edgevl.models.youtu_vl.processing import target_size
 from helpers import make_youtu
 
 ROOT = Path(__file__).parents[1]
@@ -72,7 +73,7 @@ def test_boxes_are_the_models_coordinates_times_the_resize_factors(demo, monkeyp
 
 
 def test_coordinates_past_the_resized_image_clamp_to_the_original():
-    from edgevl.models.youtu_vl import GroundingProcessor
+    from edgevl.models.youtu_vl.runtime import GroundingProcessor
 
     p = GroundingProcessor([{"image_size": (300, 100), "resized_size": (192, 64)}])
     assert p.feed("<box><x_0><y_0><x_2047><y_2047></box>") == "<box><x_0><y_0><x_99><y_299></box>"
@@ -299,7 +300,7 @@ def test_version():
 # -- 8. slow steps say what they do at once ---------------------------------------------------------------
 
 def test_demo_evaluate_prints_its_first_line_before_loading(capsys, monkeypatch):
-    from edgevl.demo import evaluate as E
+    from edgevl.verification import demo_evaluate as E
 
     seen = []
 
@@ -355,7 +356,7 @@ def test_readme_package_sizes_follow_what_convert_writes(tmp_path, arch):
     from edgevl.weights import Checkpoint
 
     if arch == "youtu_vl":
-        ck = edgevl.models.get("youtu_vl").make_tiny(tmp_path / "ck")
+        ck = verification.get("youtu_vl").make_tiny(tmp_path / "ck")
     else:
         ck = make_youtu(tmp_path / "ck", tie_word_embeddings=arch == "youtu")
     c = Checkpoint(ck)

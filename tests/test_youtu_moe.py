@@ -13,10 +13,11 @@ import torch
 import edgevl
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
-from edgevl.models import moe
-from edgevl.models import youtu_moe as Y
-from edgevl.models.youtu_moe import ARCH
-from edgevl.reference import youtu_moe as R
+from edgevl.blocks import moe
+from edgevl.blocks import gated_delta as gd_block
+from edgevl.models.youtu_moe import model as Y
+from edgevl.verification.families.youtu_moe import VERIFY as ARCH
+from edgevl.verification.references import youtu_moe as R
 from helpers import CORPUS, first_diff
 
 CONFIGS = list(ARCH.tiny_variants)
@@ -227,10 +228,10 @@ def test_kda_core_matches_the_recurrence():
     the window, folded every KDA_WINDOW tokens), the state checked mid-window and after folds."""
     from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
 
-    from edgevl.models import gated_delta as gd
+    gd = gd_block
 
     H, D, T, lb = 3, 8, 40, -5.0
-    core = Y.KdaCore(gd.DeltaDims(H, H, D, D), lb)
+    core = gd_block.KdaCore(gd.DeltaDims(H, H, D, D), lb)
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((T, 3 * H * D)).astype(np.float32)
     fb = rng.standard_normal((T, H * D + H)).astype(np.float32)
@@ -255,7 +256,7 @@ def test_kda_core_matches_the_recurrence():
     for t in range(T):
         o1, st = core(qkv[t:t + 1], fb[t:t + 1], consts, st)
         assert np.abs(o1.reshape(-1) - o[t]).max() < 1e-5
-        if t + 1 in (5, Y.KDA_WINDOW, Y.KDA_WINDOW + 3, T):
+        if t + 1 in (5, gd_block.KDA_WINDOW, gd_block.KDA_WINDOW + 3, T):
             assert np.abs(core.matrix(st) - reference(t + 1)[1]).max() < 1e-4, f"after {t + 1}"
     # a prompt after decoded tokens (pending window) continues from the same state
     o2, st = core(qkv[:7], fb[:7], consts, st)

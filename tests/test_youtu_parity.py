@@ -3,8 +3,9 @@
 import pytest
 
 import edgevl
+from edgevl import verification
 import precision
-from edgevl.verify import compare
+from edgevl.verification.verify import compare
 from helpers import hf_greedy, load_hf, make_youtu
 
 CONFIGS = {
@@ -78,7 +79,7 @@ TOLERANCE = {"fp16": (0.98, 0.99), "bf16": (0.98, 0.99), "q8": (0.95, 0.98)}
 def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dtype, name):
     ck = checkpoints[f"{name}-{'fp16' if dtype == 'fp16' else 'bf16'}"]
     model = _convert(ck, tmp_path_factory.mktemp("pk"), dtype)
-    got = precision.compare(model, model.arch.reference(ck), [_ids(model, p) for p in PROMPTS])  # fp32 reference
+    got = precision.compare(model, verification.get("youtu").reference(ck), [_ids(model, p) for p in PROMPTS])  # fp32 reference
     assert got.total == precision.N_NEW * len(PROMPTS)
     top1, cos = TOLERANCE[dtype]
     print(f"{name} {dtype}: {got.line()}")

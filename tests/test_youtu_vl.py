@@ -6,12 +6,13 @@ import torch
 from PIL import Image
 
 import edgevl
-from edgevl.demo.tokenizer import save_tokenizer
+from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
-from edgevl.models.youtu_vl import GroundingProcessor, parse_boxes, torch_pixel_values
-from edgevl.verify import compare
+from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
+from edgevl.models.youtu_vl.runtime import GroundingProcessor, parse_boxes
+from edgevl.verification.families.youtu_vl import torch_pixel_values
+from edgevl.verification.verify import compare
 from helpers import tiny_tokenizer
 
 CONFIGS = {
@@ -200,8 +201,9 @@ def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
 def test_window_layout_packs_real_patches_only(grid, classes):
     """Windows grouped by size into slots, no padding: every row is a real patch, each window's
     rows are contiguous and hold exactly that window's patches."""
-    from edgevl.models.youtu_vl import WINDOW_SLOTS, VisionArgs, window_layout
-    from edgevl.processing import siglip2
+    from edgevl.models.youtu_vl.config import WINDOW_SLOTS, VisionArgs
+    from edgevl.models.youtu_vl.runtime import window_layout
+    from edgevl.models.youtu_vl import processing as siglip2
 
     v = VisionArgs()  # real geometry: 256-px windows = 16 x 16 patches
     gh, gw = grid

@@ -1,35 +1,35 @@
-"""The model protocol: everything generic code may ask of an architecture.
+"""The model protocol: everything generic code may ask of an architecture, by role.
 
-Generic modules (convert, model, runtime, generate, chat, server, verify, bench, cli) never name
-a model family; they hold an :class:`Architecture` (from ``edgevl.models.get``/``resolve``) and
-ask it. An architecture module subclasses it and exports one instance as ``ARCH``.
+Generic modules (convert, model, runtime, generate, chat, server, bench, cli) never name a model
+family; they hold an :class:`Architecture` (from ``edgevl.models.get``/``resolve``) and ask it. A
+family folder (``edgevl/models/<family>/``) subclasses it and exports one instance as ``ARCH``.
 
-What an architecture decides, in the order data flows:
+Roles, in the order data flows:
 
-- ``convert``: the package's graphs, embedding table and per-layer state, from a checkpoint
-  (streamed tensor by tensor; see ``models/base.py``), plus its own ``options`` (e.g. a cache
-  layout) that the CLI offers as flags;
-- ``chat_template``: a built-in template for checkpoints that ship none;
-- ``make_vision``: the image processor + vision graph driver (None for text models);
-- ``positions``: the rotary positions of a prompt (1-D, or per axis for M-RoPE), from its
-  token ids and the grids of its images; decoding continues at max(last position) + 1;
-- ``rope``: cos/sin tables for those positions, as the decoder graph expects them;
-- ``make_decoder``: the decoder driver (the generic ``runtime.Decoder`` fits any graph whose
-  state is declared in the manifest; ``hooks`` lets it run host work between graph passes);
-- ``snapshot_points``: positions inside a prompt where the decoder state is worth keeping for
-  the next prompt (models with recurrent state can only go back to such points);
-- ``reasoning_tokens``: the markers around the model's thinking (hidden from answers by default);
-- ``output_processor``: post-processing of the generated text, streamed (e.g. grounding
-  coordinates rescaled to the original images), with structured results (:class:`Box` list);
-- ``reference``: the PyTorch model it is verified against (transformers' class where one
-  exists), behind the small :class:`Reference` interface ``verify``/``bench``/tests use;
-- ``make_tiny``/``tiny_variants``: random tiny checkpoints with the real layout, for the
-  conformance suite in ``tests/arch/``.
+- **conversion**: ``options`` (flags of ``edgevl convert``) and ``convert``, which writes the
+  package's graphs, embedding table and per-layer state from a checkpoint streamed tensor by
+  tensor (``edgevl/blocks/base.py``);
+- **runtime**, given a :class:`PackageView` (the package's manifest, files, options, threads
+  and ``open_net``), never the whole loaded model: ``runtime_options`` (load-time settings),
+  ``make_decoder``/``hooks`` (the decoder driver and host work between graph passes),
+  ``rope``/``positions`` (rotary tables and the positions of a prompt), ``make_vision`` (the
+  image processor and vision graph driver), ``snapshot_points`` (where recurrent state is worth
+  keeping for the next prompt), ``output_processor`` (post-processing of the streamed answer,
+  e.g. grounding boxes), ``runtime_stats``/``preload``;
+- **prompting**: ``chat_template`` (a built-in template for checkpoints that ship none),
+  ``reasoning_tokens`` (the markers around the model's thinking), ``template_switches`` (its
+  chat template's boolean arguments) and ``thinking_args`` (the template arguments that turn
+  thinking on or off);
+- **benchmark profile**: ``bench`` (:class:`BenchProfile`), what ``edgevl bench --compare
+  llamacpp`` needs to build llama.cpp's counterpart of a package.
+
+Verification (the PyTorch reference and tiny checkpoints) is not part of it: it lives in
+``edgevl/verification/``, which imports the models and is never imported by them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -70,26 +70,45 @@ COMMON_RUNTIME_OPTIONS = {
 GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
 
 
+@dataclass
+class PackageView:
+    """What an architecture sees of a loaded package: its folder, manifest, load-time options,
+    thread count and dtype, ``open_net`` for its graphs, ``file`` for its other files (listed and
+    inside the package), and ``resources`` for what the architecture keeps per loaded package
+    (e.g. an expert store)."""
+    path: Path
+    manifest: dict
+    options: dict
+    threads: int
+    dtype: str
+    open_net: Callable              # (name, dtype=None, packing=True) -> runtime.Net
+    resources: dict = field(default_factory=dict)
+
+    def file(self, name: str, what: str = "file") -> Path:
+        from ..package import package_path
+
+        return package_path(self.path, name, self.manifest, what)
+
+
+@dataclass(frozen=True)
+class BenchProfile:
+    """What ``edgevl bench --compare llamacpp`` needs of an architecture."""
+    # extra arguments for llama.cpp's convert_hf_to_gguf.py (e.g. leaving out parts edgevl does not run)
+    convert_args: tuple = ()
+    # GGUF tensor-name patterns of parts a package stores apart from the rest, which llama.cpp's
+    # counterpart may quantize apart too (``bench.gguf_for``): part -> regex
+    parts: dict = field(default_factory=dict)
+    # manifest -> the GGUF type at the package's precision (None: llama.cpp has none)
+    type_of: Callable = lambda manifest: GGUF_OF_DTYPE.get(manifest.get("dtype"))
+
+
 class Architecture:
     name: str = ""                 # the manifest's "architecture"; also the registry key
-    options: dict = {}             # conversion options: name -> Option
-    runtime_options: dict = {}     # load-time options: name -> RuntimeOption (Model.options)
-    chat_template: str | None = None
     has_vision: bool = False       # takes images (make_vision returns an encoder)
-    # (start, end) marker tokens around the model's reasoning, e.g. ("<think>", "</think>"):
-    # generation returns that text apart from the answer (``Event.reasoning``)
-    reasoning_tokens: tuple | None = None
-    # extra arguments for llama.cpp's convert_hf_to_gguf.py when ``edgevl bench --compare llamacpp``
-    # converts this architecture's checkpoints (e.g. leaving out parts edgevl does not run either)
-    llamacpp_convert_args: tuple = ()
-    tiny_variants: dict = {}       # name -> overrides for make_tiny (conformance suite)
-    # The share of teacher-forced rows the conformance suite lets fall below its reduced-precision
-    # logit-cosine bar. 0 for smooth models; an architecture with discrete per-token choices
-    # (mixture-of-experts routing) flips a near-tied choice under bf16/q8 rounding now and then,
-    # which moves that one row's logits far while the others stay close.
-    precision_outlier_rows: float = 0.0
 
     # -- conversion ------------------------------------------------------------------------------
+    options: dict = {}             # conversion options: name -> Option
+
     def resolve_options(self, given: dict) -> dict:
         """Defaults filled in; unknown names or values are a one-line error."""
         out = {}
@@ -109,7 +128,23 @@ class Architecture:
         ``embedding``, ``context``, ``image_token_id`` ...)."""
         raise NotImplementedError
 
+    # -- prompting -------------------------------------------------------------------------------
+    chat_template: str | None = None
+    # (start, end) marker tokens around the model's reasoning, e.g. ("<think>", "</think>"):
+    # generation returns that text apart from the answer (``Event.reasoning``)
+    reasoning_tokens: tuple | None = None
+    # chat template arguments that are switches: their values must be JSON booleans (a template
+    # reads the string "false" as true)
+    template_switches: tuple = ()
+
+    def thinking_args(self, thinking: bool | None) -> dict:
+        """The chat template arguments that turn the model's thinking on or off (``--thinking`` /
+        ``--no-thinking``); None: the template's own default. Models that cannot switch: {}."""
+        return {}
+
     # -- runtime ---------------------------------------------------------------------------------
+    runtime_options: dict = {}     # load-time options: name -> RuntimeOption (Model.options)
+
     def all_runtime_options(self) -> dict:
         """Every model's load-time options (``COMMON_RUNTIME_OPTIONS``) and this architecture's."""
         return {**COMMON_RUNTIME_OPTIONS, **self.runtime_options}
@@ -139,33 +174,16 @@ class Architecture:
             out[k] = val
         return out
 
-    def llamacpp_type(self, manifest: dict) -> str | None:
-        """The GGUF type at this package's precision, for ``edgevl bench --compare llamacpp``
-        (``bench.gguf_for`` names; None: llama.cpp has none)."""
-        return GGUF_OF_DTYPE.get(manifest.get("dtype"))
-
-    def runtime_stats(self, model) -> dict:
-        """What the running model measured about itself beyond speed, as {name: {...,
-        "summary": one line}} (e.g. an expert cache's hit rate): ``run --verbose`` prints the
-        summaries, ``bench`` writes the rest to its JSON."""
-        return {}
-
-    def preload(self, model, progress: bool = False) -> None:
-        """Load now what the model would otherwise load when first used (e.g. every routed
-        expert of a mixture-of-experts model kept all resident), so that first requests are as
-        fast as later ones: ``serve`` calls it before it listens, ``bench`` inside the timed
-        load. Nothing to do for most models."""
-
-    def make_decoder(self, model, net):
+    def make_decoder(self, pkg: PackageView, net):
         from ..runtime import Decoder
 
-        info = model.manifest["graphs"]["decoder"]
-        return Decoder(net, info, self.rope(info), self.hooks(model))
+        info = pkg.manifest["graphs"]["decoder"]
+        return Decoder(net, info, self.rope(info), self.hooks(pkg))
 
-    def hooks(self, model) -> dict:
+    def hooks(self, pkg: PackageView) -> dict:
         """Host functions the decoder graph's ``passes`` name (see runtime.Decoder); a pass
         naming a state gets it as ``state=`` (e.g. a ``host`` state such as a recurrent matrix
-        updated by a helper net the architecture opens with ``model.open_net``)."""
+        updated by a helper net the architecture opens with ``pkg.open_net``)."""
         return {}
 
     def rope(self, info: dict) -> Callable:
@@ -176,10 +194,10 @@ class Architecture:
         """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos)."""
         return np.arange(len(input_ids), dtype=np.int64)[None]
 
-    def make_vision(self, model, net):
+    def make_vision(self, pkg: PackageView, net):
         return None
 
-    def snapshot_points(self, model, input_ids: list) -> list[int]:
+    def snapshot_points(self, tokenizer, input_ids: list) -> list[int]:
         """Lengths inside a prompt at which prefill also snapshots the decoder state (besides the
         prompt's end). Recurrent state cannot be cut back, so prefix reuse returns only to a
         snapshot: a model whose chat template re-renders earlier answers differently from how
@@ -187,19 +205,25 @@ class Architecture:
         so the next turn prefills only from there."""
         return []
 
-    def output_processor(self, model, images: list) -> "OutputProcessor | None":
+    def output_processor(self, images: list) -> "OutputProcessor | None":
         """None, or an :class:`OutputProcessor` for one answer to a prompt with these images
         (their processor infos, in prompt order)."""
         return None
 
-    # -- verification ----------------------------------------------------------------------------
-    def reference(self, ref_dir, dtype: str = "fp32") -> "Reference":
-        raise EdgevlError(f"{self.name} has no PyTorch reference to verify against")
+    def runtime_stats(self, pkg: PackageView) -> dict:
+        """What the running model measured about itself beyond speed, as {name: {...,
+        "summary": one line}} (e.g. an expert cache's hit rate): ``run --verbose`` prints the
+        summaries, ``bench`` writes the rest to its JSON."""
+        return {}
 
-    # -- tests -----------------------------------------------------------------------------------
-    def make_tiny(self, folder, variant: str = "default", seed: int = 0, dtype: str = "fp32",
-                  train_steps: int = 0) -> Path:
-        raise NotImplementedError
+    def preload(self, pkg: PackageView, progress: bool = False) -> None:
+        """Load now what the model would otherwise load when first used (e.g. every routed
+        expert of a mixture-of-experts model kept all resident), so that first requests are as
+        fast as later ones: ``serve`` calls it before it listens, ``bench`` inside the timed
+        load. Nothing to do for most models."""
+
+    # -- benchmark profile -----------------------------------------------------------------------
+    bench: BenchProfile = BenchProfile()
 
 
 class OutputProcessor:
@@ -222,130 +246,14 @@ class OutputProcessor:
         return []
 
 
-class Reference:
-    """A PyTorch model behind the interface verify, bench and the conformance suite use.
-
-    ``images`` are what ``prepare_images`` returns for the package's processor infos;
-    states are [input embeddings, after each decoder layer ..., after the final norm]."""
-
-    has_vision = False
-
-    def prepare_images(self, images: list, infos: list):
-        """Reference-side image inputs for ``images`` (paths/PIL), given the package's infos."""
-        raise EdgevlError("this reference takes no images")
-
-    def processor_diff(self, images, infos) -> float | None:
-        """max |pixel difference| of the package's processor vs the reference one, if any."""
-        return None
-
-    def vision_states(self, images) -> tuple:
-        """(merger rows, [after each vision layer ..., post norm]) for each image, in order."""
-        raise NotImplementedError
-
-    def text_states(self, ids, images=None) -> tuple[list, np.ndarray]:
-        """(states, logits [len(ids), V])."""
-        raise NotImplementedError
-
-    def start(self, ids, images=None):
-        """Prefill: (last-position logits [V], state)."""
-        raise NotImplementedError
-
-    def step(self, token: int, state):
-        """One decode step: (logits [V], state)."""
-        raise NotImplementedError
-
-    def state_bytes(self, state) -> int:
-        return _tensor_bytes(state)
-
-    def state_arrays(self, state) -> dict:
-        """{(layer, name): array} of a prefilled state's fixed-size parts (conv windows, recurrent
-        matrices), named as the package's manifest names them (``Cache.state_arrays``)."""
-        return {}
-
-    def greedy(self, ids, n: int, eos=(), images=None) -> list[int]:
-        out = []
-        logits, state = self.start(ids, images)
-        for _ in range(n):
-            t = int(np.argmax(logits))
-            out.append(t)
-            if t in eos:
-                break
-            logits, state = self.step(t, state)
-        return out
-
-
-def _tensor_bytes(obj, seen=None) -> int:
-    """Bytes of the tensors a transformers cache holds (keys, values, conv/recurrent states)."""
-    import torch
-
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return 0
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(x, seen) for x in obj)
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(x, seen) for x in obj.values())
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
-        return sum(_tensor_bytes(x, seen) for x in vars(obj).values())
-    return 0
-
-
-class TransformersCausalLM(Reference):
-    """A transformers decoder-only model (``model.model.layers``, ``model.model.norm``)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def _layers(self):
-        return self.model.model.layers
-
-    def _norm(self):
-        return self.model.model.norm
-
-    def text_states(self, ids, images=None):
-        import torch
-
-        outs = []
-        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                 for layer in self._layers()]
-        try:
-            with torch.no_grad():
-                r = self.model(torch.tensor([list(ids)]), output_hidden_states=True)
-                final = self._norm()(outs[-1])
-        finally:
-            for h in hooks:
-                h.remove()
-        states = [r.hidden_states[0][0].numpy()] + [o[0].numpy() for o in outs] + [final[0].numpy()]
-        return states, r.logits[0].float().numpy()
-
-    def start(self, ids, images=None):
-        import torch
-
-        with torch.no_grad():
-            r = self.model(torch.tensor([list(ids)]), use_cache=True)
-        return r.logits[0, -1].float().numpy(), _cache_of(r)
-
-    def step(self, token, state):
-        import torch
-
-        with torch.no_grad():
-            r = self.model(torch.tensor([[int(token)]]), cache=state, use_cache=True)
-        return r.logits[0, -1].float().numpy(), _cache_of(r)
-
-
-def _cache_of(r):
-    return r.cache if hasattr(r, "cache") else r.past_key_values
-
-
-TORCH_DTYPES = ("fp32", "bf16")
-
-
-def torch_dtype(name: str):
-    import torch
-
-    if name not in TORCH_DTYPES:
-        raise EdgevlError(f"reference dtype must be one of {', '.join(TORCH_DTYPES)}, got {name!r}")
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+def answer_header_points(tokenizer, input_ids: list, header: str, cache) -> list[int]:
+    """The lengths right after each occurrence of ``header`` (e.g. the chat template's opening of
+    an assistant turn) in ``input_ids``; ``cache`` (a ``weakref.WeakKeyDictionary``) keeps the
+    header's ids per tokenizer."""
+    if tokenizer not in cache:
+        cache[tokenizer] = tokenizer.encode(header)
+    head = cache[tokenizer]
+    ids, n = list(input_ids), len(head)
+    if not n:
+        return []
+    return [i + n for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head]

@@ -1,7 +1,8 @@
 """The conformance suite: every registered architecture, from its own tiny checkpoints.
 
-A new architecture registers itself (edgevl/models/__init__.py) and provides ``make_tiny`` and
-``reference``; it then gets all of this: fp32 conversion, greedy token parity with its PyTorch
+A new architecture registers itself (edgevl/models/__init__.py) and its verification
+(edgevl/verification/families/<family>.py) provides ``make_tiny`` and ``reference``; it then gets
+all of this: fp32 conversion, greedy token parity with its PyTorch
 reference (text, and an image prompt for vision models), per-layer cosine, chat prefix reuse equal
 to a fresh run, reduced-precision top-1 agreement, bad inputs, and a bench smoke run.
 """
@@ -16,10 +17,10 @@ from PIL import Image
 
 import edgevl
 import precision
-from edgevl import models
+from edgevl import models, verification
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.verify import compare
+from edgevl.verification.verify import compare
 
 ARCHS = models.names()
 N_NEW = 24
@@ -39,10 +40,10 @@ def built(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            arch = models.get(name)
+            fam = verification.get(name)
             root = tmp_path_factory.mktemp(name)
-            variant = next(iter(arch.tiny_variants), "default")
-            ck = arch.make_tiny(root / "ck", variant, seed=7)
+            variant = next(iter(fam.tiny_variants), None)
+            ck = fam.make_tiny(root / "ck", variant, seed=7)
             cache[name] = (ck, edgevl.convert(ck, root / "pk", dtype="fp32", progress=False))
         return cache[name]
     return get
@@ -56,7 +57,7 @@ def first_difference(a, b):
 def test_fp32_greedy_parity_and_layers(built, name):
     ck, pk = built(name)
     model = edgevl.load(pk)
-    ref = model.arch.reference(ck)
+    ref = verification.get(name).reference(ck)
     prep = prepare(model, "How many shapes are there?")
     ours = list(model.generate_tokens(prep.input_ids, N_NEW, ignore_eos=True, reuse_cache=False))
     theirs = ref.greedy(prep.input_ids, N_NEW)
@@ -73,7 +74,7 @@ def test_fp32_image_prompt_parity(built, name):
     assert model.vision is not None
     img = smooth_image(37, 61, seed=3)
     prep = prepare(model, PROMPT, image=img)
-    ref = model.arch.reference(ck)
+    ref = verification.get(name).reference(ck)
     ref_images = ref.prepare_images([img], prep.images)
     ours = list(model.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True,
                                       reuse_cache=False))
@@ -206,9 +207,8 @@ PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? æ•
 def trained_checkpoint(name: str, folder, seed: int = 11):
     """The briefly trained bf16 checkpoint of ``name``'s first tiny variant (real checkpoints
     ship bf16 weights, which a bf16 conversion keeps exactly)."""
-    arch = models.get(name)
-    return arch.make_tiny(folder, next(iter(arch.tiny_variants), "default"), seed=seed, dtype="bf16",
-                          train_steps=250)
+    fam = verification.get(name)
+    return fam.make_tiny(folder, next(iter(fam.tiny_variants), None), seed=seed, dtype="bf16", train_steps=250)
 
 
 @pytest.fixture(scope="module")
@@ -227,11 +227,11 @@ def trained(tmp_path_factory):
 def test_reduced_precision_top1(trained, tmp_path, name, dtype):
     ck = trained(name)
     model = edgevl.load(edgevl.convert(ck, tmp_path / dtype, dtype=dtype, progress=False))
-    ref = model.arch.reference(ck)   # computes in fp32
+    ref = verification.get(name).reference(ck)   # computes in fp32
     got = precision.compare(model, ref, [prepare(model, p).input_ids for p in PROMPTS])
     top1, cos = TOLERANCE[dtype]
-    # MoE models may have a few rows whose routing flipped on a near-tie (Architecture.precision_outlier_rows)
-    outliers = int(model.arch.precision_outlier_rows * got.total)
+    # MoE models may have a few rows whose routing flipped on a near-tie (precision_outlier_rows)
+    outliers = int(verification.get(name).precision_outlier_rows * got.total)
     assert got.rate >= top1 and got.low(outliers) >= cos and got.far == 0, f"{name} {dtype}: {got.line(outliers)}"
 
 

@@ -1,8 +1,8 @@
 """Qwen3.5-MoE (transformers ``qwen3_5_moe``): Qwen3.5's hybrid decoder (Gated DeltaNet + gated
 full attention, M-RoPE) and vision tower with a sparse MoE block as every layer's MLP.
 
-Everything but the MLP is ``qwen3_5.py``'s, by import: the same graph builders, host driver,
-vision encoder and reference adapter. Hold this file next to transformers'
+Everything but the MLP is Qwen3.5's, by import (``edgevl/models/qwen3_5``): the same graph
+builders and host driver. Hold this file next to transformers'
 ``modeling_qwen3_5_moe.py: Qwen3_5MoeSparseMoeBlock``:
 
 - in the decoder graph (``moe.emit_sparse_moe``): the router Gemm (``mlp.gate``, logits in fp32)
@@ -24,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import EdgevlError
-from . import moe, qwen3_5
+from ...blocks import moe, qwen_vision
+from ...blocks.rope import mrope, mrope_positions_of
+from ...errors import EdgevlError
+from ..protocol import Architecture
+from ..qwen3_5 import model as qwen3_5
 
 
 @dataclass
@@ -69,7 +72,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     ``experts.bin``/``experts.param`` and the manifest's ``experts`` section."""
     keep = moe.dense_float_layers(dtype, options.get("dense", "auto"))   # checked before any file is written
     a = MoeTextArgs.from_config(ckpt.config)
-    qwen3_5.checked_vision_args(ckpt, a.hidden_size)   # before the experts are written
+    qwen_vision.checked_vision_args(ckpt, a.hidden_size, qwen3_5.VISION_PREFIX, "qwen3_5_moe")   # before the experts
     prefix = qwen3_5.text_prefix(ckpt)
     # the experts first: a checkpoint that lacks some fails before the long decoder pass
     w = moe.ExpertWriter(out, a.hidden_size, a.moe_intermediate_size, a.num_experts,
@@ -84,41 +87,44 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     return parts
 
 
-MOE_TINY = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-
-
-class Qwen3_5Moe(moe.MoeArchitecture, qwen3_5.Qwen3_5):
+class Qwen3_5Moe(Architecture):
+    """Qwen3.5's decoder, prompting and vision tower (by import) with the MoE block's options,
+    expert store and llama.cpp profile."""
     name = "qwen3_5_moe"
-    hf_classes = {"vlm": "Qwen3_5MoeForConditionalGeneration", "causal_lm": "Qwen3_5MoeForCausalLM",
-                  "config": "Qwen3_5MoeConfig", "text_config": "Qwen3_5MoeTextConfig"}
-    text_args = MoeTextArgs
-    # a bf16/q8 rounding flips a near-tied expert choice on a few rows (with top-2 of 8 one flip
-    # replaces about half of a layer's routed output): measured 1 of 192 teacher-forced rows at
-    # 0.94 logit cosine in q8, the rest >= 0.977; with the fp32 package's routing forced, >= 0.98
-    precision_outlier_rows = 0.02
-    tiny_variants = {
-        # 8 experts top-2, L L L F, Hv = 2 Hk, tied
-        "e8k2-tied": dict(MOE_TINY),
-        # 12 experts top-3, wider shared expert, L F L F, Hv = Hk, untied, head 128
-        "e12k3-untied-hd128": dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=24,
-                                   shared_expert_intermediate_size=72, linear_num_value_heads=2,
-                                   linear_key_head_dim=32, linear_value_head_dim=32, head_dim=128,
-                                   num_attention_heads=4, num_key_value_heads=2, full_attention_interval=2,
-                                   tie_word_embeddings=False),
-    }
+    has_vision = True
+    chat_template = qwen3_5.CHAT_TEMPLATE
+    reasoning_tokens = qwen3_5.ARCH.reasoning_tokens
+    template_switches = qwen3_5.ARCH.template_switches
+    options = moe.OPTIONS
+    runtime_options = moe.RUNTIME_OPTIONS
+    bench = moe.bench_profile(qwen3_5.ARCH.bench.convert_args)
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)
 
-    def hooks(self, model) -> dict:
-        return {**super().hooks(model), "moe": moe.moe_hook(self.open_experts(model))}
+    def thinking_args(self, thinking):
+        return qwen3_5.ARCH.thinking_args(thinking)
 
-    def make_tiny(self, folder, variant="e8k2-tied", seed=0, dtype="fp32", train_steps=0, **overrides):
-        """A random (or briefly trained) Qwen3_5MoeForConditionalGeneration; overrides as in
-        ``Qwen3_5.make_tiny`` plus the MoE sizes (num_experts, num_experts_per_tok,
-        moe_intermediate_size, shared_expert_intermediate_size)."""
-        over = {**MOE_TINY, **self.tiny_variants.get(variant, {}), **overrides}
-        return qwen3_5.make_tiny(folder, seed, dtype, train_steps=train_steps, classes=self.hf_classes, **over)
+    def hooks(self, pkg) -> dict:
+        return {**qwen3_5.delta_rule_hooks(pkg), "moe": moe.moe_hook(moe.open_experts(pkg))}
+
+    def rope(self, info):
+        return mrope(info)
+
+    def positions(self, input_ids, images, image_token_id):
+        return mrope_positions_of(input_ids, images, image_token_id)
+
+    def snapshot_points(self, tokenizer, input_ids):
+        return qwen3_5.ARCH.snapshot_points(tokenizer, input_ids)
+
+    def make_vision(self, pkg, net):
+        return qwen_vision.open_vision(pkg, net)
+
+    def runtime_stats(self, pkg) -> dict:
+        return moe.runtime_stats(pkg)
+
+    def preload(self, pkg, progress: bool = False) -> None:
+        moe.preload(pkg, progress)
 
 
 ARCH = Qwen3_5Moe()

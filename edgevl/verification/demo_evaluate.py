@@ -1,6 +1,6 @@
 """Score the demo model through ncnn on every skill, and check it against the PyTorch reference.
 
-    python -m edgevl.demo.evaluate --seed S --n 200 [--model PATH]
+    python -m edgevl.verification.demo_evaluate --seed S --n 200 [--model PATH]
 
 For each of ``n`` fresh scenes (seeded stream ``S``) the ncnn model (``edgevl.load``) is asked,
 greedily, every question the scene answers (``Scene.qa_items``), through the path
@@ -45,9 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgevl.demo import DEMO_CHECKPOINT
 from edgevl.demo import scenes as S
 
-DEMO_DIR = Path(__file__).resolve().parent / "model"
+DEMO_DIR = DEMO_CHECKPOINT  # the shipped demo model
 MAX_NEW_TOKENS = 64
 
 # Skills in report order: (key, question kind in Scene.qa_items, what the line says).
@@ -213,7 +214,7 @@ def resolve(model: str | None, reference: str | None, tmp: Path) -> tuple[Path, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edgevl.demo.evaluate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edgevl.verification.demo_evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1234, help="seed of the scene stream (never the training seed)")
     ap.add_argument("--n", type=int, default=200, help="number of scenes")
     ap.add_argument("--model", default=None, help="package or checkpoint folder (default: the shipped demo model)")
@@ -232,8 +233,8 @@ def main(argv=None) -> int:
           "loading the models ...", flush=True)
     import edgevl
     from edgevl.generate import prepare
-    from edgevl.models.youtu_vl import configured_max_patches
-    from edgevl.processing.siglip2 import preprocess
+    from edgevl.models.youtu_vl.model import configured_max_patches
+    from edgevl.models.youtu_vl.processing import preprocess
 
     with tempfile.TemporaryDirectory(prefix="edgevl-demo-eval-") as tmp:
         pkg, ref_dir = resolve(args.model, args.reference, Path(tmp))
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         if not args.no_parity:
             import torch
 
-            from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration
+            from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration
 
             if args.threads:
                 torch.set_num_threads(args.threads)

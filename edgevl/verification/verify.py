@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EdgevlError
+from ..errors import EdgevlError
 
 
 def cosine(a, b) -> float:
@@ -95,7 +95,7 @@ def _require_torch():
 
 def source_of(package) -> Path:
     """The checkpoint folder a package was converted from (recorded in its manifest)."""
-    from .package import read_manifest
+    from ..package import read_manifest
 
     src = (read_manifest(package).get("source") or {}).get("path")
     if not src or not (Path(src) / "config.json").is_file():
@@ -108,12 +108,13 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
             max_image_patches=None, threads=None, log=None, options=None) -> Report:
     """``log`` (a callable taking one line) hears what is being compared and each step."""
     _require_torch()
-    from .generate import prepare
-    from .model import Model
+    from ..generate import prepare
+    from ..model import Model
+    from . import get
 
     log = log or (lambda line: None)
     if threads is not None:  # 0 is a mistake, not "the default"
-        from .runtime import check_threads
+        from ..runtime import check_threads
 
         check_threads(threads)
     reference_dir = Path(reference_dir) if reference_dir else source_of(package)
@@ -129,7 +130,7 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         f"prompt {prompt!r}" + (f", image {', '.join(str(i) for i in images)}" if images else ", no image")
         + f", {max_new_tokens} greedy tokens; pass if {rep.threshold()} (layer cosines are shown, not judged)")
     log(f"[{next(step)}/{steps}] loading the PyTorch reference")
-    ref = model.arch.reference(reference_dir)
+    ref = get(model.arch.name).reference(reference_dir)
     prep = prepare(model, prompt, image=images or None, max_image_patches=max_image_patches)
     ref_images = None
     if images:

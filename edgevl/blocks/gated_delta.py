@@ -1,8 +1,9 @@
-"""Delta-rule linear attention (Gated DeltaNet) on ncnn, for every recurrent architecture.
+"""Delta-rule linear attention on ncnn, for every recurrent architecture: Gated DeltaNet (GDN,
+the Qwen3.5 family) and, at the end, Kimi delta attention (KDA, the Youtu MoE) side by side.
 
 Hold it next to transformers' ``modeling_qwen3_5.py`` (``Qwen3_5GatedDeltaNet``,
-``torch_recurrent_gated_delta_rule``, ``torch_chunk_gated_delta_rule``) and spec
-qwen3_5_and_youtu_moe.md §1.3 and §3. The work is split three ways:
+``torch_recurrent_gated_delta_rule``, ``torch_chunk_gated_delta_rule``) and
+docs/models/qwen3_5.md, "Gated DeltaNet". The work is split three ways:
 
 - **In the decoder graph** (the package's storage precision): the projections, the causal
   depthwise conv with its conv-state window (:func:`emit_causal_conv`) and, after the core, the
@@ -21,8 +22,9 @@ qwen3_5_and_youtu_moe.md §1.3 and §3. The work is split three ways:
   hot cache; 10 vs 7-8 ms per token over 18 layers in a real decode), nearly all of it per-layer
   dispatch over ~50 tiny layers, and a token's work is ~0.5 M multiply-adds.
 
-Kimi-style KDA (per-channel decay, sigmoid output gate) can reuse the conv, the l2norm and the
-gated norm (``gate_act="sigmoid"``); its chunked form is not practical in ncnn (spec §3.1).
+KDA (per-channel decay, sigmoid output gate) reuses the conv, the l2norm and the gated norm
+(``gate_act="sigmoid"``); its chunked form is not practical in ncnn, so its core
+(:class:`KdaCore`) runs token by token on the host, prefill too (docs/models/youtu_moe.md, "KDA").
 """
 
 from __future__ import annotations
@@ -455,6 +457,108 @@ def core_hook(core: DeltaRuleCore, gates: dict):
     the core output fed back by name."""
     def hook(blobs, seq, state, layer, qkv, ba, out):
         o, st = core(blobs[qkv], blobs[ba], gates[layer], core.as_state(state.get()))
+        state.set(st)
+        return {out: o}
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA (Kimi delta attention): the delta rule with a per-channel decay, host-side fp32 numpy
+
+KDA_WINDOW = 16     # decoded tokens whose state updates are deferred (folded into S0 together)
+
+
+def kda_state_shapes(d: DeltaDims, window: int = KDA_WINDOW) -> list:
+    """A KDA layer's host state: S0 [H, Dk, Dv]; the pending keys, deltas and per-channel
+    cumulative log-decays of up to ``window`` tokens; the log-decay since S0; the number pending."""
+    h, dk, dv = d.value_heads, d.key_dim, d.value_dim
+    return [[h, dk, dv], [h, window, dk], [h, window, dv], [h, window, dk], [h, 1, dk], [1]]
+
+
+class KdaCore(WindowedCore):
+    """A KDA layer's delta rule (``recurrent_kimi_delta_attention`` with the lower-bounded gate)
+    in fp32 numpy, one token at a time, prefill too: the chunked form needs [C, C, Dk] pairwise
+    decays, not practical in ncnn (docs/models/youtu_moe.md, "KDA").
+
+    g = lb * sigmoid(exp(A_log) * (f + dt_bias)) per channel; S <- diag(e^g) S (rows along Dk);
+    delta = beta (v - k^T S); S <- S + k delta^T; o = q^T S; q and k l2-normalised (q also
+    scaled by Dk^-1/2). As in :class:`DeltaRuleCore`, S is not rewritten every token: with
+    per-channel cumulative log-decays c_j since S0, S_t = diag(e^c_t) S0 + sum_j
+    diag(e^(c_t - c_j)) k_j delta_j^T, so a token reads S0 once (2 MiB per layer at the real
+    shape) plus a small window, and the window folds into S0 every ``KDA_WINDOW`` tokens and at
+    the end of a prompt (S0 is then the exact state, as the reference's cache holds it). At the
+    real shape (1 thread, caches cold, ``benchmarks/kda_core.py``) a token and layer costs 0.40 ms
+    decoding and 0.19 ms in a prompt; the ncnn step net this replaced, which rewrote S every
+    token, 0.91 and 0.72 ms."""
+
+    def __init__(self, d: DeltaDims, lower_bound: float, window: int = KDA_WINDOW):
+        self.d, self.lower_bound, self.window = d, float(lower_bound), int(window)
+        self.shapes = kda_state_shapes(d, self.window)
+
+    def consts(self, rate, dt_bias) -> tuple:
+        """A layer's exp(A_log) per channel and dt_bias, as float32 vectors made once at load."""
+        return (np.ascontiguousarray(rate, np.float32).reshape(-1),
+                np.ascontiguousarray(dt_bias, np.float32).reshape(-1))
+
+    def fold(self, state) -> tuple:
+        """S0 <- diag(e^c_n) S0 + sum_j diag(e^(c_n - c_j)) k_j delta_j^T, in place; empties the window."""
+        s0, wk, wd, wc, c, n = state
+        m = int(n[0])
+        if m == 0:
+            return state
+        s0 *= np.exp(c).transpose(0, 2, 1)                           # (H, Dk, 1): rows along Dk
+        kd = wk[:, :m] * np.exp(c - wc[:, :m])                        # (H, m, Dk)
+        s0 += np.matmul(kd.transpose(0, 2, 1), wd[:, :m])
+        for a in (wk, wd, wc, c):
+            a[...] = 0
+        n[0] = 0
+        return state
+
+    def __call__(self, qkv, fb, consts: tuple, state: tuple):
+        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats); returns (o [seq, HD], the state)."""
+        x = np.asarray(qkv, np.float32).reshape(-1, 3 * self.d.keys)
+        f = np.asarray(fb, np.float32).reshape(len(x), -1)
+        o = np.empty((len(x), self.d.values), np.float32)
+        for t in range(len(x)):
+            o[t] = self._step(x[t], f[t], consts, state)
+        if len(x) > 1:
+            self.fold(state)
+        return o, state
+
+    def _step(self, x, fb, consts, state) -> np.ndarray:
+        d = self.d
+        h, dk, hd = d.key_heads, d.key_dim, d.keys
+        s0, wk, wd, wc, c, n = state
+        q, k, v = (x[j * hd:(j + 1) * hd].reshape(h, dk) for j in range(3))
+        q = q * (dk ** -0.5 / np.sqrt(np.einsum("hd,hd->h", q, q) + L2NORM_EPS))[:, None]
+        k = k * (1.0 / np.sqrt(np.einsum("hd,hd->h", k, k) + L2NORM_EPS))[:, None]
+        rate, dt = consts
+        g = self.lower_bound / (1.0 + np.exp(-(rate * (fb[:hd] + dt))))       # lb * sigmoid, (HD,)
+        beta = 1.0 / (1.0 + np.exp(-fb[hd:hd + h]))
+        ct = c[:, 0] + g.reshape(h, dk)                                       # (H, Dk)
+        qk = np.stack((q, k), axis=1)                                         # (H, 2, Dk)
+        i = int(n[0])
+        base = np.matmul(qk * np.exp(ct)[:, None, :], s0)                     # (H, 2, Dv)
+        if i:
+            kw = wk[:, :i] * np.exp(ct[:, None, :] - wc[:, :i])               # (H, i, Dk)
+            base += np.matmul(np.matmul(qk, kw.transpose(0, 2, 1)), wd[:, :i])
+        delta = (v - base[:, 1]) * beta[:, None]
+        o = base[:, 0] + delta * np.einsum("hd,hd->h", q, k)[:, None]
+        wk[:, i] = k
+        wd[:, i] = delta
+        wc[:, i] = ct
+        c[:, 0] = ct
+        n[0] = i + 1
+        if i + 1 == self.window:
+            self.fold(state)
+        return o.reshape(-1)
+
+
+def kda_hook(core: KdaCore, consts: dict):
+    """The decoder's host pass for a KDA layer: conv output and gate logits in, the delta rule
+    run on the layer's ``host`` state, the core output fed back by name."""
+    def hook(blobs, seq, state, layer, qkv, fb, out):
+        o, st = core(blobs[qkv], blobs[fb], consts[layer], core.as_state(state.get()))
         state.set(st)
         return {out: o}
     return hook

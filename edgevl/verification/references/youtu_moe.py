@@ -47,7 +47,7 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfi
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, Qwen3VLVisionModel
 from transformers.models.youtu.modeling_youtu import YoutuAttention
 
-from ..models.youtu_moe_layout import CHECKPOINT_LAYOUT, CheckpointLayout  # noqa: F401 (re-exported)
+from ...models.youtu_moe.layout import CHECKPOINT_LAYOUT, CheckpointLayout  # noqa: F401 (re-exported)
 
 ARCHITECTURE = "YoutuVLMoEForConditionalGeneration"
 MODEL_TYPE = "youtu_vl_moe"  # ASSUMED: no public config.json

@@ -127,34 +127,6 @@ def _check_field(f, v, where: str) -> None:
                           f"{r if len(r) <= 60 else r[:60] + '...'}; fix the checkpoint's config")
 
 
-def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
-    """The checkpoint's own RoPE base: ``rope_parameters`` (transformers 5) or ``rope_theta``."""
-    rp = cfg.get("rope_parameters") or {}
-    rs = cfg.get("rope_scaling") or {}
-    for key, v in (("rope_parameters", rp), ("rope_scaling", rs)):
-        if not isinstance(v, dict):
-            raise EdgevlError(f"config.json field {key} must be an object or null, got {type(v).__name__}; fix "
-                              "the checkpoint's config")
-    rtype = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
-    if rtype != "default":
-        raise EdgevlError(f"rope_type {rtype!r:.60} in config.json is not supported yet (only plain RoPE); "
-                          "please open an issue with the checkpoint name")
-    theta = rp.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        return float(default)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise EdgevlError(f"config.json field rope_theta must be a positive number, got {theta!r:.60}; fix the "
-                          "checkpoint's config")
-    return float(theta)
-
-
-def rope_tables(positions: np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [len(positions), dim/2] for plain 1-D RoPE, float32 as transformers computes it."""
-    inv = (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))).astype(np.float32)
-    ang = np.asarray(positions, dtype=np.float32)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
 @dataclass
 class GraphInfo:
     """What the runtime needs to drive a converted graph (stored in the manifest)."""
@@ -274,7 +246,8 @@ class RowStack:
         self.parts = list(parts)
         k = {int(np.prod(p.shape[1:])) for p in self.parts}
         if len(k) != 1:
-            raise ValueError(f"{name}: stacked tensors need one input width, got {sorted(k)}")
+            raise EdgevlError(f"{name}: the tensors stacked into one Gemm have different widths {sorted(k)}; the "
+                              "checkpoint is inconsistent")
         self.starts = np.cumsum([0] + [int(p.shape[0]) for p in self.parts])
         self.shape = (int(self.starts[-1]), k.pop())
         self.name = name

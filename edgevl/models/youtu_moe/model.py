@@ -2,60 +2,61 @@
 MLA, a quantile-balanced mixture of experts, and a Qwen3-VL vision tower — as ncnn graphs plus the
 host driver that runs them.
 
-No modeling code or checkpoint of this model is public (spec qwen3_5_and_youtu_moe.md §2). The
-PyTorch reference is ``edgevl/reference/youtu_moe.py`` (transformers' ``kimi_linear``, ``youtu``
-and ``qwen3_vl`` blocks with the changes the llama.cpp patch describes); hold this file next to
-it. The checkpoint layout is ASSUMED and lives in one table (``youtu_moe_layout.py``).
+No modeling code or checkpoint of this model is public (docs/models/youtu_moe.md). The PyTorch
+reference is ``edgevl/verification/references/youtu_moe.py`` (transformers' ``kimi_linear``,
+``youtu`` and ``qwen3_vl`` blocks with the changes the llama.cpp patch describes); hold this file
+next to it. The checkpoint layout is ASSUMED and lives in one table (``layout.py``).
 
 Per decoder layer (``layer_types`` / ``mlp_layer_types``):
 
 - **KDA** (``KDAttention``): q/k/v, the forget gate's ``f_a``, ``b_proj`` and the output gate's
   ``g_a`` as one Gemm; the causal depthwise conv over q|k|v with its window (``gated_delta``'s
   emitter); then a host pass runs the delta rule with a *per-channel* decay in fp32 numpy
-  (:class:`KdaCore`), one token at a time with the state updates deferred in a window, as
-  ``gated_delta`` decodes GDN — the chunked form needs [C, C, Dk] pairwise decays and is not
-  practical in ncnn (spec §3.1), so prefill is token by token too; then ``o_norm`` (RMSNorm x
-  sigmoid(g_b(g_a x))) and ``o_proj`` back in the graph.
-- **Gated MLA** (``GatedMLA``): youtu's MLA (``youtu.emit_mla_core``), interleaved M-RoPE on the
-  rope dims (host cos/sin, ``qwen3_5.mrope_tables``), the attention output times
-  sigmoid(``g_proj`` x) per head (or per channel) before ``o_proj``.
+  (``gated_delta.KdaCore``), one token at a time with the state updates deferred in a window, as
+  GDN decodes — the chunked form needs [C, C, Dk] pairwise decays and is not practical in ncnn,
+  so prefill is token by token too; then ``o_norm`` (RMSNorm x sigmoid(g_b(g_a x))) and
+  ``o_proj`` back in the graph.
+- **Gated MLA** (``GatedMLA``): MLA (``blocks/mla.py``), interleaved M-RoPE on the rope dims
+  (host cos/sin, ``blocks/rope.py``), the attention output times sigmoid(``g_proj`` x) per head
+  (or per channel) before ``o_proj``.
 - **MLP**: layer 0 a dense SwiGLU; the others ``moe.emit_sparse_moe`` (router logits + the
   shared expert in the graph) with quantile-balanced routing on the host: experts = top-k of
   logits - qb_beta[modality], modality 1 for rows holding an image embedding (the decoder hands
   the rows' token ids to the pass), weights = normalised sigmoid(logits) x routed_scaling_factor.
 
 Vision: transformers' ``Qwen3VLVisionModel`` is Qwen3.5's tower plus deepstack, so without
-deepstack layers it is ``qwen3_5.build_vision`` (tensors under ``visual.``); a config naming
+deepstack layers it is ``blocks/qwen_vision.py`` (tensors under ``visual.``); a config naming
 deepstack layers is refused. The base model emits ``</think>`` as its first token: the reasoning
 markers make it a thinking-block close, never text.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
+import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .. import ncnn_graph as G
-from ..errors import EdgevlError
-from . import gated_delta as gd
-from . import moe, qwen3_5, youtu
-from .base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, kv_state,
-                   rope_theta_of, save_graph, storage_dtype, swiglu_mlp, weight_ctx, write_head_and_embedding)
-from .protocol import torch_dtype
-from .youtu import YOUTU_VL_TEMPLATE
-from .youtu_moe_layout import CHECKPOINT_LAYOUT, CheckpointLayout
+from ... import ncnn_graph as G
+from ...blocks import gated_delta as gd
+from ...blocks import moe, qwen_vision
+from ...blocks.base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, kv_state, save_graph,
+                            swiglu_mlp, weight_ctx, write_head_and_embedding)
+from ...blocks.mla import MlaArgs, emit_mla_core
+from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
+from ...errors import EdgevlError
+from ..protocol import Architecture, answer_header_points
+from ..youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
+from .layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
 PREFIX = "model"
 VISION_PREFIX = "visual"
 LAYER_KINDS = ("linear_attention", "full_attention")
 MLP_KINDS = ("dense", "sparse")
 LAYOUT_NOTE = ("the Youtu MoE checkpoint layout is an assumption (no checkpoint is public yet): tensor names "
-               "follow edgevl/models/youtu_moe_layout.py")
+               "follow edgevl/models/youtu_moe/layout.py")
 
 
 @dataclass
@@ -132,12 +133,8 @@ class TextArgs:
         return a
 
     @property
-    def mla(self) -> youtu.ModelArgs:
-        """The MLA blocks' arguments, as youtu's builder reads them."""
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
-                "rms_norm_eps", "rope_interleave", "attention_bias", "rope_theta")
-        return youtu.ModelArgs(**{k: getattr(self, k) for k in keys})
+    def mla(self) -> MlaArgs:
+        return MlaArgs.of(self)
 
     @property
     def kda(self) -> gd.DeltaDims:
@@ -153,7 +150,7 @@ class TextArgs:
 
 class LayoutView:
     """The checkpoint seen by its internal tensor names: every read goes through the assumed
-    layout's renames (``youtu_moe_layout.py``), so the builders below use one set of names."""
+    layout's renames (``layout.py``), so the builders below use one set of names."""
 
     def __init__(self, ckpt, layout: CheckpointLayout = CHECKPOINT_LAYOUT):
         self.ckpt, self.layout = ckpt, layout
@@ -207,11 +204,11 @@ def emit_kda(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple[str, dict]:
 
 
 def emit_gated_mla(ctx: Ctx, x: str, p: str, a: TextArgs, i: int, cos: str, sin: str, mask: str) -> str:
-    """GatedMLA: youtu's MLA, its output times sigmoid(g_proj x) (one scalar per head, or per
-    channel) before o_proj."""
+    """GatedMLA: MLA, its output times sigmoid(g_proj x) (one scalar per head, or per channel)
+    before o_proj."""
     g, m = ctx.g, a.mla
     nh, vd = m.num_attention_heads, m.v_head_dim
-    o = youtu.emit_mla_core(ctx, x, p, m, i, cos, sin, mask, absorbed=False)  # (h=seq, w=nh*vd)
+    o = emit_mla_core(ctx, x, p, m, i, cos, sin, mask, absorbed=False)  # (h=seq, w=nh*vd)
     if a.mla_output_gate is not None:
         per = 1 if a.mla_output_gate == "headwise" else vd
         gate = G.sigmoid(g, ctx.linear(x, f"{p}.g_proj", nh * per, a.hidden_size), name=f"{p}.g_sigmoid")
@@ -264,11 +261,11 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
         g.section(f"layer{i}")
         x, core, mlp_pass = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix)
         if core is None:
-            states.append(dict(kv_state(i, m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)), layer=i))
+            states.append(dict(kv_state(i, m.kv_floats_per_token(absorbed=False)), layer=i))
         else:
             gates[str(i)] = {"rate": core.pop("rate"), "dt_bias": core.pop("dt_bias")}
-            # the delta-rule matrix and a window of deferred updates (KdaCore)
-            passes.append(gd.declare_recurrent_layer(states, i, d.conv_state_shape, kda_state_shapes(d), "kda",
+            # the delta-rule matrix and a window of deferred updates (gated_delta.KdaCore)
+            passes.append(gd.declare_recurrent_layer(states, i, d.conv_state_shape, gd.kda_state_shapes(d), "kda",
                                                      core, [core["qkv"], core["fb"]]))
         passes += [mlp_pass] if mlp_pass else []
     g.section("norm")
@@ -281,107 +278,6 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX) -> GraphInfo:
                "rope": {"dim": a.qk_rope_head_dim, "theta": a.rope_theta, "mrope_section": a.mrope_section},
                "hidden_size": a.hidden_size, "num_layers": a.num_hidden_layers},
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# the KDA delta rule (host, fp32 numpy)
-
-KDA_WINDOW = 16     # decoded tokens whose state updates are deferred (folded into S0 together)
-
-
-def kda_state_shapes(d: gd.DeltaDims, window: int = KDA_WINDOW) -> list:
-    """A KDA layer's host state: S0 [H, Dk, Dv]; the pending keys, deltas and per-channel
-    cumulative log-decays of up to ``window`` tokens; the log-decay since S0; the number pending."""
-    h, dk, dv = d.value_heads, d.key_dim, d.value_dim
-    return [[h, dk, dv], [h, window, dk], [h, window, dv], [h, window, dk], [h, 1, dk], [1]]
-
-
-class KdaCore(gd.WindowedCore):
-    """A KDA layer's delta rule (``recurrent_kimi_delta_attention`` with the lower-bounded gate)
-    in fp32 numpy, one token at a time, prefill too (no practical chunked form; see the module).
-
-    g = lb * sigmoid(exp(A_log) * (f + dt_bias)) per channel; S <- diag(e^g) S (rows along Dk);
-    delta = beta (v - k^T S); S <- S + k delta^T; o = q^T S; q and k l2-normalised (q also
-    scaled by Dk^-1/2). As in ``gated_delta.DeltaRuleCore``, S is not rewritten every token: with
-    per-channel cumulative log-decays c_j since S0, S_t = diag(e^c_t) S0 + sum_j
-    diag(e^(c_t - c_j)) k_j delta_j^T, so a token reads S0 once (2 MiB per layer at the real
-    shape) plus a small window, and the window folds into S0 every ``KDA_WINDOW`` tokens and at
-    the end of a prompt (S0 is then the exact state, as the reference's cache holds it). At the
-    real shape (1 thread, caches cold, ``benchmarks/kda_core.py``) a token and layer costs 0.40 ms
-    decoding and 0.19 ms in a prompt; the ncnn step net this replaced, which rewrote S every
-    token, 0.91 and 0.72 ms."""
-
-    def __init__(self, d: gd.DeltaDims, lower_bound: float, window: int = KDA_WINDOW):
-        self.d, self.lower_bound, self.window = d, float(lower_bound), int(window)
-        self.shapes = kda_state_shapes(d, self.window)
-
-    def consts(self, rate, dt_bias) -> tuple:
-        """A layer's exp(A_log) per channel and dt_bias, as float32 vectors made once at load."""
-        return (np.ascontiguousarray(rate, np.float32).reshape(-1),
-                np.ascontiguousarray(dt_bias, np.float32).reshape(-1))
-
-    def fold(self, state) -> tuple:
-        """S0 <- diag(e^c_n) S0 + sum_j diag(e^(c_n - c_j)) k_j delta_j^T, in place; empties the window."""
-        s0, wk, wd, wc, c, n = state
-        m = int(n[0])
-        if m == 0:
-            return state
-        s0 *= np.exp(c).transpose(0, 2, 1)                           # (H, Dk, 1): rows along Dk
-        kd = wk[:, :m] * np.exp(c - wc[:, :m])                        # (H, m, Dk)
-        s0 += np.matmul(kd.transpose(0, 2, 1), wd[:, :m])
-        for a in (wk, wd, wc, c):
-            a[...] = 0
-        n[0] = 0
-        return state
-
-    def __call__(self, qkv, fb, consts: tuple, state: tuple):
-        """qkv [seq, 3HD] and fb [seq, HD+H] (arrays or Mats); returns (o [seq, HD], the state)."""
-        x = np.asarray(qkv, np.float32).reshape(-1, 3 * self.d.keys)
-        f = np.asarray(fb, np.float32).reshape(len(x), -1)
-        o = np.empty((len(x), self.d.values), np.float32)
-        for t in range(len(x)):
-            o[t] = self._step(x[t], f[t], consts, state)
-        if len(x) > 1:
-            self.fold(state)
-        return o, state
-
-    def _step(self, x, fb, consts, state) -> np.ndarray:
-        d = self.d
-        h, dk, hd = d.key_heads, d.key_dim, d.keys
-        s0, wk, wd, wc, c, n = state
-        q, k, v = (x[j * hd:(j + 1) * hd].reshape(h, dk) for j in range(3))
-        q = q * (dk ** -0.5 / np.sqrt(np.einsum("hd,hd->h", q, q) + gd.L2NORM_EPS))[:, None]
-        k = k * (1.0 / np.sqrt(np.einsum("hd,hd->h", k, k) + gd.L2NORM_EPS))[:, None]
-        rate, dt = consts
-        g = self.lower_bound / (1.0 + np.exp(-(rate * (fb[:hd] + dt))))       # lb * sigmoid, (HD,)
-        beta = 1.0 / (1.0 + np.exp(-fb[hd:hd + h]))
-        ct = c[:, 0] + g.reshape(h, dk)                                       # (H, Dk)
-        qk = np.stack((q, k), axis=1)                                         # (H, 2, Dk)
-        i = int(n[0])
-        base = np.matmul(qk * np.exp(ct)[:, None, :], s0)                     # (H, 2, Dv)
-        if i:
-            kw = wk[:, :i] * np.exp(ct[:, None, :] - wc[:, :i])               # (H, i, Dk)
-            base += np.matmul(np.matmul(qk, kw.transpose(0, 2, 1)), wd[:, :i])
-        delta = (v - base[:, 1]) * beta[:, None]
-        o = base[:, 0] + delta * np.einsum("hd,hd->h", q, k)[:, None]
-        wk[:, i] = k
-        wd[:, i] = delta
-        wc[:, i] = ct
-        c[:, 0] = ct
-        n[0] = i + 1
-        if i + 1 == self.window:
-            self.fold(state)
-        return o.reshape(-1)
-
-
-def kda_hook(core: KdaCore, consts: dict):
-    """The decoder's host pass for a KDA layer: conv output and gate logits in, the delta rule
-    run on the layer's ``host`` state, the core output fed back by name."""
-    def hook(blobs, seq, state, layer, qkv, fb, out):
-        o, st = core(blobs[qkv], blobs[fb], consts[layer], core.as_state(state.get()))
-        state.set(st)
-        return {out: o}
-    return hook
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +303,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     a = TextArgs.from_config(cfg)
     view = LayoutView(ckpt, layout)
     print(f"note: {LAYOUT_NOTE}", file=sys.stderr)
-    v = qwen3_5.checked_vision_args(view, a.hidden_size, VISION_PREFIX, "Youtu MoE")   # before anything is written
+    v = qwen_vision.checked_vision_args(view, a.hidden_size, VISION_PREFIX, "Youtu MoE")   # before anything is written
     if v is not None and (cfg["vision_config"].get("deepstack_visual_indexes") or []) != []:
         raise EdgevlError("vision_config.deepstack_visual_indexes is not empty: deepstack vision features are "
                           "not supported for Youtu MoE yet")
@@ -439,15 +335,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     parts["graphs"]["lm_head"] = head
 
     if v is not None:
-        # float tower (bf16 for q8 packages): small next to the LM, large M per image
-        g = G.Graph(out / "vision.bin")
-        info = qwen3_5.build_vision(Ctx(view, g, storage_dtype(dtype), None, on_tensor), v, VISION_PREFIX)
-        side = int(round(v.num_position_embeddings ** 0.5))
-        table = view.get(f"{VISION_PREFIX}.pos_embed.weight", (v.num_position_embeddings, v.hidden_size))
-        on_tensor(table)
-        table.numpy().astype("<f4").tofile(out / "vision_pos_embed.bin")
-        info.extra["pos_embed"] = {"file": "vision_pos_embed.bin", "side": side, "dim": v.hidden_size}
-        parts["graphs"]["vision"] = save_graph(g, out / "vision.param", info)
+        parts["graphs"]["vision"] = qwen_vision.write_vision(view, out, dtype, on_tensor, v, VISION_PREFIX)
         parts["image_token_id"] = int(cfg["image_token_id"])
     for k in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
         if cfg.get(k) is not None:
@@ -456,214 +344,61 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
 
 
 # ---------------------------------------------------------------------------------------------
-# the PyTorch reference (edgevl/reference/youtu_moe.py) behind the protocol's Reference
-
-
-class YoutuMoeReference(qwen3_5.Qwen3_5Reference):
-    """The project's reference model; images through transformers' Qwen2-VL PIL processor with
-    the checkpoint's preprocessor_config.json and the package's patch budget (Qwen3.5's)."""
-
-    def __init__(self, model, folder):
-        self.model, self.folder = model, Path(folder)
-        self.vl = self.has_vision = True
-
-    @staticmethod
-    def _cat(images):
-        import torch
-
-        if not images:
-            return None, None
-        return torch.cat([pv for pv, _ in images]), torch.cat([g for _, g in images])
-
-    def vision_states(self, images):
-        import torch
-
-        visual = self.model.visual
-        out = []
-        for pv, grid in images:
-            outs = []
-            hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                     for b in visual.blocks]
-            try:
-                with torch.no_grad():
-                    merged, _ = self.model.vision_features(pv, grid)
-            finally:
-                for h in hooks:
-                    h.remove()
-            out.append((merged.float().numpy(), [o.float().numpy().reshape(-1, o.shape[-1]) for o in outs]))
-        return out
-
-    def text_states(self, ids, images=None):
-        states, logits = self.model.text_states(list(ids), *self._cat(images))
-        return [s.float().numpy() for s in states], logits.float().numpy()
-
-    def start(self, ids, images=None):
-        logits, state = self.model.start(list(ids), *self._cat(images))
-        return logits.numpy(), state
-
-    def step(self, token, state):
-        logits, state = self.model.step(int(token), state)
-        return logits.numpy(), state
-
-    def state_bytes(self, state) -> int:
-        return super().state_bytes(state.cache)
-
-    def state_arrays(self, state):
-        """Per KDA layer: the conv window's last K-1 columns and the delta-rule matrix."""
-        out = {}
-        k = self.model.tc.kimi.linear_conv_kernel_dim
-        for i, layer in enumerate(state.cache.layers):
-            conv, rec = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
-            if not conv or not rec:
-                continue
-            conv = conv[0] if isinstance(conv, (list, tuple, dict)) else conv
-            rec = rec[0] if isinstance(rec, (list, tuple, dict)) else rec
-            out[(i, "conv")] = conv[0, :, -(k - 1):].float().numpy()
-            out[(i, "recurrent")] = rec[0].float().numpy()
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
 # the architecture
 
 ANSWER_HEADER = "<|begin_of_text|>assistant\n"
 
 
-class YoutuMoe(moe.MoeArchitecture, qwen3_5.Qwen3_5):
-    """Qwen3.5's positions (M-RoPE), rope tables and vision encoder; everything else its own."""
+class YoutuMoe(Architecture):
+    """The delta rule (KDA), MLA, M-RoPE, the MoE block and Qwen3-VL's vision tower, composed."""
     name = "youtu_moe"
     has_vision = True
     # no public chat template: Youtu-VL's (the llama.cpp prompt also wraps images in
     # <|vision_start|>...<|vision_end|>); a checkpoint's own template wins
     chat_template = YOUTU_VL_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
-    llamacpp_convert_args = ()
-    # bf16/q8 rounding of the router's input flips near-tied expert choices (top-4 of 16 on the
-    # tiny models, one flip replaces a quarter of the routed output): teacher-forced on three
-    # trained tiny models (seeds 11-13), 6-14 of 192 rows fell below 0.99 logit cosine in bf16
-    # (5-13 in q8, 1-4 below 0.97), each a routing flip — with the fp32 package's routing forced,
-    # every bf16 row is >= 0.9986
-    precision_outlier_rows = 0.1
-    tiny_variants = {
-        # 8 layers (L L L F x 2), q_lora, 4 KDA heads of 16, 4 MLA heads, headwise gate, 16 experts top-4
-        "qlora-h4": dict(),
-        # no q_lora, 2 KDA heads of 32, 3 MLA heads with wider rope, per-channel gate, 20 experts top-3,
-        # 6 layers (L F L L L F), untied head, deeper vision
-        "noqlora-h2": dict(num_hidden_layers=6, q_lora_rank=None, linear_num_heads=2, linear_head_dim=32,
-                           num_attention_heads=3, num_key_value_heads=3, qk_nope_head_dim=8, qk_rope_head_dim=24,
-                           v_head_dim=20, kv_lora_rank=16, mla_output_gate="elementwise", num_experts=20,
-                           num_experts_per_token=3, moe_intermediate_size=24,
-                           layer_types=["linear_attention", "full_attention", "linear_attention",
-                                        "linear_attention", "linear_attention", "full_attention"],
-                           rope_parameters={"mrope_section": [4, 4, 4]},
-                           vision_config={"depth": 3, "hidden_size": 48, "num_heads": 3, "intermediate_size": 80}),
-    }
+    options = moe.OPTIONS
+    runtime_options = moe.RUNTIME_OPTIONS
+    bench = moe.bench_profile()
+
+    def __init__(self):
+        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)
 
-    def hooks(self, model) -> dict:
-        gr = model.manifest["graphs"]
+    def hooks(self, pkg) -> dict:
+        gr = pkg.manifest["graphs"]
         try:
             extra = gr["decoder"]["extra"]
-            core = KdaCore(gd.DeltaDims(**extra["kda"]), float(extra["lower_bound"]))
+            core = gd.KdaCore(gd.DeltaDims(**extra["kda"]), float(extra["lower_bound"]))
             consts = {int(i): core.consts(c["rate"], c["dt_bias"]) for i, c in extra["gates"].items()}
             hosts = [st["shapes"] for st in gr["decoder"]["state"] if st.get("kind") == "host"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise EdgevlError(f"manifest.json graphs.decoder is malformed ({e!r:.60}); convert the model again") from None
         if any(sh != core.shapes for sh in hosts):
             raise EdgevlError("this package keeps the KDA state in an older layout; convert the model again")
-        return {"kda": kda_hook(core, consts), "moe": moe.moe_hook(self.open_experts(model))}
+        return {"kda": gd.kda_hook(core, consts), "moe": moe.moe_hook(moe.open_experts(pkg))}
 
-    def snapshot_points(self, model, input_ids):
+    def rope(self, info):
+        return mrope(info)
+
+    def positions(self, input_ids, images, image_token_id):
+        return mrope_positions_of(input_ids, images, image_token_id)
+
+    def snapshot_points(self, tokenizer, input_ids):
         """After each ``<|begin_of_text|>assistant\\n``: where a conversation's next turn may first
         differ from the tokens generated (e.g. an answer re-rendered without its reasoning)."""
-        tok = model.tokenizer
-        if tok not in self._headers:
-            self._headers[tok] = tok.encode(ANSWER_HEADER)
-        head = self._headers[tok]
-        ids, n = list(input_ids), len(head)
-        if not n:
-            return []
-        return [i + n for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head]
+        return answer_header_points(tokenizer, input_ids, ANSWER_HEADER, self._headers)
 
-    def reference(self, ref_dir, dtype="fp32"):
-        from ..reference.youtu_moe import YoutuVLMoEForConditionalGeneration
+    def make_vision(self, pkg, net):
+        return qwen_vision.open_vision(pkg, net)
 
-        model = YoutuVLMoEForConditionalGeneration.from_pretrained(ref_dir, dtype=torch_dtype(dtype))
-        return YoutuMoeReference(model, ref_dir)
+    def runtime_stats(self, pkg) -> dict:
+        return moe.runtime_stats(pkg)
 
-    def make_tiny(self, folder, variant="qlora-h4", seed=0, dtype="fp32", train_steps=0, **overrides):
-        """A random (or briefly trained) checkpoint in the assumed layout, written by the reference,
-        with a small Youtu-style tokenizer (plus <think>/</think>) and Youtu-VL's chat template;
-        overrides are ``reference.youtu_moe.make_config`` keys."""
-        return make_tiny(folder, seed, dtype, train_steps, **{**self.tiny_variants.get(variant, {}), **overrides})
-
-
-def make_tiny(folder, seed: int = 0, dtype: str = "fp32", train_steps: int = 0, **overrides) -> Path:
-    import torch
-    from tokenizers import AddedToken
-
-    from ..demo.tokenizer import save_tokenizer
-    from ..reference.youtu_moe import make_config, make_preprocessor_config, make_random
-    from ..testing import tiny_tokenizer
-
-    folder = Path(folder)
-    tok = tiny_tokenizer(400, True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
-    ids = save_tokenizer(tok, folder, chat_template=YOUTU_VL_TEMPLATE)
-    ids.pop("pad_token_id")
-    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids, **overrides)
-    model = make_random(cfg, seed=seed)
-    if train_steps:
-        model = train_chat(model, tok, train_steps, seed)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["eos_token_id"]}))
-    model.save_pretrained(folder, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                          preprocessor=make_preprocessor_config(cfg))
-    return folder
-
-
-def train_chat(model, tok, steps: int, seed: int = 0, window: int = 32, lr: float = 1e-2):
-    """Brief training of the language model on chat-formatted CORPUS turns (text positions,
-    modality 0): peaked logits on the prompts the tests render. Windows of 32 tokens and KDA
-    chunks of 16 keep it ~4x faster than 64/64 (transformers' chunked KDA loops over every
-    row of a chunk): 0.16 s a step. One torch thread: the same weights on every machine (and on
-    a busy 2-core one, 2 threads were several times slower)."""
-    import functools
-
-    import torch
-    import torch.nn.functional as F
-    import transformers.models.kimi_linear.modeling_kimi_linear as kimi
-
-    from ..testing import CORPUS
-
-    sents = CORPUS[: len(CORPUS) // 4]
-    ids = []
-    for i, s in enumerate(sents):
-        ids += tok.encode(f"<|begin_of_text|>user\n{s}<|end_of_text|>\n<|begin_of_text|>assistant\n</think>"
-                          f"{sents[(i + 1) % len(sents)]}<|end_of_text|>\n").ids
-    data = torch.tensor(ids)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pos = torch.arange(window)[None].expand(3, window)
-    chunked = kimi.chunk_kimi_delta_attention
-    kimi.chunk_kimi_delta_attention = functools.partial(chunked, chunk_size=16)   # same math, fewer loop rows
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model.train()
-    try:
-        for _ in range(steps):
-            starts = torch.randint(0, len(data) - window - 1, (8,), generator=g)
-            x = torch.stack([data[s:s + window + 1] for s in starts])
-            h = model.model(model.model.embed_tokens(x[:, :-1]), pos, modality=torch.zeros_like(x[:, :-1]))
-            loss = F.cross_entropy(model.lm_head(h).reshape(-1, model.lm_head.out_features), x[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        kimi.chunk_kimi_delta_attention = chunked
-        torch.set_num_threads(threads)
-    return model.eval()
+    def preload(self, pkg, progress: bool = False) -> None:
+        moe.preload(pkg, progress)
 
 
 ARCH = YoutuMoe()

@@ -39,10 +39,9 @@ import numpy as np
 from .. import ncnn_graph as G
 from ..errors import EdgevlError, PackageError
 from ..package import EXPERT_CHECKSUMS, EXPERT_ROUTING
-from ..runtime import _options, from_mat, heap_info, to_mat, trim_heap
-from ..weights import _STORAGE, _to_f32
-from .base import Q8_QUANT, Ctx, swiglu_mlp
-from .protocol import GGUF_OF_DTYPE, Option, RuntimeOption
+from ..runtime import available_memory, from_mat, heap_info, set_net_options, to_mat, trim_heap
+from ..models.protocol import GGUF_OF_DTYPE, BenchProfile, Option, RuntimeOption
+from .base import Q8_QUANT, Ctx, RowStack, swiglu_mlp
 
 # ---------------------------------------------------------------------------------------------
 # routing (host side)
@@ -218,26 +217,6 @@ def emit_expert(g: G.Graph, x: str, gate_up, down, inter: int, dtype: str, name:
     return G.gemm(g, h, down, store, quant=quant, name=f"{p}down", out=out)
 
 
-class RowStack:
-    """Lazy tensors stacked along rows (an expert's gate and up matrices as one [2I, H])."""
-
-    def __init__(self, parts):
-        self.parts = list(parts)
-        k = self.parts[0].shape[1:]
-        if any(p.shape[1:] != k for p in self.parts):
-            raise EdgevlError("expert gate/up matrices have different widths; the checkpoint is inconsistent")
-        self.bounds = np.cumsum([0] + [p.shape[0] for p in self.parts])
-        self.shape = (int(self.bounds[-1]),) + tuple(k)
-
-    def read_rows(self, a: int, b: int) -> np.ndarray:
-        out = []
-        for p, s, t in zip(self.parts, self.bounds[:-1], self.bounds[1:]):
-            lo, hi = max(a, s), min(b, t)
-            if lo < hi:
-                out.append(np.asarray(p.read_rows(lo - s, hi - s), np.float32).reshape(hi - lo, -1))
-        return np.concatenate(out, 0)
-
-
 class ExpertSlice:
     """Rows [r0, r1) of expert ``e`` of a fused [E, R, K] checkpoint tensor, as a lazy [r1-r0, K]
     matrix (reads only those rows from the file)."""
@@ -250,18 +229,8 @@ class ExpertSlice:
         self.shape = (self.r1 - self.r0, int(t.shape[2]))
 
     def read_rows(self, a: int, b: int) -> np.ndarray:
-        np_dtype, itemsize = _STORAGE[self.t.dtype]
-        k = self.shape[1]
-        first = (self.e * self.t.shape[1] + self.r0 + a) * k * itemsize
-        n = (b - a) * k * itemsize
-        with open(self.t.path, "rb") as f:
-            f.seek(self.t.start + first)
-            buf = f.read(n)
-        if len(buf) != n:
-            raise EdgevlError(f"{os.path.basename(self.t.path)} ends inside tensor {self.t.name}; "
-                              "the file is truncated — re-download it")
-        raw = np.frombuffer(buf, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(b - a, k)
-        return _to_f32(raw, self.t.dtype, f"{self.t.name} (expert {self.e})", self.t.path, self.r0 + a)
+        first = self.e * self.t.shape[1] + self.r0     # in rows of width K
+        return self.t.read_rows(first + a, first + b, self.shape[1], f"{self.t.name} (expert {self.e})", self.r0 + a)
 
 
 def fused_expert(ctx_or_ckpt, gate_up_name: str, down_name: str, e: int, hidden: int, inter: int,
@@ -287,7 +256,7 @@ def split_expert(ckpt, prefix: str, hidden: int, inter: int, progress=None,
     if progress is not None:
         for t in (g, u, d):
             progress(t)
-    return RowStack([g, u]), d
+    return RowStack([g, u], f"{prefix} expert gate/up"), d
 
 
 @dataclass
@@ -482,7 +451,7 @@ class ExpertStore:
         net = into
         if net is None:
             net = ncnn.Net()
-            _options(net.opt, self.threads, self.net_dtype)
+            set_net_options(net.opt, self.threads, self.net_dtype)
             net.opt.blob_allocator, net.opt.workspace_allocator = self._blob_pool, self._work_pool
             if net.load_param_mem(self.param) != 0:
                 raise EdgevlError(f"ncnn could not parse {self.spec['param']}; convert the model again")
@@ -764,92 +733,81 @@ def make_router(store: ExpertStore) -> Router:
     return Router(spec, biases)
 
 
-class MoeArchitecture:
-    """What the mixture-of-experts architectures share (put it first among the bases): the
-    experts' storage option, the expert cache runtime option, one ExpertStore per loaded model
-    (:meth:`open_experts`, from the architecture's ``hooks``) and its hit-rate statistics."""
+# ---------------------------------------------------------------------------------------------
+# what an MoE architecture offers and runs (its family composes these: options, runtime
+# options, the expert store per loaded package, statistics, preloading, the llama.cpp profile)
 
-    options = {"experts": Option(EXPERT_DTYPES, "auto",
-                                 "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 "
-                                 "ones)", label="{value} experts"),
-               "dense": Option(("auto", "q8"), "auto",
-                               "the dense path of a q8 package (attention, linear-attention projections, shared "
-                               "expert): auto keeps it bf16; q8 makes its Gemms int8 like the experts' (faster; "
-                               "flips more near-tied expert choices; the router stays bf16)", label="{value} dense")}
-    runtime_options = {"expert_cache_mb": RuntimeOption(
-        float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
-               "when chosen (an even share per MoE layer, least recently used out first; default: no limit when "
-               "they fit in 80%% of the memory available, else that much)", "MB", minimum=0)}
+OPTIONS = {"experts": Option(EXPERT_DTYPES, "auto",
+                             "storage of the routed experts (auto: q8 in bf16/fp16/q8 packages, fp32 in fp32 ones)",
+                             label="{value} experts"),
+           "dense": Option(("auto", "q8"), "auto",
+                           "the dense path of a q8 package (attention, linear-attention projections, shared "
+                           "expert): auto keeps it bf16; q8 makes its Gemms int8 like the experts' (faster; flips "
+                           "more near-tied expert choices; the router stays bf16)", label="{value} dense")}
+RUNTIME_OPTIONS = {"expert_cache_mb": RuntimeOption(
+    float, "keep at most this many MB of routed-expert weights in memory, loading the others from the package "
+           "when chosen (an even share per MoE layer, least recently used out first; default: no limit when they "
+           "fit in 80%% of the memory available, else that much)", "MB", minimum=0)}
+# llama.cpp's names of the routed experts' tensors (a GGUF may store them in their own type)
+LLAMACPP_PARTS = {"experts": r"_exps\.weight$"}
 
-    def _stores(self):
-        import weakref
 
-        return self.__dict__.setdefault("_expert_stores", weakref.WeakKeyDictionary())  # model -> its store
+def open_experts(pkg) -> ExpertStore:
+    """The package's expert store, from the manifest's ``experts`` section (checked: listed,
+    inside the package, verified), kept in ``pkg.resources`` for statistics and preloading."""
+    spec = pkg.manifest.get("experts")
+    if not isinstance(spec, dict) or "layers" not in spec:
+        raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
+                          "convert the model again")
+    for key, what in (("file", "experts file"), ("param", "experts graph")):
+        pkg.file(spec.get(key), what)
+    cache = pkg.options.get("expert_cache_mb")
+    if cache is None:
+        cache = auto_cache_mb(pkg, spec)
+    store = ExpertStore(pkg.path, spec, threads=pkg.threads, cache_mb=cache)
+    pkg.resources["experts"] = store
+    return store
 
-    def open_experts(self, model) -> ExpertStore:
-        """The model's expert store, from the manifest's ``experts`` section (checked: listed,
-        inside the package, verified)."""
-        from ..package import package_path
 
-        spec = model.manifest.get("experts")
-        if not isinstance(spec, dict) or "layers" not in spec:
-            raise EdgevlError("manifest.json lacks the experts section of a mixture-of-experts package; "
-                              "convert the model again")
-        for key, what in (("file", "experts file"), ("param", "experts graph")):
-            package_path(model.path, spec.get(key), model.manifest, what)
-        cache = model.options.get("expert_cache_mb")
-        if cache is None:
-            cache = auto_cache_mb(model, spec)
-        store = ExpertStore(model.path, spec, threads=model.threads, cache_mb=cache)
-        self._stores()[model] = store
-        return store
+def llamacpp_type(manifest: dict) -> str | None:
+    """Experts stored apart from the dense path's dtype pair with a GGUF whose routed experts
+    (and, for a q8 package, the head: int8 here too) are q8_0 and the rest bf16/f16."""
+    dtype, opts = manifest.get("dtype"), manifest.get("options") or {}
+    experts = GGUF_OF_DTYPE.get((manifest.get("experts") or {}).get("dtype"))
+    base, head = GGUF_OF_DTYPE.get(dtype), None
+    if base is None:
+        return None
+    if dtype == "q8" and opts.get("dense") != "q8":
+        base, head = "bf16", "q8_0"   # the dense path stays bf16 (dense_float_layers)
+    apart = {}   # type -> the parts stored in it, when not the base type
+    for t, part in ((experts, "experts"), (head, "head")):
+        if t not in (None, base):
+            apart.setdefault(t, []).append(part)
+    return base + "".join(f"+{t}-{'-'.join(parts)}" for t, parts in apart.items())
 
-    def llamacpp_type(self, manifest: dict) -> str | None:
-        """Experts stored apart from the dense path's dtype pair with a GGUF whose routed experts
-        (and, for a q8 package, the head: int8 here too) are q8_0 and the rest bf16/f16."""
-        dtype, opts = manifest.get("dtype"), manifest.get("options") or {}
-        experts = GGUF_OF_DTYPE.get((manifest.get("experts") or {}).get("dtype"))
-        base, head = GGUF_OF_DTYPE.get(dtype), None
-        if base is None:
-            return None
-        if dtype == "q8" and opts.get("dense") != "q8":
-            base, head = "bf16", "q8_0"   # the dense path stays bf16 (dense_float_layers)
-        apart = {}   # type -> the parts stored in it, when not the base type
-        for t, part in ((experts, "experts"), (head, "head")):
-            if t not in (None, base):
-                apart.setdefault(t, []).append(part)
-        return base + "".join(f"+{t}-{'-'.join(parts)}" for t, parts in apart.items())
 
-    def runtime_stats(self, model) -> dict:
-        store = self._stores().get(model)
-        return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
+def bench_profile(convert_args: tuple = ()) -> BenchProfile:
+    return BenchProfile(convert_args=convert_args, parts=LLAMACPP_PARTS, type_of=llamacpp_type)
 
-    def preload(self, model, progress: bool = False) -> None:
-        """Every expert, when the model keeps them all resident (no ``expert_cache_mb``); with a
-        cache, nothing: which experts to keep is better learnt from the requests."""
-        store = self._stores().get(model)
-        if store is not None and store.budget is None:
-            store.preload(progress)
+
+def runtime_stats(pkg) -> dict:
+    store = pkg.resources.get("experts")
+    return {} if store is None else {"experts": dict(store.stats(), summary=store.summary())}
+
+
+def preload(pkg, progress: bool = False) -> None:
+    """Every expert, when the model keeps them all resident (no ``expert_cache_mb``); with a
+    cache, nothing: which experts to keep is better learnt from the requests."""
+    store = pkg.resources.get("experts")
+    if store is not None and store.budget is None:
+        store.preload(progress)
 
 
 AUTO_SHARE = 0.8       # of the memory available: the rest for activations, the system, other programs
 COST_MARGIN = 1.15     # a loaded expert holds up to ~1.12x its bytes in the package (ExpertStore.cost)
 
 
-def available_memory() -> int | None:
-    """Bytes the system can still hand out without swapping (Linux ``MemAvailable``); None
-    where that is unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def auto_cache_mb(model, spec: dict) -> float | None:
+def auto_cache_mb(pkg, spec: dict) -> float | None:
     """The expert cache when none was asked for: no limit (None) if every routed expert fits in
     ``AUTO_SHARE`` of the memory available now (the decoder is loaded by then; the graphs still to
     load are counted), else that much, said once on stderr. A model whose experts do not fit
@@ -860,8 +818,8 @@ def auto_cache_mb(model, spec: dict) -> float | None:
     if avail is None:
         return None
     pending = 0
-    for name in model.manifest.get("graphs", {}):
-        f = model.path / f"{name}.bin"
+    for name in pkg.manifest.get("graphs", {}):
+        f = pkg.path / f"{name}.bin"
         if name != "decoder" and f.is_file():
             pending += f.stat().st_size
     room = AUTO_SHARE * avail - pending

@@ -18,9 +18,8 @@ import math
 
 import numpy as np
 
-from edgevl.errors import EdgevlError
-
-from .image import MAX_IMAGE_PATCHES, load_image, resize_pil_strips
+from ...errors import EdgevlError
+from ...processing.image import MAX_IMAGE_PATCHES, load_image, resize_pil_strips
 
 __all__ = [
     "target_size",

@@ -1,6 +1,6 @@
 """Tiny random checkpoints with real layouts, for tests and the conformance suite.
 
-Each architecture's ``make_tiny`` builds on these: a small byte-level BPE tokenizer trained on a
+Each family's ``make_tiny`` (``edgevl/verification/families``) builds on these: a small byte-level BPE tokenizer trained on a
 multilingual corpus, deterministic well-conditioned random weights, and an optional short
 training run (random nets have nearly flat logits, where reduced precision flips near-ties).
 Needs PyTorch and transformers (``pip install edgevl[verify]``).
@@ -25,7 +25,7 @@ CORPUS = [
 
 @lru_cache(maxsize=4)
 def tiny_tokenizer(vocab_size: int = 400, vision: bool = True, n_coordinates: int = 0):
-    from .demo.tokenizer import train_tokenizer
+    from .tokenizers import train_tokenizer
 
     return train_tokenizer(CORPUS, vocab_size=vocab_size, vision=vision, n_coordinates=n_coordinates)
 

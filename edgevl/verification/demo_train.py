@@ -1,6 +1,6 @@
 """Train the offline demo model: a tiny Youtu-VL that describes and grounds synthetic scenes.
 
-    python -m edgevl.demo.train [--out FOLDER] [--steps N] [--seed S] [--eval N] [--init CHECKPOINT]
+    python -m edgevl.verification.demo_train [--out FOLDER] [--steps N] [--seed S] [--eval N] [--init CHECKPOINT]
 
 The model is written to a new folder (``./demo-model-N`` unless ``--out`` names one); a folder
 that already holds a model, such as the shipped ``edgevl/demo/model``, is only replaced with
@@ -8,7 +8,7 @@ that already holds a model, such as the shipped ``edgevl/demo/model``, is only r
 
 1. a tokenizer corpus of scene QA text -> byte-level BPE with Youtu's pre-tokenizer, the
    Youtu-VL special tokens, ``<box>``/``</box>`` and 128 coordinate tokens ``<x_i>``/``<y_i>``;
-2. the exact Youtu-VL architecture at a tiny size (``edgevl.reference.youtu_vl``): Siglip2-style
+2. the exact Youtu-VL architecture at a tiny size (``edgevl.verification.references.youtu_vl``): Siglip2-style
    vision tower with 64 px windows (a 128x128 image has 2x2 windows) and full-attention layers,
    the patch merger and an MLA language model;
 3. a vision-only phase (``pretrain_vision``): the vision tower and merger learn, through a
@@ -31,14 +31,14 @@ that already holds a model, such as the shipped ``edgevl/demo/model``, is only r
 Prompts are built exactly the way the runtime builds them (``edgevl.generate.prepare``): the
 chat template rendered by ``edgevl.tokenizer.Tokenizer``, tokenized without special tokens, the
 single ``<|image_pad|>`` expanded to ``num_image_tokens`` copies; pixels come from
-``edgevl.processing.siglip2.preprocess``.
+``edgevl.models.youtu_vl.processing.preprocess``.
 
 **The shipped model** (``edgevl/demo/model``; its ``train_log.json`` records the second run, the
 first run's log is ``train_log.first_run.json`` beside it) was trained in two runs of this
 file, 2 torch threads on the project's 2-core machine::
 
-    python -m edgevl.demo.train --out m1 --steps 7500 --vision-steps 3000 --freeze-vision --eval-every 1000
-    python -m edgevl.demo.train --init m1 --out m2 --steps 2500 --lr 2e-4 --warmup 100 \
+    python -m edgevl.verification.demo_train --out m1 --steps 7500 --vision-steps 3000 --freeze-vision --eval-every 1000
+    python -m edgevl.verification.demo_train --init m1 --out m2 --steps 2500 --lr 2e-4 --warmup 100 \
         --freeze-vision --phrase-attention --eval-every 500 \
         --weights describe=0.25,shape=0.3,where=0.15,colour=0.1,count=0.05,background=0.02,text=0.13
 
@@ -66,10 +66,10 @@ from pathlib import Path
 import numpy as np
 
 from edgevl.demo import scenes as S
-from edgevl.demo.evaluate import score
-from edgevl.demo.tokenizer import EOS, save_tokenizer, train_tokenizer
-from edgevl.processing.siglip2 import preprocess
-from edgevl.models.youtu_vl import YOUTU_VL_TEMPLATE
+from edgevl.verification.demo_evaluate import score
+from edgevl.verification.tokenizers import EOS, save_tokenizer, train_tokenizer
+from edgevl.models.youtu_vl.processing import preprocess
+from edgevl.models.youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
 from edgevl.tokenizer import Tokenizer
 
 MAX_IMAGE_PATCHES = 64          # 128x128 -> 8x8 patches -> 16 image tokens
@@ -111,7 +111,7 @@ RUNTIME_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenize
 
 def model_config(vocab_size: int, ids: dict) -> dict:
     """The demo model's config.json: real Youtu-VL layout and architecture, tiny sizes."""
-    from edgevl.reference.youtu_vl import make_config
+    from edgevl.verification.references.youtu_vl import make_config
 
     hidden = 192
     return make_config(
@@ -725,8 +725,8 @@ def batched_greedy(model, prompts: list[list[int]], pixels, shape, eos: int, max
 
 def reference_eval(model, builder: PromptBuilder, seed, n: int, verbose: int = 0, chunk: int = 96) -> dict:
     """Greedy accuracy of the PyTorch model on every skill of ``n`` fresh scenes from ``seed``
-    (the questions and scoring of ``edgevl.demo.evaluate``)."""
-    from edgevl.demo.evaluate import Tally, judge
+    (the questions and scoring of ``edgevl.verification.demo_evaluate``)."""
+    from edgevl.verification.demo_evaluate import Tally, judge
 
     tally = Tally()
     items = []  # (scene index, scene, kind, question, truth, pixels)
@@ -878,7 +878,7 @@ def main(argv=None) -> int:
     # On a shared machine spinning OpenMP threads slow a 2-thread run down several times; this
     # only takes effect when torch is imported here, first.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    ap = argparse.ArgumentParser(prog="python -m edgevl.demo.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edgevl.verification.demo_train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None,
                     help="output folder (default: a new ./demo-model-N); an existing model there is only "
                          "replaced with --overwrite")
@@ -942,7 +942,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from edgevl.reference.youtu_vl import YoutuVLForConditionalGeneration
+    from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -1,1 +1,0 @@
-"""PyTorch references used only for verification (``pip install edgevl[verify]``)."""
