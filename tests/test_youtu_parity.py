@@ -69,9 +69,12 @@ def test_fp32_greedy_token_exact_and_layers(checkpoints, tmp_path_factory, name,
     assert rep.identical
 
 
-# top-1 agreement / min logit cosine required per dtype (q8 also quantizes activations per row).
-# Bounds: measured as tests/precision.py says.
-TOLERANCE = {"fp16": (0.98, 0.99), "bf16": (0.98, 0.99), "q8": (0.95, 0.98)}
+# Per dtype: top-1 agreement, min logit cosine and the largest reference gap a disagreement
+# crossed (tests/precision.py; q8 also quantizes activations per row). Measured over 5 seeds x
+# AVX-512/AVX2, both configs: top-1 fp16 0.984, bf16 0.964, q8 0.958; cosine fp16 1.0000, bf16
+# 0.9996, q8 0.9977; gap fp16 0.005, bf16 0.069, q8 0.230. Bounds: those less precision.MARGIN,
+# the cosine no tighter than it was (0.99 / 0.98).
+TOLERANCE = {"fp16": (0.96, 0.99, 0.05), "bf16": (0.94, 0.99, 0.15), "q8": (0.93, 0.98, 0.35)}
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
@@ -81,7 +84,8 @@ def test_reduced_precision_teacher_forced_top1(checkpoints, tmp_path_factory, dt
     model = _convert(ck, tmp_path_factory.mktemp("pk"), dtype)
     got = precision.compare(model, verification.get("youtu").reference(ck), [_ids(model, p) for p in PROMPTS])  # fp32 reference
     assert got.total == precision.N_NEW * len(PROMPTS)
-    top1, cos = TOLERANCE[dtype]
+    top1, cos, gap = TOLERANCE[dtype]
     print(f"{name} {dtype}: {got.line()}")
     assert got.rate >= top1, f"{dtype} top-1 agreement {got.agree}/{got.total}"
     assert got.low() >= cos, f"{dtype} min logit cosine {got.low():.4f}"
+    assert got.gap() <= gap, f"{dtype}: a disagreement crossed a gap of {got.gap():.3f} row stds"

@@ -194,12 +194,13 @@ def test_a_forward_interrupted_midway_leaves_a_whole_cache(built, name):
     assert again == fresh, f"{name}: first differing token at {first_difference(again, fresh)}"
 
 
-# Teacher-forced over 4 x 48 tokens on briefly trained tiny models (a random net's logits are so
-# flat that bf16 flips near-ties): top-1 agreement and the logit cosine per dtype, and every
-# disagreement must be one of the reference's top 3. These 64-wide models disagree only on
-# near-ties of the reference, so the rate swings from seed to seed and from CPU to CPU
-# (tests/precision.py). Bounds: measured as tests/precision.py says.
-TOLERANCE = {"bf16": (0.95, 0.99), "q8": (0.90, 0.97)}
+# Teacher-forced over 4 x 48 tokens on briefly trained tiny models (tests/precision.py): top-1
+# agreement, the logit cosine of all but the sensitive rows, and the largest reference gap a
+# disagreement crossed there (in row standard deviations). Measured over 5 seeds x AVX-512/AVX2
+# (every family, worst first): top-1 bf16 0.964 (youtu_vl), q8 0.927 (youtu_vl); cosine bf16
+# 0.975, q8 0.976 (qwen3_5_moe, 4th lowest row), the dense families >= 0.978; gap bf16 0.27, q8
+# 0.52. Bounds: those less precision.MARGIN.
+TOLERANCE = {"bf16": (0.94, 0.96, 0.45), "q8": (0.90, 0.96, 0.80)}   # top-1, cosine, gap
 PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? 数一数。", "def main():\n    return 42",
            "Zürich — “quotes”"]
 
@@ -229,10 +230,9 @@ def test_reduced_precision_top1(trained, tmp_path, name, dtype):
     model = edgevl.load(edgevl.convert(ck, tmp_path / dtype, dtype=dtype, progress=False))
     ref = verification.get(name).reference(ck)   # computes in fp32
     got = precision.compare(model, ref, [prepare(model, p).input_ids for p in PROMPTS])
-    top1, cos = TOLERANCE[dtype]
-    # MoE models may have a few rows whose routing flipped on a near-tie (precision_outlier_rows)
-    outliers = int(verification.get(name).precision_outlier_rows * got.total)
-    assert got.rate >= top1 and got.low(outliers) >= cos and got.far == 0, f"{name} {dtype}: {got.line(outliers)}"
+    top1, cos, gap = TOLERANCE[dtype]
+    skip = precision.sensitive_rows(got.total, verification.get(name).precision_outlier_rows)
+    assert got.rate >= top1 and got.low(skip) >= cos and got.gap(skip) <= gap, f"{name} {dtype}: {got.line(skip)}"
 
 
 @pytest.mark.parametrize("name", ARCHS)
