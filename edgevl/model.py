@@ -32,7 +32,7 @@ from .tokenizer import Tokenizer
 # Prompts longer than this are prefilled in chunks (``prefill_chunk`` load option): activation
 # memory grows with the chunk, and 512 was no slower than 2048 on any benchmark package (a
 # hybrid delta-rule model's 1000-token prefill: 0.24 GB of activations against 0.40-0.50 GB;
-# README, "Prefill chunk and prompt memory").
+# docs/benchmarks.md, section 6).
 PREFILL_CHUNK = 512
 RELEASE_TRIM_BYTES = 64 << 20
 

@@ -5,7 +5,7 @@ their weights are streamed into the `.bin` immediately (row chunks), so a graph 
 written with memory near one chunk. Blobs have names; a blob read by more than one layer gets
 an automatic `Split` (ncnn requires it), and the original name stays extractable.
 
-Weight encodings (see ../shared/specs/ncnn_notes.md, "The .bin file"):
+Weight encodings (docs/ncnn.md, section 3):
 - ``Tagged``: 4-byte tag, data, zero padding to 4 bytes (Gemm A/B/C, Embed, MemoryData 21=0).
 - ``Raw``: untagged fp32 (RMSNorm gamma, LayerNorm gamma/beta, MemoryData default).
 - ``BlockQuant``: ncnn block-quantized Gemm B (no tag), packed values then fp32 scales.
@@ -389,7 +389,7 @@ def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant=None,
     ``quant``: None (``dtype`` floats), ``(bits, block)`` for ncnn's block-quantized Gemm, or
     ``INT8``: ncnn's classic int8 Gemm (activations quantized per row at run time, VNNI kernels)
     with per-row weight scales folded out of the Gemm into a multiply after it — one scale per
-    tensor (all ncnn keeps for a constant B) lost ~3x the accuracy on uneven rows (ncnn_notes.md).
+    tensor (all ncnn keeps for a constant B) lost ~3x the accuracy on uneven rows (docs/ncnn.md, section 8).
     ``fp32_output`` keeps the result in fp32 inside a bf16-storage net (logits: a bf16 logit
     row would turn near-ties into wrong argmaxes)."""
     n, k = (int(s) for s in w.shape)

@@ -3,8 +3,7 @@
 Nothing here knows a model family: the manifest declares each decoder layer's state kind
 (attention KV, or recurrent), and the architecture supplies rope tables and host hooks.
 
-The ncnn facts this relies on are in ../shared/specs/ncnn_notes.md ("KV cache handles from
-Python"): KV caches are extracted with type=1 into a Mat we own and fed back unchanged; numpy
+The ncnn facts this relies on are in docs/ncnn.md (sections 7 and 11): KV caches are extracted with type=1 into a Mat we own and fed back unchanged; numpy
 inputs are cloned into ncnn before ``ex.input``; SDPA appends into the old cache in place, so a
 KV cache is linear (branching from a prefix means re-prefilling).
 """
@@ -76,7 +75,7 @@ def set_net_options(opt, threads: int, dtype: str, packing: bool = True) -> None
     opt.use_packing_layout = bool(packing)
     # fp16 packages on 64-bit ARM keep weights and activations in fp16 (half the memory and
     # bandwidth; the conversion is base ARMv8), and compute in fp16 where the CPU can (ARMv8.2
-    # asimdhp: Cortex-A55/A76, RK3568/RK3588, Pi 5) — accuracy measured in README "ARM boards".
+    # asimdhp: Cortex-A55/A76, RK3568/RK3588, Pi 5) — accuracy measured in docs/arm.md, section 4.
     # On x86 ncnn widens them to fp32. Everything else stays off: ncnn's own defaults would run
     # fp32 packages in fp16 on ARM.
     fp16 = dtype == "fp16" and platform.machine().lower() in ("aarch64", "arm64")
@@ -89,7 +88,7 @@ def set_net_options(opt, threads: int, dtype: str, packing: bool = True) -> None
     # ncnn's SIMD-packed blob layout (elempack 4/8/16) made every layout change (Reshape,
     # Permute, Crop, Slice between Gemms) a slow repacking pass: with it off the vision tower ran
     # 26.4 -> 19.6 CPU-s per 1024x768 image and a 128-token prefill 3.4 -> 2.4 CPU-s (1 thread);
-    # Gemm and SDPA pack their operands themselves. Results are the same (ncnn_notes.md).
+    # Gemm and SDPA pack their operands themselves. Results are the same (docs/ncnn.md, section 12).
     opt.use_packing_layout = False
 
 
@@ -105,7 +104,7 @@ def load_arena():
     fp32 copy, a bf16 copy) before the packed copy it keeps. glibc serves blocks that large with
     mmap and unmaps them on free, so every temporary of every layer faulted in fresh zeroed pages:
     about 5 bytes of new memory per weight byte, and page faults were most of the load time
-    (README, Load time). With mmap off and no trimming during the load, each layer's temporaries
+    (docs/benchmarks.md, section 7). With mmap off and no trimming during the load, each layer's temporaries
     reuse the previous layer's; afterwards the free memory goes back to the OS (malloc_trim) and
     the thresholds are set to where glibc's dynamic threshold ends up after such frees anyway
     (mmap above 32 MiB). No-op outside glibc."""
@@ -223,7 +222,7 @@ class Net:
 
     def extractor(self) -> "ncnn.Extractor":
         ex = self.net.create_extractor()
-        # Late extraction of intermediate blobs needs light mode off (ncnn_notes.md).
+        # Late extraction of intermediate blobs needs light mode off (docs/ncnn.md, section 11).
         ex.set_light_mode(self.light_mode)
         return ex
 
@@ -268,7 +267,7 @@ class Net:
             ex = done = got = None
             raise
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
-        # it after that recomputes from freed inputs (ncnn_notes.md: late extraction crashed)
+        # it after that recomputes from freed inputs (docs/ncnn.md, section 11: late extraction crashed)
         rest = sorted((w for w in wanted if w[0] not in done), key=lambda w: self.order.get(w[0], 0))
         out = _extract(ex, rest, self.where)
         out.update({n: done[n] for n, _ in wanted if n in done})
@@ -300,7 +299,7 @@ def blob_order(param_path) -> tuple[dict, set]:
 def _detach(m: "ncnn.Mat", pools) -> "ncnn.Mat":
     """A Mat allocated from one of ``pools``, cloned out of it (the pool may be cleared or go
     first). Others are kept as they are: SDPA's KV caches come from the system allocator with
-    spare rows to append into, and a clone of one corrupted it (ncnn_notes.md)."""
+    spare rows to append into, and a clone of one corrupted it (docs/ncnn.md, section 7)."""
     a = m.allocator
     return m.clone() if a is not None and any(a is p for p in pools) else m
 

@@ -171,7 +171,7 @@ def emit_gates(g: G.Graph, ba: str, neg_a: str, dt_bias: str, heads: int, rows: 
 def emit_l2norm_heads(g: G.Graph, x: str, d: DeltaDims, rows: int, scale: float, name: str) -> str:
     """(h=rows, w=Hk*Dk) -> l2norm(x) * scale per head, expanded to the value heads (c=Hv, h=rows, w=Dk).
 
-    l2norm is one RMSNorm: x*rsqrt(sum x^2 + eps) = RMSNorm(eps/D) with gamma 1/sqrt(D) (spec §3.1);
+    l2norm is one RMSNorm: x*rsqrt(sum x^2 + eps) = RMSNorm(eps/D) with gamma 1/sqrt(D) (docs/ncnn.md, section 10);
     ``scale`` folds q's 1/sqrt(Dk) into gamma. Value head h reads key head h // (Hv/Hk)
     (``repeat_interleave``): Tile repeats whole blocks, so each head is tiled as one block."""
     dk, hk, hv = d.key_dim, d.key_heads, d.value_heads
@@ -211,7 +211,7 @@ def _block_masks(n: int) -> dict:
 
 def emit_delta_chunk(g: G.Graph, q: str, k: str, v: str, beta: str, decay_log: str, state: str,
                      d: DeltaDims, n: int) -> tuple[str, str]:
-    """One chunk of n tokens in matmul form (``torch_chunk_gated_delta_rule``, spec §1.3):
+    """One chunk of n tokens in matmul form (``torch_chunk_gated_delta_rule``; docs/models/qwen3_5.md, section 4):
 
     c = cumsum(g); D_ij = e^(c_i - c_j) for i >= j; A = (beta k) k^T * D;
     T = (I + strictly_lower(A))^-1 by block doubling (T <- T - T (A*M_b) T for b = 1, 2, 4 ...:

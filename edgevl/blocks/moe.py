@@ -62,7 +62,7 @@ def softmax_topk(logits: np.ndarray, k: int, renormalize: bool = True) -> tuple[
 
 def sigmoid_topk_biased(logits: np.ndarray, k: int, bias: np.ndarray, modality: np.ndarray,
                         scale: float, eps: float = 1e-20) -> tuple[np.ndarray, np.ndarray]:
-    """Quantile-balanced routing (Youtu MoE; spec §2.3/§2.4): experts chosen by the top ``k`` of
+    """Quantile-balanced routing (Youtu MoE; docs/models/youtu_moe.md, section 5): experts chosen by the top ``k`` of
     ``logits - bias[modality]`` (one bias row per modality: 0 text, 1 image), weighted by the
     *unbiased* ``sigmoid(logits)`` of the chosen ones, normalised (+eps) and scaled."""
     z = np.asarray(logits, np.float32)
@@ -351,7 +351,7 @@ class ExpertStore:
     LRU over all layers would evict, at every miss, the experts the layers sweep back to next
     (a forward visits the layers in order): with a cache smaller than one token's working set
     (layers x top-k experts) it kept almost no hits (1.3 % on the 449 M benchmark package with a
-    100 MB cache); per layer it keeps about a layer's share of its experts (README). A decode
+    100 MB cache); per layer it keeps about a layer's share of its experts (docs/moe.md, section 8). A decode
     step runs its cached experts before loading the missing ones, so a load never evicts an
     expert the step still needs. An expert's cost is what its loaded net holds, measured on the first load
     (the C heap's growth; ~1.12x its bytes in the package for q8), never less than those bytes.
@@ -545,7 +545,7 @@ class ExpertStore:
         # The new expert loads into an evicted one's net: every expert has the same shapes, so
         # ncnn refills the same weight buffers. Freeing them and allocating new ones left the C
         # heap ever more fragmented (a 300 MB cache at the 35B-A3B layer shapes: 171 MB free
-        # in 953 holes after 10 tokens; README, "Expert cache memory").
+        # in 953 holes after 10 tokens; docs/moe.md, section 7).
         into = spare.pop() if spare else None
         del spare
         net = self._load(layer, e, off, data, into)
@@ -709,7 +709,7 @@ def _fixed_mmap_threshold(nbytes: int = 256 << 10) -> None:
     In a loaded model this holds only until the next graph loads: ``runtime.load_arena`` sets
     32 MiB on exit, and this runs once per process. Expert memory then comes from the heap;
     a miss refills an evicted expert's buffers (``ExpertStore.net``), so evictions leave no
-    holes there (README, "Expert cache memory"). Keeping 256 KiB made a small-cache decode 3-5x
+    holes there (docs/moe.md, section 7). Keeping 256 KiB made a small-cache decode 3-5x
     slower on the 2-core VM, where a fresh page costs ~12 us of kernel time, so it was left as
     it is."""
     global _MMAP_FIXED

@@ -12,7 +12,7 @@ patches and no convolutions has to learn every sub-patch alignment of a shape se
 arbitrary positions and sizes shape recognition needed many times more training than the demo's
 CPU budget, while grid-aligned shapes are learned within minutes. Colours are jittered.
 
-Boxes follow Youtu-VL's grounding convention (spec youtu_vl.md §10.3):
+Boxes follow Youtu-VL's grounding convention (docs/models/youtu_vl.md, section 11):
 ``<box><x_{x1}><y_{y1}><x_{x2}><y_{y2}></box>`` in resized-image pixels. The demo processor
 keeps 128x128 images at their size, so these are plain image pixels; x2/y2 are inclusive
 (the last pixel row/column of the shape), so every coordinate is in 0..127.

@@ -1,11 +1,13 @@
 """Image input shared by every processor, in numpy + Pillow (no torch).
 
 * :func:`load_image`: decode to 8-bit RGB with the EXIF orientation, bounded against image
-  bombs (spec youtu_vl.md §3.1).
+  bombs.
 * :func:`resize_uint8_antialias`: PyTorch's uint8 antialiased bilinear kernel, bit-exact
-  (spec youtu_vl.md §3.3), and :func:`resize_pil_strips`, the same reading a PIL image in strips.
+  and :func:`resize_pil_strips`, the same reading a PIL image in strips.
 
-Each model's processor (``siglip2.py`` for Youtu-VL, ...) builds on these.
+Each model's processor (``edgevl/models/youtu_vl/processing.py``, ``qwen_vl.py``) builds on these.
+Numbers in brackets, e.g. [3.3], are sections of docs/models/youtu_vl.md, where these steps are
+written down.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _16BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 # --------------------------------------------------------------------------------------------
-# §3.1 Decode
+# [3.1] Decode
 # --------------------------------------------------------------------------------------------
 
 
@@ -81,7 +83,7 @@ def _open_path(path: Path) -> Image.Image:
     try:
         with warnings.catch_warnings():
             # Images between Pillow's warning and error limits are fine for us: they are
-            # downscaled by the patch budget (§3.2) and the resize works in row blocks.
+            # downscaled by the patch budget [3.2] and the resize works in row blocks.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             # Pillow does not close a file object it was given, and closing ours leaves the
             # decoded pixels alone: no copy of a huge image (Image.close() would free them).
@@ -151,7 +153,7 @@ def _to_rgb(im: Image.Image, name: str) -> Image.Image:
 
 
 # --------------------------------------------------------------------------------------------
-# §3.3 Resize: PyTorch's uint8 antialiased bilinear kernel
+# [3.3] Resize: PyTorch's uint8 antialiased bilinear kernel
 # --------------------------------------------------------------------------------------------
 
 
@@ -183,7 +185,7 @@ def _aa_int16_weights(in_size: int, out_size: int):
     nz = total != 0.0
     w[nz] /= total[nz, None]
 
-    # Precision: the largest prec < 22 with round(wmax * 2^(prec+1)) < 2^15 (spec §3.3).
+    # Precision: the largest prec < 22 with round(wmax * 2^(prec+1)) < 2^15 [3.3].
     wmax = float(w.max())
     prec = 0
     while prec < 22 and int(0.5 + wmax * (1 << (prec + 1))) < (1 << 15):
@@ -238,7 +240,7 @@ def _vertical(img: np.ndarray, out_h: int) -> np.ndarray:
 
 
 def _resize_rows(src, h: int, w: int, c: int, out_h: int, out_w: int, full=None) -> np.ndarray:
-    # §3.3 step 1: horizontal pass first (if the width changes), stored as uint8, then vertical.
+    # [3.3] step 1: horizontal pass first (if the width changes), stored as uint8, then vertical.
     if out_w != w:
         inter = _horizontal(src, h, w, c, out_w)
     else:
@@ -253,7 +255,7 @@ def resize_uint8_antialias(array_hwc_uint8: np.ndarray, out_h: int, out_w: int) 
 
     Bit-exact with ``torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear",
     antialias=True, align_corners=False)`` on a uint8 tensor on CPU, which is what the HF fast
-    processor runs (spec §3.3): separable int16 fixed-point filter, horizontal pass first, a
+    processor runs [3.3]: separable int16 fixed-point filter, horizontal pass first, a
     uint8 intermediate, then the vertical pass. Works in row blocks with int32 accumulators.
     """
     a = np.asarray(array_hwc_uint8)

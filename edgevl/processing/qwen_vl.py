@@ -1,7 +1,7 @@
 """The Qwen2-VL image processor (used by Qwen2.5-VL, Qwen3-VL and Qwen3.5) in numpy + Pillow.
 
 Reproduces transformers' ``Qwen2VLImageProcessorPil`` (the path transformers takes without
-torchvision, spec qwen3_5_and_youtu_moe.md §1.8) bit for bit, driven by the checkpoint's
+torchvision; docs/models/qwen3_5.md, section 8) bit for bit, driven by the checkpoint's
 ``preprocessor_config.json``:
 
 1. decode to 8-bit RGB (``image.load_image``: EXIF orientation for paths);

@@ -44,10 +44,10 @@ file, 2 torch threads on the project's 2-core machine::
 
 The first run (81 minutes: 3000 vision steps, then the language model alone on the frozen
 tower) gave grounding 0.997 on 200 scenes where the tower and language model trained together
-had reached 0.27-0.42 (README "The demo model"); the second (30 minutes) trained
+had reached 0.27-0.42 (docs/demo-model.md); the second (30 minutes) trained
 descriptions to look at each shape they name. Asking a shape's kind by its colour ("What is the
 red shape?") stayed at about 0.67 in both: the attention heads find a shape by its kind, not by
-its colour (README).
+its colour (docs/demo-model.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# spec youtu_vl.md §9: CJK/Hangul/kana/fullwidth-punctuation runs split first...
+# docs/models/youtu_vl.md, section 9: CJK/Hangul/kana/fullwidth-punctuation runs split first...
 CJK_SPLIT = (
     "[\uac00-\ud7a3\u3131-\u318e]+"
     "|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+"

@@ -1,6 +1,6 @@
 """The Youtu MoE checkpoint layout: the ONE table to change when a real checkpoint appears.
 
-No modeling code or checkpoint of the model is public (spec qwen3_5_and_youtu_moe.md §2.4), so
+No modeling code or checkpoint of the model is public (docs/models/youtu_moe.md, section 8), so
 the tensor names are ASSUMED: transformers' in-memory names of the blocks the model is built
 from (``kimi_linear`` for KDA and the MoE block, ``youtu`` MLA plus ``self_attn.g_proj``,
 ``mlp.gate.qb_beta [2, E]``, ``qwen3_vl`` vision under ``visual.``). Both the converter
@@ -32,5 +32,5 @@ class CheckpointLayout:
         return internal
 
 
-# transformers' in-memory names, unchanged (spec §2.4's assumption).
+# transformers' in-memory names, unchanged (the layout's assumption).
 CHECKPOINT_LAYOUT = CheckpointLayout()

@@ -2,14 +2,14 @@
 ``YoutuVLProcessor``) in numpy + Pillow, bit for bit, plus the index/angle tables its vision
 tower needs:
 
-* :func:`target_size`: the "fit to max patches" step search (spec §3.2).
+* :func:`target_size`: the "fit to max patches" step search [3.2].
 * :func:`preprocess`: resize (torch's uint8 antialiased bilinear, ``image.py``), normalise and
-  patchify in 2x2-merge order (spec §3.3-§3.5).
+  patchify in 2x2-merge order [3.3-3.5].
 * :func:`window_partition`, :func:`apply_window_order`, :func:`restore_order`: window
-  grouping (spec §4.3, §4.6).
-* :func:`vision_rope_angles`: the 2-D RoPE angle table (spec §4.4).
+  grouping [4.3, 4.6].
+* :func:`vision_rope_angles`: the 2-D RoPE angle table [4.4].
 
-Section numbers refer to ``shared/specs/youtu_vl.md``.
+Numbers in brackets, e.g. [3.2], are sections of docs/models/youtu_vl.md.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ __all__ = [
     "MERGE_SIZE",
 ]
 
-# §2.3: the processor call overrides preprocessor_config's 256 with 36864.
+# [3.7]: the processor call overrides preprocessor_config's 256 with 36864.
 DEFAULT_MAX_IMAGE_PATCHES = 36864
 PATCH_SIZE = 16
 MERGE_SIZE = 2
 
 
 # --------------------------------------------------------------------------------------------
-# §3.2 Target size
+# [3.2] Target size
 # --------------------------------------------------------------------------------------------
 
 
@@ -53,10 +53,10 @@ def target_size(
     merge_size: int = MERGE_SIZE,
 ) -> tuple[int, int]:
     """Resized (height, width): both multiples of patch*merge, rounded up, shrunk in 0.02 steps
-    of ``scale`` until the patch count fits ``max_image_patches`` (spec §3.2).
+    of ``scale`` until the patch count fits ``max_image_patches`` [3.2].
 
     The arithmetic is Python float64 on purpose: float32 picks a different size for ~0.5 % of
-    inputs (spec §3.2, §12.8).
+    inputs [3.2, 12.8].
     """
     for name, v in (("height", height), ("width", width)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -93,10 +93,10 @@ def target_size(
 
 
 # --------------------------------------------------------------------------------------------
-# §3.4-3.5 Normalise and patchify
+# [3.4-3.5] Normalise and patchify
 # --------------------------------------------------------------------------------------------
 
-# §3.4: the HF fast path fuses rescale (1/255) and normalise (0.5, 0.5) into mean = std = 127.5
+# [3.4]: the HF fast path fuses rescale (1/255) and normalise (0.5, 0.5) into mean = std = 127.5
 # and computes (u - 127.5) / 127.5 in float32. Each uint8 maps to one value, so a 256-entry
 # table reproduces it exactly.
 _NORM_LUT = (np.arange(256, dtype=np.float32) - np.float32(127.5)) / np.float32(127.5)
@@ -109,11 +109,11 @@ def preprocess(
     patch_size: int = PATCH_SIZE,
     merge_size: int = MERGE_SIZE,
 ) -> dict:
-    """Turn one image (path or PIL image) into the vision tower's input (spec §3).
+    """Turn one image (path or PIL image) into the vision tower's input [3].
 
     Returns a dict with
       * ``pixel_values``: float32 [N, patch*patch*3], patches in merge-group order, channel-last
-        inside a patch (spec §3.5); HF's tensor is this with a leading batch axis of 1;
+        inside a patch [3.5]; HF's tensor is this with a leading batch axis of 1;
       * ``spatial_shapes``: (gh, gw) in patches, height first; N = gh*gw;
       * ``image_size``: original (H, W); ``resized_size``: (th, tw);
       * ``num_image_tokens``: N / merge^2, the number of <|image_pad|> tokens.
@@ -126,7 +126,7 @@ def preprocess(
     p, m = patch_size, merge_size
     gh, gw = th // p, tw // p
     # (R, mh, py, C, mw, px, ch) -> (R, C, mh, mw, py, px, ch): merge groups in raster order,
-    # TL/TR/BL/BR inside a group, channel-last inside a patch (spec §3.5). Done on uint8 (cheap),
+    # TL/TR/BL/BR inside a group, channel-last inside a patch [3.5]. Done on uint8 (cheap),
     # then normalised with the table.
     groups = resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 2, 5, 6)
     pixel_values = _NORM_LUT[groups.reshape(gh * gw, p * p * 3)]
@@ -140,7 +140,7 @@ def preprocess(
 
 
 # --------------------------------------------------------------------------------------------
-# §4.3 Window grouping and §4.4 rotary angles
+# [4.3] Window grouping and [4.4] rotary angles
 # --------------------------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ def window_partition(
     patch_size: int = PATCH_SIZE,
     merge_size: int = MERGE_SIZE,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(window_index, cu_window_seqlens) for one image, both int64 (spec §4.3).
+    """(window_index, cu_window_seqlens) for one image, both int64 [4.3].
 
     The merged grid (gh/merge x gw/merge) is tiled with square windows of
     window_size/merge/patch cells from the top-left, row-major, the last row/column of windows
@@ -200,13 +200,13 @@ def _group_view(x, n_groups: int):
 def apply_window_order(x, window_index):
     """Reorder rows of an [N, ...] array into window order at group granularity:
     ``x_win[g*k + u] = x[g*window_index[k] + u]`` with g = N / len(window_index) (4 for
-    merge 2) (spec §4.3). Works for numpy arrays and anything with numpy-style indexing."""
+    merge 2) [4.3]. Works for numpy arrays and anything with numpy-style indexing."""
     idx = np.asarray(window_index, dtype=np.int64)
     return _group_view(x, idx.size)[idx].reshape(x.shape)
 
 
 def restore_order(x_win, window_index):
-    """Inverse of :func:`apply_window_order` (spec §4.6): gather with argsort(window_index)."""
+    """Inverse of :func:`apply_window_order` [4.6]: gather with argsort(window_index)."""
     inv = np.argsort(np.asarray(window_index, dtype=np.int64), kind="stable")
     return _group_view(x_win, inv.size)[inv].reshape(x_win.shape)
 
@@ -218,7 +218,7 @@ def vision_rope_angles(
     theta: float = 10000.0,
     merge_size: int = MERGE_SIZE,
 ) -> np.ndarray:
-    """float32 [N, head_dim/2] rotary angles in processor (merge-group) order (spec §4.4).
+    """float32 [N, head_dim/2] rotary angles in processor (merge-group) order [4.4].
 
     With q = head_dim/4 frequencies inv[j] = 1 / theta^(2j / (head_dim/2)), a patch at
     patch-grid row r, column c gets [r*inv, c*inv]. The full rotation angle is

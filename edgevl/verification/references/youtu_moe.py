@@ -1,7 +1,7 @@
 """A PyTorch reference of the Youtu MoE hybrid (``YoutuVLMoEForConditionalGeneration``).
 
 No modeling code or checkpoint of this model is public; it is described only by a llama.cpp
-patch verified on the real weights (spec ``qwen3_5_and_youtu_moe.md`` §2.3/§2.4). This module
+patch verified on the real weights (docs/models/youtu_moe.md, sections 1-5). This module
 composes transformers 5.24 blocks and changes only what the patch describes:
 
 - KDA layers: ``kimi_linear``'s ``KimiLinearDeltaAttention`` with the lower-bounded forget gate
@@ -54,7 +54,7 @@ MODEL_TYPE = "youtu_vl_moe"  # ASSUMED: no public config.json
 
 
 # --------------------------------------------------------------------------------------------
-# The checkpoint layout (ASSUMED, spec §2.4): the one table to change for a real checkpoint is
+# The checkpoint layout (ASSUMED, docs/models/youtu_moe.md, section 8): the one table to change for a real checkpoint is
 # CHECKPOINT_LAYOUT, imported above from a torch-free module the converter reads too
 
 _EXPERT_KEYS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -120,7 +120,7 @@ def make_config(vocab_size: int = 512, **overrides) -> dict:
     """A complete config.json dict for a TINY model, with overrides applied (``vision_config``
     and ``rope_parameters`` are merged into their nested blocks).
 
-    The layout is the real one (spec §2.4): [KDA, KDA, KDA, MLA] groups, layer 0 dense, the rest
+    The layout is the real one (docs/models/youtu_moe.md, section 2): [KDA, KDA, KDA, MLA] groups, layer 0 dense, the rest
     sparse. Token ids default to the top of the vocabulary."""
     v = int(vocab_size)
     n_layers = int(overrides.get("num_hidden_layers", 8))
@@ -320,7 +320,7 @@ class GatedMLA(YoutuAttention):
 
 class QuantileBalancedRouter(nn.Module):
     """Router with per-modality selection bias: experts = top-k of (logits − qb_beta[modality]),
-    weights = sigmoid(logits) of those, normalised (+1e-20) and scaled (spec §2.4)."""
+    weights = sigmoid(logits) of those, normalised (+1e-20) and scaled (docs/models/youtu_moe.md, section 5)."""
 
     def __init__(self, config, num_modalities: int = 2):
         super().__init__()
@@ -677,7 +677,7 @@ def make_random(config: dict, seed: int = 0) -> YoutuVLMoEForConditionalGenerati
 
 def preprocess(images, preprocessor: dict):
     """(pixel_values, image_grid_thw) for PIL images with transformers' PIL Qwen2-VL processor
-    (the path transformers takes without torchvision; spec §1.8)."""
+    (the path transformers takes without torchvision; docs/models/qwen3_5.md, section 8)."""
     from transformers import Qwen2VLImageProcessorPil
 
     p = Qwen2VLImageProcessorPil(**{k: v for k, v in preprocessor.items() if k != "image_processor_type"})

@@ -1,15 +1,16 @@
 """A small, faithful PyTorch reference of Youtu-VL-4B (vision tower + merger + Youtu LLM).
 
-Spec: ``shared/specs/youtu_vl.md`` (section numbers below refer to it). The language model is
-transformers' own ``YoutuModel``; the Siglip2-variant vision tower and the patch merger are
-written here, from the spec, with parameter names equal to the real checkpoint keys (§8), so
+The model's description is docs/models/youtu_vl.md (numbers in brackets, e.g. [8], are its
+sections). The language model is transformers' own ``YoutuModel``; the Siglip2-variant vision
+tower and the patch merger are written here, from that description, with parameter names equal
+to the real checkpoint keys [8], so
 the same class loads the real safetensors and tiny random test models.
 
 The window partition and the 2-D RoPE table are computed here in torch, on purpose
-independently of the numpy preprocessing in ``edgevl.processing`` (which is checked against
+independently of the numpy preprocessing in ``edgevl.models.youtu_vl.processing`` (checked against
 this module). Clarity beats speed: window attention runs window by window.
 
-Items the spec marks as inferred [I] are kept configurable and say so where they are used.
+Items the description marks as inferred ([I]) are kept configurable and say so where they are used.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ __all__ = [
     "make_random",
 ]
 
-# Checkpoint keys that exist in some exports but are unused by Youtu-VL (§4.2, §13).
+# Checkpoint keys that exist in some exports but are unused by Youtu-VL [4.2, 13].
 _IGNORED_KEYS = ("siglip2.vision_model.embeddings.position_embedding.weight",)
 
 
@@ -53,7 +54,7 @@ _IGNORED_KEYS = ("siglip2.vision_model.embeddings.position_embedding.weight",)
 
 @dataclass
 class VisionConfig:
-    """The ``vision_config`` block of config.json (§2.2)."""
+    """The ``vision_config`` block of config.json [2.2]."""
 
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -64,13 +65,13 @@ class VisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"
     layer_norm_eps: float = 1e-6
     spatial_merge_size: int = 2
-    window_size: int = 256  # pixels (§4.3)
+    window_size: int = 256  # pixels [4.3]
     fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 26])
     out_hidden_size: int = 2560
-    # Not config.json keys in the sources; the values are what every port hard-codes (§4.4, §5).
+    # Not config.json keys in the sources; the values are what every port hard-codes [4.4, 5].
     rope_theta: float = 10000.0
     merger_rms_norm_eps: float = 1e-6
-    # [I] §5: exact-erf GELU is confirmed for VLLM/MLX only, inferred for the original remote code;
+    # [I] [5]: exact-erf GELU is confirmed for VLLM/MLX only, inferred for the original remote code;
     # kept switchable ("gelu" = erf, "gelu_pytorch_tanh" = tanh approximation).
     merger_act: str = "gelu"
 
@@ -94,16 +95,16 @@ class VisionConfig:
 
     @property
     def window_cells(self) -> int:
-        """Window side in merged cells: 256 px / (2 * 16 px) = 8 (§4.3)."""
+        """Window side in merged cells: 256 px / (2 * 16 px) = 8 [4.3]."""
         return self.window_size // self.spatial_merge_size // self.patch_size
 
     def validate(self) -> None:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("vision_config.hidden_size must be divisible by num_attention_heads")
         # 2-D RoPE: half of head_dim is rotated, split into a row half and a column half, each
-        # with head_dim/4 frequencies (§4.4).
+        # with head_dim/4 frequencies [4.4].
         if self.head_dim % 4:
-            raise ValueError(f"vision head_dim {self.head_dim} must be divisible by 4 (2-D RoPE, §4.4)")
+            raise ValueError(f"vision head_dim {self.head_dim} must be divisible by 4 (2-D RoPE, [4.4])")
         if self.window_cells < 1 or self.window_size % (self.spatial_merge_size * self.patch_size):
             raise ValueError("vision_config.window_size must be a multiple of patch_size*spatial_merge_size")
         bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.num_hidden_layers]
@@ -112,17 +113,17 @@ class VisionConfig:
 
 
 def _rope_theta(cfg: dict) -> float:
-    """Text RoPE theta, taken only from what the config says (§2.1, §12.11)."""
+    """Text RoPE theta, taken only from what the config says [2.1, 12.11]."""
     rp = cfg.get("rope_parameters")
     if rp:
         rope_type = rp.get("rope_type", rp.get("type", "default"))
         if rope_type != "default":
-            raise NotImplementedError(f"rope_type {rope_type!r}: Youtu-VL uses plain RoPE (§2.1)")
+            raise NotImplementedError(f"rope_type {rope_type!r}: Youtu-VL uses plain RoPE [2.1]")
         if "rope_theta" not in rp:
             raise ValueError("config rope_parameters has no rope_theta")
         return float(rp["rope_theta"])
     if cfg.get("rope_scaling"):
-        raise NotImplementedError("config has rope_scaling; Youtu-VL has none (§2.1)")
+        raise NotImplementedError("config has rope_scaling; Youtu-VL has none [2.1]")
     if "rope_theta" in cfg:
         return float(cfg["rope_theta"])
     # transformers' YoutuConfig would silently fall back to 10000 (the real model uses 500000);
@@ -131,7 +132,7 @@ def _rope_theta(cfg: dict) -> float:
 
 
 def text_config_from_dict(cfg: dict) -> YoutuConfig:
-    """Build transformers' ``YoutuConfig`` from a real-layout Youtu-VL config.json dict (§2.1, §7).
+    """Build transformers' ``YoutuConfig`` from a real-layout Youtu-VL config.json dict [2.1, 7].
 
     Text fields sit at the root; a nested ``text_config`` (not seen in the sources) is merged
     over the root in case some export uses it.
@@ -140,7 +141,7 @@ def text_config_from_dict(cfg: dict) -> YoutuConfig:
     if isinstance(d.get("text_config"), dict):
         d.update(d["text_config"])
     heads = int(d["num_attention_heads"])
-    # [I] §2.1: num_key_value_heads is inferred; HF MLA expands K/V per head, so it must equal heads.
+    # [I] [2.1]: num_key_value_heads is inferred; HF MLA expands K/V per head, so it must equal heads.
     kv_heads = int(d.get("num_key_value_heads") or heads)
     if kv_heads != heads:
         raise ValueError(f"num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA")
@@ -157,14 +158,14 @@ def text_config_from_dict(cfg: dict) -> YoutuConfig:
         v_head_dim=int(d["v_head_dim"]),
         qk_nope_head_dim=int(d["qk_nope_head_dim"]),
         hidden_act=d.get("hidden_act", "silu"),
-        # [I] §2.1: irrelevant for default RoPE; only a bookkeeping bound.
+        # [I] [2.1]: irrelevant for default RoPE; only a bookkeeping bound.
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         pad_token_id=d.get("pad_token_id"),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-        # Explicit: YoutuConfig's own default theta is 10000 (§7, §12.11).
+        # Explicit: YoutuConfig's own default theta is 10000 [7, 12.11].
         rope_parameters={"rope_type": "default", "rope_theta": _rope_theta(d)},
         rope_interleave=bool(d.get("rope_interleave", True)),
         attention_bias=bool(d.get("attention_bias", False)),
@@ -174,7 +175,7 @@ def text_config_from_dict(cfg: dict) -> YoutuConfig:
 
 
 def make_config(vocab_size: int = 512, **overrides) -> dict:
-    """A complete real-layout config.json dict (§2) for a TINY model, with overrides applied.
+    """A complete real-layout config.json dict [2] for a TINY model, with overrides applied.
 
     Token ids default to the top of the vocabulary so any ``vocab_size`` works; pass the ids
     explicitly to match a real tokenizer. ``vision_config={...}`` is merged into the nested
@@ -239,7 +240,7 @@ def make_config(vocab_size: int = 512, **overrides) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Vision geometry: window partition (§4.3) and 2-D RoPE angles (§4.4)
+# Vision geometry: window partition [4.3] and 2-D RoPE angles [4.4]
 # --------------------------------------------------------------------------------------------
 
 
@@ -252,7 +253,7 @@ def _grid(spatial_shapes) -> tuple[int, int]:
 
 
 def window_partition(gh: int, gw: int, window_cells: int = 8, merge: int = 2):
-    """Window order of the merged groups, for one image of gh x gw patches (§4.3).
+    """Window order of the merged groups, for one image of gh x gw patches [4.3].
 
     Returns ``(window_index, cu_window_seqlens)``: ``window_index`` [gh*gw/merge^2] int64 lists the
     processor group ids (g = R*Wm + C) window by window (windows row-major, cells row-major
@@ -274,7 +275,7 @@ def window_partition(gh: int, gw: int, window_cells: int = 8, merge: int = 2):
 
 
 def patch_coords(gh: int, gw: int, merge: int = 2) -> torch.Tensor:
-    """[N, 2] (row, col) of every patch in processor (2x2-merge) order (§3.5)."""
+    """[N, 2] (row, col) of every patch in processor (2x2-merge) order [3.5]."""
     wm = gw // merge
     p = torch.arange(gh * gw)
     g, u = p // (merge * merge), p % (merge * merge)
@@ -284,7 +285,7 @@ def patch_coords(gh: int, gw: int, merge: int = 2) -> torch.Tensor:
 
 
 def vision_rope_angles(gh: int, gw: int, head_dim: int, theta: float = 10000.0, merge: int = 2) -> torch.Tensor:
-    """[N, head_dim/2] float32 RoPE angles in processor order (§4.4).
+    """[N, head_dim/2] float32 RoPE angles in processor order [4.4].
 
     The rotary sub-dimension is head_dim/2 with head_dim/4 frequencies theta^(-2j/(head_dim/2));
     the first head_dim/4 angles use the patch row, the next head_dim/4 the patch column.
@@ -296,7 +297,7 @@ def vision_rope_angles(gh: int, gw: int, head_dim: int, theta: float = 10000.0, 
 
 
 def _permute_groups(x: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
-    """Reorder dim -2 of x at group granularity: out[group*k+u] = x[group*index[k]+u] (§4.3)."""
+    """Reorder dim -2 of x at group granularity: out[group*k+u] = x[group*index[k]+u] [4.3]."""
     *lead, n, d = x.shape
     x = x.reshape(*lead, n // group, group, d)
     return x[..., index, :, :].reshape(*lead, n, d)
@@ -308,18 +309,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (rotate_half) RoPE in float32 (§4.4); x [B, H, N, d], cos/sin [N, d]."""
+    """Half-split (rotate_half) RoPE in float32 [4.4]; x [B, H, N, d], cos/sin [N, d]."""
     xf = x.float()
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
-# Vision tower (§4)
+# Vision tower [4]
 # --------------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
-    """HF-style RMSNorm: normalise in float32, cast back, then scale (§7 'RMSNorm as in HF')."""
+    """HF-style RMSNorm: normalise in float32, cast back, then scale [7 'RMSNorm as in HF']."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -344,7 +345,7 @@ def _act(name: str) -> nn.Module:
 class Siglip2Embeddings(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        # A Linear over channel-last patch vectors (§4.1); no position embedding (§4.2).
+        # A Linear over channel-last patch vectors [4.1]; no position embedding [4.2].
         self.patch_embedding = nn.Linear(cfg.patch_dim, cfg.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -368,12 +369,12 @@ class Siglip2Attention(nn.Module):
         def heads(t):
             return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-        q = _apply_rope(heads(self.q_proj(x)), cos, sin)  # RoPE on q and k only, not v (§4.4)
+        q = _apply_rope(heads(self.q_proj(x)), cos, sin)  # RoPE on q and k only, not v [4.4]
         k = _apply_rope(heads(self.k_proj(x)), cos, sin)
         v = heads(self.v_proj(x))
         # Block-diagonal bidirectional attention: each segment of cu_seqlens attends only to
         # itself. Windows are contiguous after the permutation, so per-segment attention equals
-        # the HF additive block mask (§4.5) without an N x N tensor (§12.9).
+        # the HF additive block mask [4.5] without an N x N tensor [12.9].
         outs = []
         for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
             outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]))
@@ -386,7 +387,7 @@ class Siglip2MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = _act(cfg.hidden_act)  # tanh GELU in the vision MLP (§4.5, §12.10)
+        self.act = _act(cfg.hidden_act)  # tanh GELU in the vision MLP [4.5, 12.10]
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -401,7 +402,7 @@ class Siglip2EncoderLayer(nn.Module):
         self.mlp = Siglip2MLP(cfg)
 
     def forward(self, x, cos, sin, cu_seqlens):
-        # Pre-LN residual block (§4.5).
+        # Pre-LN residual block [4.5].
         x = x + self.self_attn(self.layer_norm1(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.layer_norm2(x))
 
@@ -421,7 +422,7 @@ class Siglip2VisionTransformer(nn.Module):
 
 
 class Siglip2VisionTower(nn.Module):
-    """``siglip2``: holds ``vision_model`` so parameter names match the checkpoint (§8)."""
+    """``siglip2``: holds ``vision_model`` so parameter names match the checkpoint [8]."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -447,9 +448,9 @@ class Siglip2VisionTower(nn.Module):
         win_index = win_index.to(dev)
         restore = torch.argsort(win_index)
         cu_win = cu_win.tolist()
-        cu_full = [0, n]  # one image per batch row, so "full" = the whole row (§4.5)
+        cu_full = [0, n]  # one image per batch row, so "full" = the whole row [4.5]
 
-        # RoPE angles move with their patch: permute them like the hidden states (§4.4, §12.4).
+        # RoPE angles move with their patch: permute them like the hidden states [4.4, 12.4].
         ang = vision_rope_angles(gh, gw, cfg.head_dim, cfg.rope_theta, cfg.spatial_merge_size).to(dev)
         emb = _permute_groups(torch.cat([ang, ang], dim=-1), win_index, m2)
         cos, sin = emb.cos(), emb.sin()
@@ -462,12 +463,12 @@ class Siglip2VisionTower(nn.Module):
             x = layer(x, cos, sin, cu_full if i in full else cu_win)
             if output_hidden_states:
                 hidden.append(_permute_groups(x, restore, m2))
-        x = _permute_groups(x, restore, m2)  # un-permute after the last layer (§4.6)
+        x = _permute_groups(x, restore, m2)  # un-permute after the last layer [4.6]
         return vm.post_layernorm(x), hidden
 
 
 class VLPatchMerger(nn.Module):
-    """``merger`` (§5): RMSNorm, concatenate 4 consecutive tokens, Linear-GELU-Linear."""
+    """``merger`` [5]: RMSNorm, concatenate 4 consecutive tokens, Linear-GELU-Linear."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -509,7 +510,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 class YoutuVLForConditionalGeneration(nn.Module):
-    """Youtu-VL: ``siglip2`` (vision tower), ``merger``, ``model`` (YoutuModel), ``lm_head`` (§1)."""
+    """Youtu-VL: ``siglip2`` (vision tower), ``merger``, ``model`` (YoutuModel), ``lm_head`` [1]."""
 
     def __init__(self, config: dict):
         super().__init__()
@@ -528,7 +529,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
         self.model.embed_tokens.padding_idx = None
         self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
         self.tied = bool(self.text_config.tie_word_embeddings)
-        if self.tied:  # §2.1, §12.13
+        if self.tied:  # [2.1], [12.13]
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---- helpers -----------------------------------------------------------------------
@@ -575,7 +576,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
         return merged, hidden
 
     def _inputs_embeds(self, input_ids, pixel_values=None, spatial_shapes=None):
-        """Fusion (§6): embed, then overwrite image-token rows with merger rows, in order."""
+        """Fusion [6]: embed, then overwrite image-token rows with merger rows, in order."""
         emb = self.model.embed_tokens(input_ids)
         mask = input_ids == self.image_token_id
         n_tok = int(mask.sum())
@@ -606,7 +607,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         emb = self._inputs_embeds(input_ids, pixel_values, spatial_shapes)
-        # position_ids default to 0..L-1, plain 1-D RoPE (§6); causal mask only.
+        # position_ids default to 0..L-1, plain 1-D RoPE [6]; causal mask only.
         h = self.model(inputs_embeds=emb, use_cache=False).last_hidden_state
         logits = self.lm_head(h)
         loss = None
@@ -710,7 +711,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
                 emb = torch.cat([emb, nxt], dim=1)
         return new
 
-    # ---- checkpoint I/O (§8) -------------------------------------------------------------
+    # ---- checkpoint I/O [8] -------------------------------------------------------------
 
     def checkpoint_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """State dict with the checkpoint's key names; lm_head.weight only when untied."""
@@ -774,7 +775,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
 
     @classmethod
     def from_pretrained(cls, load_dir, dtype: torch.dtype = torch.float32) -> "YoutuVLForConditionalGeneration":
-        """Load a real-layout checkpoint directory with strict key matching (§8)."""
+        """Load a real-layout checkpoint directory with strict key matching [8]."""
         cfg_path = os.path.join(load_dir, "config.json")
         if not os.path.exists(cfg_path):
             raise FileNotFoundError(f"{load_dir}: no config.json")
@@ -788,14 +789,14 @@ class YoutuVLForConditionalGeneration(nn.Module):
         sd = {}
         for k, v in raw.items():
             if k in _IGNORED_KEYS or k.endswith("embeddings.position_ids"):
-                continue  # §4.2: unused learned position embedding [I whether present]
+                continue  # [4.2]: unused learned position embedding [I whether present]
             if k.startswith("siglip2.") and not k.startswith("siglip2.vision_model."):
-                k = "siglip2.vision_model." + k[len("siglip2."):]  # bare-prefix variant (§8)
+                k = "siglip2.vision_model." + k[len("siglip2."):]  # bare-prefix variant [8]
                 if k in _IGNORED_KEYS:
                     continue
             sd[k] = v
         if model.tied:
-            # §8: lm_head.weight may be absent or duplicated when tied; the embedding is the source.
+            # [8]: lm_head.weight may be absent or duplicated when tied; the embedding is the source.
             sd.pop("lm_head.weight", None)
         expected = model.checkpoint_state_dict()
         missing = sorted(set(expected) - set(sd))
