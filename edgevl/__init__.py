@@ -8,9 +8,9 @@
 __version__ = "0.2.0"
 
 from .batch import batch
+from .boxes import Box
 from .convert import convert
 from .errors import EdgevlError
-from .boxes import Box
 from .generate import Completion, complete, generate, stream_events, stream_generate
 from .model import Model, load
 

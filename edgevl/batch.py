@@ -51,9 +51,9 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from .errors import EdgevlError
 
@@ -823,7 +823,7 @@ def _loopback_only():
 def _import_ray():
     try:
         import ray
-        import ray.data  # noqa: F401
+        import ray.data  # Ray Data is a separate part of Ray
     except ImportError:
         raise EdgevlError(INSTALL_RAY) from None
     return ray
@@ -920,8 +920,8 @@ def _check_worker_memory(path: Path, workers: int, started: int) -> None:
     """Each local worker loads its own copy of the model: refuse more than the memory holds now,
     before any starts (they would swap the machine to a halt or be killed one by one).
     ``started``: the workers that would start (no more than there are rows)."""
-    from .runtime import available_memory
     from .package import read_manifest
+    from .runtime import available_memory
 
     free = available_memory()
     if free is None:

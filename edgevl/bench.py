@@ -145,7 +145,7 @@ def worker_edgevl_image(a: dict) -> dict:
     out = {}
     for w, h in a["images"]:
         img = Image.fromarray(bench_image(w, h))
-        (rows, _), wall, cpu = _timed(lambda: m.encode_image(img))
+        (rows, _), wall, cpu = _timed(lambda img=img: m.encode_image(img))
         out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": int(rows.shape[0])}
     return {"images": out, "peak_rss_bytes": _peak_rss(), "dtype": m.dtype}
 
@@ -190,7 +190,7 @@ def worker_llamacpp_image(a: dict) -> dict:
     out = {}
     for w, h in a["images"]:
         img = bench_image(w, h)
-        tokens, wall, cpu = _timed(lambda: encode(img))  # mtmd_tokenize preprocesses the image
+        tokens, wall, cpu = _timed(lambda img=img: encode(img))  # mtmd_tokenize preprocesses the image
         out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": tokens}
     return {"images": out, "peak_rss_bytes": _peak_rss()}
 
@@ -288,7 +288,8 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", profile=None, mmpr
                        ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name or "/conversion/" in m.name)]
             t.extractall(src, members=members, filter="data")
     script = next(src.rglob("convert_hf_to_gguf.py"))
-    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", base, *extra_args] + (["--mmproj"] if mmproj else [])
+    argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", base, *extra_args,
+            *(["--mmproj"] if mmproj else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent),
                                                        str(Path(__file__).resolve().parent.parent)]))
     # Benchmark checkpoints carry a stand-in tokenizer whose pre-tokenizer hash llama.cpp does not

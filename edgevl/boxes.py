@@ -26,7 +26,7 @@ class Box(NamedTuple):
     image: int = 0
 
     @classmethod
-    def of(cls, label, x1, y1, x2, y2, image: int = 0) -> "Box":
+    def of(cls, label, x1, y1, x2, y2, image: int = 0) -> Box:
         """A box from two corners in any order."""
         return cls(label, min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2), image)
 

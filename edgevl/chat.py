@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import Iterator
 
 from .errors import EdgevlError
 from .generate import Event, default_max_new_tokens, model_template_kwargs, prepare, stream_events, with_reasoning

@@ -99,7 +99,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def _runtime_options() -> dict:
     """name -> (RuntimeOption, architectures offering it), over every registered architecture."""
     from . import models
-
     from .models.protocol import COMMON_RUNTIME_OPTIONS
 
     out: dict = {name: (opt, ["all"]) for name, opt in COMMON_RUNTIME_OPTIONS.items()}
@@ -322,7 +321,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_cache(a) -> int:
-    from .package import cache_entries, cache_dir, clear_cache
+    from .package import cache_dir, cache_entries, clear_cache
 
     root = cache_dir()
     entries = cache_entries()

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .errors import EdgevlError
 from .sample import resolve as resolve_sampling

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -105,7 +105,8 @@ class Model:
                 self.eos_ids.add(tid)
 
         self.image_token_id = m.get("image_token_id")
-        self.vision = self.arch.make_vision(self.package, self._net("vision", light_mode)) if "vision" in graphs else None
+        self.vision = (self.arch.make_vision(self.package, self._net("vision", light_mode)) if "vision" in graphs
+                       else None)
 
         self.cache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
@@ -120,7 +121,7 @@ class Model:
         {name: {..., "summary": one line}}; empty for most models."""
         return self.arch.runtime_stats(self.package)
 
-    def preload(self, progress: bool = False) -> "Model":
+    def preload(self, progress: bool = False) -> Model:
         """Load what the model would otherwise load on first use (an MoE's routed experts kept all
         resident; see ``Architecture.preload``): a server's first requests then run as fast as
         later ones. Returns the model."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -234,9 +234,9 @@ def _fmt_value(v) -> str:
     if isinstance(v, (int, np.integer)):
         return str(int(v))
     if isinstance(v, (float, np.floating)):
-        return "%.9e" % float(v)
+        return f"{float(v):.9e}"
     if isinstance(v, str):
-        return '"%s"' % v
+        return f'"{v}"'
     raise TypeError(f"unsupported param value {v!r}")
 
 
@@ -246,9 +246,9 @@ def format_params(params: dict) -> str:
         if isinstance(v, (list, tuple)):
             if not v:
                 continue
-            out.append("%d=%d,%s" % (-23300 - int(k), len(v), ",".join(_fmt_value(x) for x in v)))
+            out.append(f"{-23300 - int(k)}={len(v)},{','.join(_fmt_value(x) for x in v)}")
         else:
-            out.append("%d=%s" % (int(k), _fmt_value(v)))
+            out.append(f"{int(k)}={_fmt_value(v)}")
     return " ".join(out)
 
 

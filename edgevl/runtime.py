@@ -3,9 +3,10 @@
 Nothing here knows a model family: the manifest declares each decoder layer's state kind
 (attention KV, or recurrent), and the architecture supplies rope tables and host hooks.
 
-The ncnn facts this relies on are in docs/ncnn.md (sections 7 and 11): KV caches are extracted with type=1 into a Mat we own and fed back unchanged; numpy
-inputs are cloned into ncnn before ``ex.input``; SDPA appends into the old cache in place, so a
-KV cache is linear (branching from a prefix means re-prefilling).
+The ncnn facts this relies on are in docs/ncnn.md (sections 7 and 11): KV caches are extracted
+with type=1 into a Mat we own and fed back unchanged; numpy inputs are cloned into ncnn before
+``ex.input``; SDPA appends into the old cache in place, so a KV cache is linear (branching from a
+prefix means re-prefilling).
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ def default_threads() -> int:
         return check_threads(n, "EDGEVL_THREADS")  # 0 is a mistake, as for --threads
     try:
         n = int(ncnn.get_physical_cpu_count())
-    except Exception:  # pragma: no cover - very old wheels
+    except Exception:  # noqa: BLE001 - very old wheels
         n = 0
     return max(1, n or (os.cpu_count() or 1))
 
 
-def to_mat(a: np.ndarray) -> "ncnn.Mat":
+def to_mat(a: np.ndarray) -> ncnn.Mat:
     """A Mat that owns a float32 copy of ``a`` (any dtype, layout or view).
 
     ncnn.Mat(numpy) borrows the buffer without keeping a reference, so the contiguous array must
@@ -63,7 +64,7 @@ def to_mat(a: np.ndarray) -> "ncnn.Mat":
     return mat
 
 
-def from_mat(m: "ncnn.Mat") -> np.ndarray:
+def from_mat(m: ncnn.Mat) -> np.ndarray:
     return np.array(m, dtype=np.float32, copy=True)
 
 
@@ -176,7 +177,7 @@ def trim_heap(min_free: int = 0) -> None:
 
 
 def open_net(param, binfile, threads: int, dtype: str = "fp32", light_mode: bool = True,
-             packing: bool = True) -> "Net":
+             packing: bool = True) -> Net:
     """An ncnn graph with explicit options (e.g. an architecture's small fp32 helper nets, which
     load in fp32 with packing off whatever the package's dtype)."""
     return Net(str(param), str(binfile), threads, dtype, light_mode, packing)
@@ -220,7 +221,7 @@ class Net:
         for p in self.pools:
             p.clear()
 
-    def extractor(self) -> "ncnn.Extractor":
+    def extractor(self) -> ncnn.Extractor:
         ex = self.net.create_extractor()
         # Late extraction of intermediate blobs needs light mode off (docs/ncnn.md, section 11).
         ex.set_light_mode(self.light_mode)
@@ -233,8 +234,9 @@ class Net:
 
         ``passes``: (blob names, fn[, mats]) tuples run first, in order: the blobs are extracted,
         ``fn`` gets them as arrays (as ncnn Mats if ``mats``) and returns arrays (or Mats) to feed
-        by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if ``wanted`` names them (extracting a
-        state output in the pass that computes it keeps it from being freed in light mode)."""
+        by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if
+        ``wanted`` names them (extracting a state output in the pass that computes it keeps it
+        from being freed in light mode)."""
         ex = self.extractor()
         if self.pools:
             ex.set_blob_allocator(self.pools[0])
@@ -296,7 +298,7 @@ def blob_order(param_path) -> tuple[dict, set]:
     return order, set(order) - used
 
 
-def _detach(m: "ncnn.Mat", pools) -> "ncnn.Mat":
+def _detach(m: ncnn.Mat, pools) -> ncnn.Mat:
     """A Mat allocated from one of ``pools``, cloned out of it (the pool may be cleared or go
     first). Others are kept as they are: SDPA's KV caches come from the system allocator with
     spare rows to append into, and a clone of one corrupted it (docs/ncnn.md, section 7)."""
@@ -620,9 +622,9 @@ def kv_truncation_works() -> bool:
 
 
 def _probe_kv_truncation() -> bool:
-    from . import ncnn_graph as G
-
     import tempfile
+
+    from . import ncnn_graph as G
 
     d = 8
     with tempfile.TemporaryDirectory() as tmp:

@@ -197,7 +197,7 @@ class PendingImage:
             raise _undecodable(e, self.param) from None
 
 
-def _image(url: str, server: "EdgevlServer", param: str) -> PendingImage:
+def _image(url: str, server: EdgevlServer, param: str) -> PendingImage:
     """A pending image from an image_url: a base64 data: URL, or an allowed local path.
 
     Only the header is read here; data: URL bytes are bounded by the body limit."""
@@ -322,7 +322,7 @@ def _messages(raw, server) -> list[dict]:
     return out
 
 
-def parse_request(req: dict, server: "EdgevlServer") -> tuple[list, dict, bool, bool]:
+def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
     """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
     _check_text(req)
     model = req.get("model")
@@ -456,7 +456,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked encoding
     server_version = f"edgevl/{__version__}"
     timeout = IDLE_TIMEOUT
-    server: "EdgevlServer"
+    server: EdgevlServer
 
     def do_GET(self):
         self._dispatch("GET")
@@ -511,7 +511,7 @@ class Handler(BaseHTTPRequestHandler):
             self._fail(e)
         except (ConnectionError, TimeoutError):  # the client went away: nothing to answer
             self.close_connection = True
-        except Exception:  # a bug: log it, answer 500, keep serving
+        except Exception:  # noqa: BLE001 - a bug: log it, answer 500, keep serving
             traceback.print_exc()
             self._fail(HTTPError(500, "internal server error; see the server log", code="internal_error"))
 

@@ -70,7 +70,7 @@ class Tokenizer:
                               "fast tokenizer file next to config.json")
         try:
             self.tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises plain Exception subclasses
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
             raise EdgevlError(f"{path} could not be read ({e}); re-download it") from None
         cfg_path = self.folder / "tokenizer_config.json"
         self.config = read_json_object(cfg_path) if cfg_path.is_file() else {}
@@ -131,7 +131,7 @@ class Tokenizer:
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except EdgevlError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a template can raise anything jinja2 or its code does
             raise EdgevlError(f"the chat template failed to render these messages ({e})") from None
 
 

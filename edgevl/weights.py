@@ -114,7 +114,7 @@ class LazyTensor:
         n = self.shape[0] if self.shape else 1
         return self.read_rows(0, n).reshape(self.shape)
 
-    def row_slice(self, r0: int, r1: int) -> "RowSlice":
+    def row_slice(self, r0: int, r1: int) -> RowSlice:
         return RowSlice(self, r0, r1)
 
     def __repr__(self):
@@ -267,7 +267,7 @@ class Checkpoint:
     def keys(self):
         return self._tensors.keys()
 
-    def get(self, name: str, shape=None) -> "LazyTensor":
+    def get(self, name: str, shape=None) -> LazyTensor:
         t = self._tensors.get(name)
         if t is None:
             raise EdgevlError(f"tensor {name} is missing from the checkpoint in {self.folder}; "

@@ -325,7 +325,7 @@ class DeltaRuleCore(WindowedCore):
         self.shapes = self.d.host_state_shapes(self.window)
 
     @classmethod
-    def open(cls, folder, chunk_info: dict, threads: int) -> "DeltaRuleCore":
+    def open(cls, folder, chunk_info: dict, threads: int) -> DeltaRuleCore:
         """Load the chunk net from a folder (``chunk_info``: its manifest entry)."""
         from ..runtime import open_net
 

@@ -31,7 +31,7 @@ class MlaArgs:
     attention_bias: bool = False
 
     @classmethod
-    def of(cls, args) -> "MlaArgs":
+    def of(cls, args) -> MlaArgs:
         """The MLA fields of a model's config arguments (any dataclass that has them)."""
         return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__})
 

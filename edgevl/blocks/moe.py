@@ -38,9 +38,9 @@ import numpy as np
 
 from .. import ncnn_graph as G
 from ..errors import EdgevlError, PackageError
+from ..models.protocol import GGUF_OF_DTYPE, BenchProfile, Option, RuntimeOption
 from ..package import EXPERT_CHECKSUMS, EXPERT_ROUTING
 from ..runtime import available_memory, from_mat, heap_info, set_net_options, to_mat, trim_heap
-from ..models.protocol import GGUF_OF_DTYPE, BenchProfile, Option, RuntimeOption
 from .base import Q8_QUANT, Ctx, RowStack, swiglu_mlp
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ class ExpertStore:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - at interpreter exit anything may be gone already
             pass
 
     def read_bias(self, layer: int) -> np.ndarray | None:
@@ -443,7 +443,7 @@ class ExpertStore:
         return off, None if self._digests is None else self._verified(fd, layer, e, off)
 
     def _load(self, layer: int, e: int, off: int, data: memoryview | None,
-              into: "ncnn.Net | None" = None) -> "ncnn.Net":
+              into: ncnn.Net | None = None) -> ncnn.Net:
         """Expert ``e`` of ``layer`` as a net, from ``data`` (see ``_read``) or the file at
         ``off``: loaded into ``into`` (an evicted expert's net, whose weight buffers ncnn then
         refills in place) or a new one."""
@@ -487,7 +487,8 @@ class ExpertStore:
                                "check the disk, restore the file or convert the model again") from None
         new, keep = self._check
         if n != self.expert_bytes or new(view).digest()[:keep] != self._digests[layer][e]:
-            why = "the file was replaced while the model runs" if self._replaced else "the file changed after conversion"
+            why = ("the file was replaced while the model runs" if self._replaced
+                   else "the file changed after conversion")
             raise PackageError(f"{self.path}: expert {e} of layer {layer} does not match its checksum ({why}); "
                                "convert the model again or restore the file")
         return view
@@ -526,7 +527,7 @@ class ExpertStore:
     def cached(self, layer: int, e: int) -> bool:
         return e in self._nets.get(layer, ())
 
-    def net(self, layer: int, e: int) -> "ncnn.Net":
+    def net(self, layer: int, e: int) -> ncnn.Net:
         nets = self._nets.get(layer)
         net = None if nets is None else nets.get(e)
         if net is not None:
@@ -554,7 +555,7 @@ class ExpertStore:
         self.peak_resident = max(self.peak_resident, self.resident)
         return net
 
-    def _evict(self, nets: OrderedDict) -> "ncnn.Net":
+    def _evict(self, nets: OrderedDict) -> ncnn.Net:
         _, net = nets.popitem(last=False)
         self.resident -= self.cost
         self.evictions += 1
@@ -660,7 +661,7 @@ class _SpanReader(ncnn.DataReader):
                 n = size
             else:
                 n = os.preadv(self.fd, [view], self.pos)
-        except Exception:
+        except Exception:  # noqa: BLE001 - inside ncnn's loader: a short read is how a failure is reported
             return 0
         self.pos += n
         return n
@@ -678,7 +679,7 @@ class _SpanReader(ncnn.DataReader):
                 out = ncnn.Mat()
                 ok = ok and net.create_extractor().extract("data", out) == 0
                 cls._usable = bool(ok and np.array_equal(np.array(out).reshape(-1), want))
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure means this wheel cannot do it
                 cls._usable = False
         return cls._usable
 

@@ -38,14 +38,16 @@ class VisionArgs:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "VisionArgs":
+    def from_config(cls, cfg: dict) -> VisionArgs:
         vc = cfg.get("vision_config") or {}
         rp = vc.get("rope_parameters") or {}
         v = config_args(cls, vc, rope_theta=float(rp.get("rope_theta", 10000.0)))
         if v.hidden_act not in GELU_TANH:
-            raise EdgevlError(f"vision hidden_act {v.hidden_act!r} is not supported (expected gelu or gelu_pytorch_tanh)")
+            raise EdgevlError(f"vision hidden_act {v.hidden_act!r} is not supported (expected gelu or "
+                              "gelu_pytorch_tanh)")
         if v.hidden_size % v.num_heads or v.head_dim % 4:
-            raise EdgevlError("vision_config: num_heads must divide hidden_size into heads of a multiple of 4 (2-D RoPE)")
+            raise EdgevlError("vision_config: num_heads must divide hidden_size into heads of a multiple of 4 "
+                              "(2-D RoPE)")
         side = int(round(v.num_position_embeddings ** 0.5))
         if side * side != v.num_position_embeddings:
             raise EdgevlError(f"vision_config.num_position_embeddings {v.num_position_embeddings} is not a square")
@@ -99,8 +101,8 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     g.section("embed")
     w = ctx.tensor(f"{prefix}.patch_embed.proj.weight",
                    (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size))
-    x = G.gemm(g, pv, RowStack([w], "patch_embed"), ctx.dtype, bias=ctx.array(f"{prefix}.patch_embed.proj.bias", (v.hidden_size,)),
-               name=f"{prefix}.patch_embed")
+    bias = ctx.array(f"{prefix}.patch_embed.proj.bias", (v.hidden_size,))
+    x = G.gemm(g, pv, RowStack([w], "patch_embed"), ctx.dtype, bias=bias, name=f"{prefix}.patch_embed")
     x = G.binary(g, x, pos, "add", name=f"{prefix}.pos_add")
     for i in range(v.depth):
         g.section(f"layer{i}")
@@ -127,7 +129,7 @@ def write_vision(ckpt, out: Path, dtype: str, on_tensor, v: VisionArgs, prefix: 
     return save_graph(g, out / "vision.param", info)
 
 
-def open_vision(pkg, net) -> "VisionEncoder":
+def open_vision(pkg, net) -> VisionEncoder:
     """The vision encoder of a loaded package (its vision graph and position table)."""
     info = pkg.manifest["graphs"]["vision"]
     table = pkg.file(info["extra"]["pos_embed"]["file"], "vision table")

@@ -266,7 +266,7 @@ def _mask(shape: str, x0: int, y0: int, side: int) -> Image.Image:
     return mask
 
 
-def shape_mask(s: "Shape") -> Image.Image:
+def shape_mask(s: Shape) -> Image.Image:
     """An "L" mask (255 inside) of the pixels a scene's shape covers."""
     return _mask(s.shape, *s.frame)
 

@@ -29,9 +29,9 @@ Verification (the PyTorch reference and tiny checkpoints) is not part of it: it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -205,7 +205,7 @@ class Architecture:
         so the next turn prefills only from there."""
         return []
 
-    def output_processor(self, images: list) -> "OutputProcessor | None":
+    def output_processor(self, images: list) -> OutputProcessor | None:
         """None, or an :class:`OutputProcessor` for one answer to a prompt with these images
         (their processor infos, in prompt order)."""
         return None

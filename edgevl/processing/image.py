@@ -16,8 +16,8 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError

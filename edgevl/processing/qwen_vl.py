@@ -50,7 +50,7 @@ class ProcessorConfig:
     do_normalize: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ProcessorConfig":
+    def from_dict(cls, d: dict) -> ProcessorConfig:
         c = cls()
         for k in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample",
                   "do_resize", "do_rescale", "do_normalize"):
@@ -70,7 +70,7 @@ class ProcessorConfig:
         return c
 
     @classmethod
-    def from_folder(cls, folder) -> "ProcessorConfig":
+    def from_folder(cls, folder) -> ProcessorConfig:
         p = Path(folder) / "preprocessor_config.json"
         if not p.is_file():
             return cls()

@@ -214,7 +214,8 @@ def resolve(model: str | None, reference: str | None, tmp: Path) -> tuple[Path, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edgevl.verification.demo_evaluate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edgevl.verification.demo_evaluate",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1234, help="seed of the scene stream (never the training seed)")
     ap.add_argument("--n", type=int, default=200, help="number of scenes")
     ap.add_argument("--model", default=None, help="package or checkpoint folder (default: the shipped demo model)")
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
                 asked.append((question, prep.input_ids, tokens))
             if ref is not None:
                 inp = preprocess(scene.image, mip)
-                for question, ids, tokens in asked:
+                for _question, ids, _tokens in asked:
                     if inp["num_image_tokens"] != ids.count(m.image_token_id):
                         raise SystemExit("the runtime and the reference preprocess the image to different sizes "
                                          f"({ids.count(m.image_token_id)} vs {inp['num_image_tokens']} tokens)")

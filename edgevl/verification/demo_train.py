@@ -66,11 +66,10 @@ from pathlib import Path
 import numpy as np
 
 from edgevl.demo import scenes as S
-from edgevl.verification.demo_evaluate import score
-from edgevl.verification.tokenizers import EOS, save_tokenizer, train_tokenizer
-from edgevl.models.youtu_vl.processing import preprocess
 from edgevl.models.youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
+from edgevl.models.youtu_vl.processing import preprocess
 from edgevl.tokenizer import Tokenizer
+from edgevl.verification.tokenizers import EOS, save_tokenizer, train_tokenizer
 
 MAX_IMAGE_PATCHES = 64          # 128x128 -> 8x8 patches -> 16 image tokens
 N_COORDINATES = S.IMAGE_SIZE    # <x_0>..<x_127>, <y_0>..<y_127>
@@ -472,7 +471,6 @@ def train_losses(model, probes: Probes, targets: CoordinateTargets, input_ids, p
     one LM attention layer (whose attention probabilities the eager attention returns). With
     ``frozen_vision`` the tower runs without gradients and the cell probes are left out."""
     import torch
-    import torch.nn.functional as F
 
     if frozen_vision:
         with torch.no_grad():
@@ -491,7 +489,8 @@ def train_losses(model, probes: Probes, targets: CoordinateTargets, input_ids, p
     lm = targets.loss(logits, labels)
 
     if frozen_vision:
-        probe, stats = torch.zeros(()), {"cell_shape_acc": math.nan, "cell_box_acc": math.nan, "cell_word_acc": math.nan}
+        probe = torch.zeros(())
+        stats = {"cell_shape_acc": math.nan, "cell_box_acc": math.nan, "cell_word_acc": math.nan}
     else:
         probe, stats = probes.loss(merged, aux)
     ptr = aux["pointer"]
@@ -595,8 +594,9 @@ def pretrain_vision(model, probes: Probes, steps: int, batch: int, lr: float, se
         if (step + 1) % 100 == 0 or step + 1 == steps:
             log.append({"step": step + 1, "loss": round(float(loss.detach()), 5),
                         **{k: round(v, 4) for k, v in stats.items()}, "seconds": round(time.time() - t0, 1)})
-            print(f"vision {step + 1:5d}  probes {float(loss.detach()):.3f}  shape-cells {stats['cell_shape_acc']:.3f}  "
-                  f"box-cells {stats['cell_box_acc']:.3f}  word-cells {stats['cell_word_acc']:.3f}  {time.time() - t0:7.1f}s", flush=True)
+            print(f"vision {step + 1:5d}  probes {float(loss.detach()):.3f}  "
+                  f"shape-cells {stats['cell_shape_acc']:.3f}  box-cells {stats['cell_box_acc']:.3f}  "
+                  f"word-cells {stats['cell_word_acc']:.3f}  {time.time() - t0:7.1f}s", flush=True)
 
 
 def tokenizer_corpus(seed: int, n: int = 3000) -> list[str]:
@@ -687,7 +687,8 @@ def reference_answer(model, builder: PromptBuilder, scene: S.Scene, question: st
     return new, builder.tok.decode(new)
 
 
-def batched_greedy(model, prompts: list[list[int]], pixels, shape, eos: int, max_new_tokens: int = 48) -> list[list[int]]:
+def batched_greedy(model, prompts: list[list[int]], pixels, shape, eos: int,
+                   max_new_tokens: int = 48) -> list[list[int]]:
     """Greedy answers to many prompts at once (each prompt's image row in ``pixels`` [B, N, D]).
 
     Recomputes the whole (short) sequence every step; rows are right padded, which the causal
@@ -924,7 +925,8 @@ def main(argv=None) -> int:
                 raise ValueError
             weights[kind.strip()] = float(w)
         except ValueError:
-            ap.error(f"--weights {item!r}: write KIND=NUMBER (a number >= 0) with KIND one of {', '.join(KIND_WEIGHTS)}")
+            ap.error(f"--weights {item!r}: write KIND=NUMBER (a number >= 0) with KIND one of "
+                     f"{', '.join(KIND_WEIGHTS)}")
     if not all(weights[k] > 0 for k in ("describe", "count", "background", "text")):
         # every scene has these questions: a scene whose other kinds are all at 0 would have none to ask
         ap.error("--weights: describe, count, background and text need a weight above 0 (every scene asks them)")
@@ -1024,9 +1026,10 @@ def main(argv=None) -> int:
             history.append({"step": step + 1, "loss": round(val, 5), "smoothed": round(running, 5),
                             "probe_loss": round(float(probe_loss.detach()), 5),
                             **{k: round(v, 4) for k, v in stats.items()}, "lr": lr, "seconds": round(el, 1)})
-            print(f"step {step + 1:5d}  loss {val:.4f}  (smoothed {running:.4f})  probes {float(probe_loss.detach()):.3f} "
-                  f"shape-cells {stats['cell_shape_acc']:.3f} box-cells {stats['cell_box_acc']:.3f} word-cells {stats['cell_word_acc']:.3f} attention-on-asked {stats['attention_mass']:.3f}  lr {lr:.2e}  "
-                  f"{el:7.1f}s", flush=True)
+            print(f"step {step + 1:5d}  loss {val:.4f}  (smoothed {running:.4f})  "
+                  f"probes {float(probe_loss.detach()):.3f} shape-cells {stats['cell_shape_acc']:.3f} "
+                  f"box-cells {stats['cell_box_acc']:.3f} word-cells {stats['cell_word_acc']:.3f} "
+                  f"attention-on-asked {stats['attention_mass']:.3f}  lr {lr:.2e}  {el:7.1f}s", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             te, ce = time.time(), cpu_seconds()
             model.eval()
@@ -1049,7 +1052,8 @@ def main(argv=None) -> int:
         "steps": args.steps, "batch": args.batch, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
         "curriculum": curriculum, "aux_weight": args.aux_weight, "init": args.init,
         "kind_weights": weights, "phrase_attention": args.phrase_attention, "turns": TURNS, "share": SHARE,
-        "coordinate_smoothing": [COORD_SMOOTHING, COORD_SIGMA], "attention_target": {"layer": ATTENTION_LAYER, "heads": list(ATTENTION_HEADS)},
+        "coordinate_smoothing": [COORD_SMOOTHING, COORD_SIGMA],
+        "attention_target": {"layer": ATTENTION_LAYER, "heads": list(ATTENTION_HEADS)},
         "vision_steps": vision_steps, "vision_lr": args.vision_lr, "vision_history": vision_log,
         "freeze_vision": args.freeze_vision,
         "vision_seconds": round(vision_seconds, 1), "vision_cpu_seconds": round(vision_cpu, 1),

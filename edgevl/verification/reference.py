@@ -30,7 +30,7 @@ class FamilyVerification:
     tiny_variants: dict = {}
     precision_outlier_rows: float = 0.0
 
-    def reference(self, ref_dir, dtype: str = "fp32") -> "Reference":
+    def reference(self, ref_dir, dtype: str = "fp32") -> Reference:
         raise EdgevlError("this family has no PyTorch reference to verify against")
 
     def make_tiny(self, folder, variant: str | None = None, seed: int = 0, dtype: str = "fp32",

@@ -1,8 +1,9 @@
 """Tiny random checkpoints with real layouts, for tests and the conformance suite.
 
-Each family's ``make_tiny`` (``edgevl/verification/families``) builds on these: a small byte-level BPE tokenizer trained on a
-multilingual corpus, deterministic well-conditioned random weights, and an optional short
-training run (random nets have nearly flat logits, where reduced precision flips near-ties).
+Each family's ``make_tiny`` (``edgevl/verification/families``) builds on these: a small
+byte-level BPE tokenizer trained on a multilingual corpus, deterministic well-conditioned random
+weights, and an optional short training run (random nets have nearly flat logits, where reduced
+precision flips near-ties).
 Needs PyTorch and transformers (``pip install edgevl[verify]``).
 """
 

@@ -70,7 +70,8 @@ class Report:
     def print(self, out=None):
         out = out or sys.stdout
         if self.processor_max_diff is not None:
-            print(f"processor pixel_values max |diff| vs the reference processor: {self.processor_max_diff:.3g}", file=out)
+            print(f"processor pixel_values max |diff| vs the reference processor: {self.processor_max_diff:.3g}",
+                  file=out)
         print(f"{'section':<8} {'tensor':<28} {'cosine':>12} {'max|diff|':>12}", file=out)
         for sec, name, c, d in self.rows:
             print(f"{sec:<8} {name:<28} {c:>12.8f} {d:>12.4g}", file=out)

@@ -33,8 +33,20 @@ import numpy as np
 from ... import ncnn_graph as G
 from ...blocks import gated_delta as gd
 from ...blocks import qwen_vision
-from ...blocks.base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, heads_first, heads_last,
-                            kv_state, save_graph, swiglu_mlp, weight_ctx, write_head_and_embedding)
+from ...blocks.base import (
+    Ctx,
+    GraphInfo,
+    RowStack,
+    config_args,
+    head_weight_name,
+    heads_first,
+    heads_last,
+    kv_state,
+    save_graph,
+    swiglu_mlp,
+    weight_ctx,
+    write_head_and_embedding,
+)
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
 from ..protocol import Architecture, BenchProfile, answer_header_points
@@ -73,15 +85,15 @@ class TextArgs:
     text_model_types: ClassVar[tuple] = ("qwen3_5_text",)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "TextArgs":
+    def from_config(cls, cfg: dict) -> TextArgs:
         tc = dict(cfg.get("text_config") or (cfg if cfg.get("model_type") in cls.text_model_types else {}))
         if not tc:
             raise EdgevlError("config.json of a qwen3_5 model needs a text_config")
         if "tie_word_embeddings" not in tc and "tie_word_embeddings" in cfg:
             tc["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         rp = tc.get("rope_parameters") or {}
-        a = config_args(cls, tc, rope_theta=rope_theta_of(tc),
-                        partial_rotary_factor=float(rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))),
+        partial = rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
+        a = config_args(cls, tc, rope_theta=rope_theta_of(tc), partial_rotary_factor=float(partial),
                         mrope_section=list(rp.get("mrope_section", [11, 11, 10])))
         if a.layer_types is None:   # transformers' rule; the saved config normally lists them
             a.layer_types = ["linear_attention" if (i + 1) % a.full_attention_interval else "full_attention"

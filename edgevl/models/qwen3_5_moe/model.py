@@ -41,7 +41,7 @@ class MoeTextArgs(qwen3_5.TextArgs):
     text_model_types: ClassVar[tuple] = ("qwen3_5_moe_text",)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "MoeTextArgs":
+    def from_config(cls, cfg: dict) -> MoeTextArgs:
         a = super().from_config(cfg)
         if a.num_experts_per_tok > a.num_experts:
             raise EdgevlError(f"text_config.num_experts_per_tok {a.num_experts_per_tok} exceeds num_experts "

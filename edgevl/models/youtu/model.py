@@ -17,10 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ... import ncnn_graph as G
-from ...blocks.base import (Ctx, GraphInfo, config_args, head_weight_name, kv_state, save_graph, swiglu_mlp,
-                            weight_ctx, write_head_and_embedding)
+from ...blocks.base import (
+    Ctx,
+    GraphInfo,
+    config_args,
+    head_weight_name,
+    kv_state,
+    save_graph,
+    swiglu_mlp,
+    weight_ctx,
+    write_head_and_embedding,
+)
 from ...blocks.mla import MlaArgs, emit_mla_attention
 from ...blocks.rope import rope_1d, rope_theta_of
 from ...errors import EdgevlError
@@ -49,7 +57,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
+    def from_config(cls, cfg: dict) -> ModelArgs:
         a = config_args(cls, cfg, rope_theta=rope_theta_of(cfg))
         if a.hidden_act != "silu":
             raise EdgevlError(f"hidden_act {a.hidden_act!r} is not supported for Youtu models (expected silu)")

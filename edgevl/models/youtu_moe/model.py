@@ -42,8 +42,18 @@ import numpy as np
 from ... import ncnn_graph as G
 from ...blocks import gated_delta as gd
 from ...blocks import moe, qwen_vision
-from ...blocks.base import (Ctx, GraphInfo, RowStack, config_args, head_weight_name, kv_state, save_graph,
-                            swiglu_mlp, weight_ctx, write_head_and_embedding)
+from ...blocks.base import (
+    Ctx,
+    GraphInfo,
+    RowStack,
+    config_args,
+    head_weight_name,
+    kv_state,
+    save_graph,
+    swiglu_mlp,
+    weight_ctx,
+    write_head_and_embedding,
+)
 from ...blocks.mla import MlaArgs, emit_mla_core
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
@@ -95,7 +105,7 @@ class TextArgs:
     mrope_section: list | None = None
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "TextArgs":
+    def from_config(cls, cfg: dict) -> TextArgs:
         rp = cfg.get("rope_parameters") or {}
         a = config_args(cls, cfg, rope_theta=rope_theta_of(cfg),
                         mrope_section=rp.get("mrope_section") if isinstance(rp, dict) else None)
@@ -116,7 +126,8 @@ class TextArgs:
             raise EdgevlError(f"mla_output_gate must be headwise, elementwise or null, got {a.mla_output_gate!r:.40}")
         lb = a.kda_gate_lower_bound
         if isinstance(lb, bool) or not isinstance(lb, (int, float)) or not math.isfinite(lb) or lb >= 0:
-            raise EdgevlError(f"kda_gate_lower_bound must be a negative number (the real model's is -5), got {lb!r:.40}")
+            raise EdgevlError(f"kda_gate_lower_bound must be a negative number (the real model's is -5), "
+                              f"got {lb!r:.40}")
         if a.qk_rope_head_dim % 2:
             raise EdgevlError(f"qk_rope_head_dim must be even, got {a.qk_rope_head_dim}")
         if a.mrope_section is None:
@@ -375,7 +386,8 @@ class YoutuMoe(Architecture):
             consts = {int(i): core.consts(c["rate"], c["dt_bias"]) for i, c in extra["gates"].items()}
             hosts = [st["shapes"] for st in gr["decoder"]["state"] if st.get("kind") == "host"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise EdgevlError(f"manifest.json graphs.decoder is malformed ({e!r:.60}); convert the model again") from None
+            raise EdgevlError(f"manifest.json graphs.decoder is malformed ({e!r:.60}); convert the model "
+                              "again") from None
         if any(sh != core.shapes for sh in hosts):
             raise EdgevlError("this package keeps the KDA state in an older layout; convert the model again")
         return {"kda": gd.kda_hook(core, consts), "moe": moe.moe_hook(moe.open_experts(pkg))}

@@ -34,7 +34,7 @@ class VisionArgs:
     merger_act: str = "gelu"                      # exact erf GELU in the merger
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "VisionArgs":
+    def from_config(cls, cfg: dict) -> VisionArgs:
         v = config_args(cls, cfg.get("vision_config") or {}, where="config.json vision_config")
         if v.hidden_size % v.num_attention_heads or v.head_dim % 4:
             raise EdgevlError("vision_config: head size must divide hidden_size and be a multiple of 4 (2-D RoPE)")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from ...models.qwen3_5.model import CHAT_TEMPLATE, TextArgs
 from ..reference import FamilyVerification, QwenImagesReference, torch_dtype
 from ..tiny import CORPUS, init_random, train_briefly
@@ -36,8 +35,8 @@ class Qwen3_5Reference(QwenImagesReference):
         out = []
         for pv, grid in images:
             outs = []
-            hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                     for b in visual.blocks]
+            hooks = [b.register_forward_hook(
+                lambda m, i, o, outs=outs: outs.append(o[0] if isinstance(o, tuple) else o)) for b in visual.blocks]
             try:
                 with torch.no_grad():
                     merged = self.model.model.get_image_features(pv, grid, return_dict=True).pooler_output
@@ -75,7 +74,8 @@ class Qwen3_5Reference(QwenImagesReference):
         finally:
             for h in hooks:
                 h.remove()
-        states = [r.hidden_states[0][0].float().numpy()] + [o[0].float().numpy() for o in outs] + [final[0].float().numpy()]
+        states = ([r.hidden_states[0][0].float().numpy()] + [o[0].float().numpy() for o in outs]
+                  + [final[0].float().numpy()])
         return states, r.logits[0].float().numpy()
 
     def start(self, ids, images=None):

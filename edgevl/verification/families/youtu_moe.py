@@ -37,8 +37,8 @@ class YoutuMoeReference(QwenImagesReference):
         out = []
         for pv, grid in images:
             outs = []
-            hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                     for b in visual.blocks]
+            hooks = [b.register_forward_hook(
+                lambda m, i, o, outs=outs: outs.append(o[0] if isinstance(o, tuple) else o)) for b in visual.blocks]
             try:
                 with torch.no_grad():
                     merged, _ = self.model.vision_features(pv, grid)

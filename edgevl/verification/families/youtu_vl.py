@@ -118,7 +118,8 @@ class YoutuVLVerification(FamilyVerification):
     def reference(self, ref_dir, dtype="fp32"):
         from ..references.youtu_vl import YoutuVLForConditionalGeneration
 
-        return YoutuVLReference(YoutuVLForConditionalGeneration.from_pretrained(ref_dir, dtype=torch_dtype(dtype)).eval())
+        model = YoutuVLForConditionalGeneration.from_pretrained(ref_dir, dtype=torch_dtype(dtype))
+        return YoutuVLReference(model.eval())
 
     def make_tiny(self, folder, variant=None, seed=0, dtype="fp32", train_steps=0, n_coordinates: int = 64,
                   **overrides) -> Path:

@@ -41,13 +41,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, KimiLinearConfig, YoutuConfig
-from transformers.models.kimi_linear.modeling_kimi_linear import (KimiLinearDeltaAttention, KimiLinearForgetGate,
-                                                                  KimiLinearMLP, KimiLinearMoE, KimiLinearRMSNorm)
+from transformers.models.kimi_linear.modeling_kimi_linear import (
+    KimiLinearDeltaAttention,
+    KimiLinearForgetGate,
+    KimiLinearMLP,
+    KimiLinearMoE,
+    KimiLinearRMSNorm,
+)
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig, Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, Qwen3VLVisionModel
 from transformers.models.youtu.modeling_youtu import YoutuAttention
 
-from ...models.youtu_moe.layout import CHECKPOINT_LAYOUT, CheckpointLayout  # noqa: F401 (re-exported)
+from ...models.youtu_moe.layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
 ARCHITECTURE = "YoutuVLMoEForConditionalGeneration"
 MODEL_TYPE = "youtu_vl_moe"  # ASSUMED: no public config.json
@@ -91,7 +96,8 @@ def from_checkpoint(tensors: dict, expected: dict, layout: CheckpointLayout = CH
             parts = []
             for e in range(shape[0]):
                 p = layout.name(f"{m.group(1)}.{e}")
-                names = [f"{p}.{gate}.weight", f"{p}.{up}.weight"] if m.group(2) == "gate_up_proj" else [f"{p}.{down}.weight"]
+                names = ([f"{p}.{gate}.weight", f"{p}.{up}.weight"] if m.group(2) == "gate_up_proj"
+                         else [f"{p}.{down}.weight"])
                 missing = [n for n in names if n not in tensors]
                 if missing:
                     raise ValueError(f"checkpoint lacks {missing[0]}")
@@ -120,8 +126,8 @@ def make_config(vocab_size: int = 512, **overrides) -> dict:
     """A complete config.json dict for a TINY model, with overrides applied (``vision_config``
     and ``rope_parameters`` are merged into their nested blocks).
 
-    The layout is the real one (docs/models/youtu_moe.md, section 2): [KDA, KDA, KDA, MLA] groups, layer 0 dense, the rest
-    sparse. Token ids default to the top of the vocabulary."""
+    The layout is the real one (docs/models/youtu_moe.md, section 2): [KDA, KDA, KDA, MLA] groups,
+    layer 0 dense, the rest sparse. Token ids default to the top of the vocabulary."""
     v = int(vocab_size)
     n_layers = int(overrides.get("num_hidden_layers", 8))
     cfg = {
@@ -464,12 +470,14 @@ class YoutuVLMoEForConditionalGeneration(nn.Module):
         super().__init__()
         self.config_dict = copy.deepcopy(config)
         self.tc = text_configs(config)
-        self.vision_config = Qwen3VLVisionConfig(**{k: v for k, v in config["vision_config"].items() if k != "model_type"})
+        self.vision_config = Qwen3VLVisionConfig(**{k: v for k, v in config["vision_config"].items()
+                                                    if k != "model_type"})
         self.vision_config._attn_implementation = "eager"
         if self.vision_config.out_hidden_size != self.tc.kimi.hidden_size:
             raise ValueError("vision_config.out_hidden_size must equal hidden_size")
         self.image_token_id = config.get("image_token_id")
-        self.modality_token_ids = [t for t in (config.get("image_token_id"), config.get("video_token_id")) if t is not None]
+        self.modality_token_ids = [t for t in (config.get("image_token_id"), config.get("video_token_id"))
+                                   if t is not None]
         self.model = TextModel(self.tc)
         self.visual = Qwen3VLVisionModel(self.vision_config)
         self.lm_head = nn.Linear(self.tc.kimi.hidden_size, self.tc.kimi.vocab_size, bias=False)
@@ -512,7 +520,8 @@ class YoutuVLMoEForConditionalGeneration(nn.Module):
     def _embed(self, input_ids, pixel_values=None, image_grid_thw=None):
         ids = torch.as_tensor(input_ids).reshape(1, -1)
         emb = self.model.embed_tokens(ids)
-        mask = ids == self.image_token_id if self.image_token_id is not None else torch.zeros_like(ids, dtype=torch.bool)
+        mask = (ids == self.image_token_id if self.image_token_id is not None
+                else torch.zeros_like(ids, dtype=torch.bool))
         n = int(mask.sum())
         if pixel_values is None:
             if n:
@@ -625,10 +634,12 @@ class YoutuVLMoEForConditionalGeneration(nn.Module):
             model = cls(cfg)
         tensors = {}
         index = os.path.join(load_dir, "model.safetensors.index.json")
-        files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+        files = (sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index)
+                 else ["model.safetensors"])
         for name in files:
             tensors.update(load_file(os.path.join(load_dir, name)))
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (model.tied and k == "lm_head.weight")}
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
+                    if not (model.tied and k == "lm_head.weight")}
         sd = {k: v.to(dtype).contiguous() for k, v in from_checkpoint(tensors, expected, layout).items()}
         if model.tied:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -642,7 +653,7 @@ class YoutuVLMoEForConditionalGeneration(nn.Module):
         return model.eval()
 
     @classmethod
-    def make_random(cls, config: dict, seed: int = 0) -> "YoutuVLMoEForConditionalGeneration":
+    def make_random(cls, config: dict, seed: int = 0) -> YoutuVLMoEForConditionalGeneration:
         """Deterministic random weights, scaled for varied greedy tokens on a tiny model.
 
         Matrices ~ N(0, (gain/√fan_in)²) (fan_in: the last dim for expert stacks, else all but the

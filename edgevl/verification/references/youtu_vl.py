@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import YoutuConfig, YoutuModel
 
 __all__ = [
@@ -76,7 +75,7 @@ class VisionConfig:
     merger_act: str = "gelu"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VisionConfig":
+    def from_dict(cls, d: dict) -> VisionConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if "fullatt_block_indexes" in kw:
@@ -774,7 +773,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
         raise FileNotFoundError(f"{load_dir}: no model.safetensors or model.safetensors.index.json")
 
     @classmethod
-    def from_pretrained(cls, load_dir, dtype: torch.dtype = torch.float32) -> "YoutuVLForConditionalGeneration":
+    def from_pretrained(cls, load_dir, dtype: torch.dtype = torch.float32) -> YoutuVLForConditionalGeneration:
         """Load a real-layout checkpoint directory with strict key matching [8]."""
         cfg_path = os.path.join(load_dir, "config.json")
         if not os.path.exists(cfg_path):
@@ -822,7 +821,7 @@ class YoutuVLForConditionalGeneration(nn.Module):
         return model.eval()
 
     @classmethod
-    def make_random(cls, config: dict, seed: int = 0) -> "YoutuVLForConditionalGeneration":
+    def make_random(cls, config: dict, seed: int = 0) -> YoutuVLForConditionalGeneration:
         """Random weights, deterministic from ``seed``, scaled for well-conditioned activations.
 
         Linear weights ~ N(0, (gain/sqrt(fan_in))^2); biases ~ N(0, 0.02^2); norm weights
