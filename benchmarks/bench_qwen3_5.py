@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
                      **{f"{k}_ms": v / n * 1e3 for k, v in spent.items() if k != "head"},
                      "lm_head_ms": spent["head"] / n * 1e3,
                      "graph_ms": (total - sum(spent.values())) / n * 1e3})
-    res = {"package": a.package, "dtype": model.dtype, "threads": a.threads, "load_s": round(load_s, 2),
+    res = {"package": Path(a.package).name, "dtype": model.dtype, "threads": a.threads, "load_s": round(load_s, 2),
            "prompt": a.prompt, "decode": a.decode, "load_avg": round(os.getloadavg()[0], 1)}
     for k in runs[0]:
         vals = [r[k] for r in runs]

@@ -1,5 +1,5 @@
 """Peak memory of an MoE package run with an expert cache, against the bound "cache + the
-non-expert weights + 15 %" (issue 12).
+non-expert weights + 15 %" (docs/moe.md, section 7).
 
 Each setting runs in a fresh interpreter (its peak RSS is that run's alone): load with
 ``--expert-cache-mb``, prefill a prompt of deterministic token ids, decode greedily. The
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     experts = (pkg / "experts.bin").stat().st_size
     mb = 1 << 20
     print(f"{pkg.name}: non-expert weights {dense / mb:.0f} MB, experts {experts / mb:.0f} MB", flush=True)
-    print("| expert cache MB | share of experts | peak RSS MB | bound MB | peak / bound | hit rate | load peak MB | s |")
+    print("| expert cache MB | share of experts | peak RSS MB | bound MB | peak / bound | hit rate | load peak MB "
+          "| s |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for cache in a.cache_mb:
@@ -93,7 +94,9 @@ def main(argv=None) -> int:
     same = len({tuple(r["tokens"]) for r in rows}) == 1
     print(f"tokens identical across settings: {same}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"package": str(pkg), "prompt_tokens": a.prompt_tokens,
+        # the package's folder name (benchmarks/run.sh puts packages in its work folder), not its
+        # absolute path on the machine that ran it
+        Path(a.json).write_text(json.dumps({"package": pkg.name, "prompt_tokens": a.prompt_tokens,
                                             "gen_tokens": a.gen_tokens, "threads": a.threads, "runs": rows,
                                             "tokens_identical": same}, indent=1))
     return 0 if same else 1

@@ -3,10 +3,11 @@
     python benchmarks/package_sizes.py            # the README's table (no download needed)
 
 Shapes come from the models built on PyTorch's meta device: Youtu-LLM-2B from transformers'
-``YoutuConfig`` defaults (its docstring names tencent/Youtu-LLM-2B), Youtu-VL-4B-Instruct from the
-config values of the spec (/work/shared/specs/youtu_vl.md §2) through the project's reference.
-Bytes follow what ``edgevl convert`` writes (``package_bytes``; tests/test_ux.py checks the rule
-against real conversions of tiny checkpoints in every dtype):
+``YoutuConfig`` defaults (its docstring names tencent/Youtu-LLM-2B), Youtu-VL-4B-Instruct from its
+config values (``YOUTU_VL_4B`` below: docs/models/youtu_vl.md, sections 2.1 and 2.2) through the
+project's reference.
+Bytes follow what ``edgevl convert`` writes (``package_bytes``; tests/project/test_benchmark_scripts.py
+checks the rule against real conversions of tiny checkpoints in every dtype):
 
 - Gemm weights in the package dtype: 4 bytes (fp32), 2 (fp16, bf16), or for q8 one byte per
   value plus an fp32 scale per row (int8 Gemm), except the Gemms q8 keeps in bf16 (the
@@ -22,7 +23,9 @@ import math
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "q8": 2}   # float storage (q8: bf16 for what is not quantized)
 
-YOUTU_VL_4B = dict(  # spec §2.1/§2.2 (values marked C there; num_key_value_heads must be 32 for MLA)
+# Youtu-VL-4B-Instruct's config.json values (docs/models/youtu_vl.md, sections 2.1 and 2.2);
+# num_key_value_heads is inferred there (MLA needs it equal to the attention heads)
+YOUTU_VL_4B = dict(
     vocab_size=283386, hidden_size=2560, intermediate_size=9728, num_hidden_layers=40, num_attention_heads=32,
     num_key_value_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, tie_word_embeddings=True,

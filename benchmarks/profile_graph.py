@@ -168,10 +168,12 @@ def main(argv=None) -> int:
     cpu, wall, per_layer = timer.cpu, timer.wall, timer.per_layer
     total_c, total_w = sum(cpu.values()) / a.reps * 1e3, sum(wall.values()) / a.reps * 1e3
     print(f"{a.graph}: {total_c:.2f} CPU-ms, {total_w:.2f} ms wall per forward in the graph's layers "
-          f"({a.threads} thread(s))" + (f"; {host / a.reps * 1e3:.2f} ms wall outside them" if a.graph == "decoder" else ""))
+          f"({a.threads} thread(s))"
+          + (f"; {host / a.reps * 1e3:.2f} ms wall outside them" if a.graph == "decoder" else ""))
     print("| layer type | CPU ms | share | wall ms |\n|---|---|---|---|")
     for typ, c in cpu.most_common():
-        print(f"| {typ} | {c / a.reps * 1e3:.2f} | {100 * c / sum(cpu.values()):.1f} % | {wall[typ] / a.reps * 1e3:.2f} |")
+        print(f"| {typ} | {c / a.reps * 1e3:.2f} | {100 * c / sum(cpu.values()):.1f} % | "
+              f"{wall[typ] / a.reps * 1e3:.2f} |")
     print("\nslowest layers (CPU ms):")
     for name, c in per_layer.most_common(a.top):
         print(f"  {name}: {c / a.reps * 1e3:.2f}")

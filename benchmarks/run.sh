@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The benchmarks behind the README tables, on random checkpoints with real shapes, interleaved:
+# The benchmarks behind docs/benchmarks.md, on random checkpoints with real shapes
+# (benchmarks/make_random.py), interleaved:
 # - a Youtu-LLM-2B-shaped checkpoint (YoutuConfig defaults): edgevl bf16 and q8 against llama.cpp
 #   bf16 and q8_0, 128-token prompt, 32 new tokens;
 # - a Youtu-VL checkpoint with the 4B vision tower (1152 wide, 27 layers, 16 heads) and a 1-layer
@@ -11,7 +12,7 @@
 #   WORK=/big/disk THREADS="2 1" REPEATS=3 benchmarks/run.sh
 # WORK: where checkpoints, packages and GGUF files go (default benchmarks/out); THREADS: the
 # thread counts to run, one table each (default "2 1"); REPEATS: interleaved runs per system
-# (default 3, as in the README tables).
+# (default 3, as in docs/benchmarks.md).
 # Needs: pip install -e ".[dev]" and llama-cpp-python built from source with its multimodal
 # library (CMAKE_ARGS="-DLLAVA_BUILD=ON" pip install --no-binary :all: llama-cpp-python), and its
 # sdist in $WORK/sdist (pip download --no-deps --no-binary :all: llama-cpp-python -d $WORK/sdist)
@@ -26,27 +27,20 @@ convert() {  # checkpoint, package, dtype
       2> >(tee "$2.convert.log" >&2)
 }
 ck=$WORK/youtu2b
-[ -f "$ck/config.json" ] || python "$here/make_random_checkpoint.py" "$ck"
+[ -f "$ck/config.json" ] || python "$here/make_random.py" youtu "$ck" --shape 2b
 convert "$ck" "$WORK/pk2b-bf16" bf16
 convert "$ck" "$WORK/pk2b-q8" q8
 vl=$WORK/vl4b
-[ -f "$vl/config.json" ] || python -c "
-import sys; from edgevl.verification.families.youtu_vl import VERIFY
-VERIFY.make_tiny(sys.argv[1], None, seed=0, dtype='bf16', hidden_size=2560, intermediate_size=512,
-               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
-               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
-               vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                                  num_attention_heads=16, fullatt_block_indexes=[7, 15, 23, 26],
-                                  window_size=256, out_hidden_size=2560))" "$vl"
+[ -f "$vl/config.json" ] || python "$here/make_random.py" youtu_vl "$vl" --shape 4b-vision
 convert "$vl" "$WORK/pk-vl4b" bf16
 qw=$WORK/qwen35-0.8b
-[ -f "$qw/config.json" ] || python "$here/make_random_qwen3_5.py" "$qw"
+[ -f "$qw/config.json" ] || python "$here/make_random.py" qwen3_5 "$qw" --shape 0.8b
 convert "$qw" "$WORK/q35-bf16" bf16
 convert "$qw" "$WORK/q35-q8" q8
-moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, bf16 (bf16 experts), q8 --dense q8,
+moe_bench() {  # name, then make_random.py's options: packages q8, bf16 (bf16 experts), q8 --dense q8,
                # bf16 (the default: q8 experts)
   local ck=$WORK/qwen35moe-$1 pk=$WORK/moe-$1 res=$here/results/qwen3_5moe-$1
-  [ -f "$ck/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$ck" "${@:2}"
+  [ -f "$ck/config.json" ] || python "$here/make_random.py" qwen3_5_moe "$ck" "${@:2}"
   convert "$ck" "$pk-q8" q8
   [ -f "$pk-bf16/manifest.json" ] || edgevl convert "$ck" "$pk-bf16" --dtype bf16 --experts bf16
   [ -f "$pk-q8dense/manifest.json" ] || edgevl convert "$ck" "$pk-q8dense" --dtype q8 --dense q8
@@ -62,12 +56,12 @@ moe_bench() {  # name, then make_random_qwen3_5_moe.py's options: packages q8, b
       --repeats "${REPEATS:-3}" --prompt-tokens 128 --gen-tokens 32 --json "$res-same-t2.json" \
       --plot "$res-same-t2.png" --markdown "$res-same-t2.md"
 }
-moe_bench 449m
-moe_bench a3b-4l --a3b-layers 4
+moe_bench 449m --shape 449m
+moe_bench a3b-4l --shape a3b --layers 4
 # peak memory with an expert cache against "cache + non-expert weights + 15 %": the 4-layer
 # package above, and 16 layers of 32 experts (1.1 GB dense, 1.5 GB of q8 experts; 4.1 GB bf16)
 ck16=$WORK/qwen35moe-a3b16x32
-[ -f "$ck16/config.json" ] || python "$here/make_random_qwen3_5_moe.py" "$ck16" --a3b-layers 16 --experts 32
+[ -f "$ck16/config.json" ] || python "$here/make_random.py" qwen3_5_moe "$ck16" --shape a3b --layers 16 --experts 32
 convert "$ck16" "$WORK/moe-a3b16x32-q8" q8
 python "$here/moe_memory.py" "$WORK/moe-a3b16x32-q8" --cache-mb 380 --cache-mb 300 --cache-mb 100 --cache-mb 0 \
     --json "$here/results/moe-memory-a3b16x32.json"

@@ -98,7 +98,7 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special=False`` reads special-token text such as
         ``<|end_of_text|>`` as plain characters (for message contents: no forged turns)."""
-        # Templates already carry BOS (docs/models/youtu_vl.md, section 9): never add special tokens here.
+        # Chat templates already carry BOS (the model docs' tokenizer sections): never add special tokens here.
         _check_text(text)
         if special:
             return self.tok.encode(text, add_special_tokens=False).ids

@@ -8,8 +8,8 @@
     compare WORK LABEL... [DEMO.txt]
                            (host) print what was compared; exit 1 when the aarch64 demo answer or
                            an fp32 greedy token differs from x86 / the PyTorch reference, fp32
-                           logits drift, fp16/bf16/q8 logits leave the suite's tolerances of x86's
-                           (tests/test_youtu_parity.py), or KV-cache decoding drifts from one pass
+                           logits drift, fp16/bf16/q8 logits leave TOLERANCE of x86's, or KV-cache
+                           decoding drifts from one pass
 
 The aarch64 side only reads the converted packages: conversion is the user's one-off step and
 runs on the host here (the demo command run by the shell script converts on aarch64 too).
@@ -29,10 +29,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# the suite's tolerances (tests/test_youtu_parity.py): top-1 agreement, min logit cosine
+# aarch64 against x86 on the same package: top-1 agreement, min logit cosine (at least as strict as
+# the test suite's bounds against PyTorch fp32, tests/precision/test_youtu.py)
 TOLERANCE = {"fp16": (0.98, 0.99), "bf16": (0.98, 0.99), "q8": (0.95, 0.98)}
 FP32_MIN_COSINE = 0.99999  # the suite's per-layer bound for fp32
-# the suite's prompts and lengths (tests/test_youtu_parity.py): 4 x 48 teacher-forced positions
+# the precision tests' prompts and lengths (tests/support/common.py PROMPTS, tests/support/precision.py
+# N_NEW): 4 x 48 teacher-forced positions
 YOUTU_PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? 数一数。",
                  "def main():\n    return 42", "Zürich — “quotes”"]
 N_YOUTU = 48
@@ -148,12 +150,14 @@ def host(work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT / "tests"))
     import edgevl
+    from edgevl import verification
     from edgevl.demo import demo_checkpoint
     from edgevl.demo.scenes import make_scene
     from edgevl.generate import prepare
-    from helpers import make_youtu
+
+    def make_youtu(folder, seed, train_steps=0):  # the test suite's Youtu-LLM checkpoints
+        return verification.get("youtu").make_tiny(folder, "q_lora", seed=seed, train_steps=train_steps)
 
     t0 = time.time()
     ck = work / "checkpoints"
@@ -287,11 +291,11 @@ def target(work: Path, label: str) -> None:
         if variant not in ("off", "storage", "arithmetic"):
             raise SystemExit(f"ARM_FP16_VARIANT must be off, storage or arithmetic, got {variant!r}")
         _force_fp16_variant(variant)
-    spec = json.loads((work / "cases.json").read_text())
+    plan = json.loads((work / "cases.json").read_text())
     threads = int(os.environ.get("EDGEVL_THREADS", "1"))
     results, arrays = {}, {}
-    for pk, cs in spec["cases"].items():
-        res = run_package(work, spec["packages"][pk], cs, threads)
+    for pk, cs in plan["cases"].items():
+        res = run_package(work, plan["packages"][pk], cs, threads)
         _store(arrays, res, "arm")
         results.update({n: {k: v for k, v in r.items() if k in ("ids", "tokens")} for n, r in res.items()})
     np.savez(work / f"{label}.npz", **arrays)
@@ -314,7 +318,7 @@ def _first_diff(a, b):
 
 
 def compare(work: Path, labels: list[str], demo_files: list[str]) -> int:
-    spec = json.loads((work / "cases.json").read_text())
+    plan = json.loads((work / "cases.json").read_text())
     exp = np.load(work / "expected.npz")
     failures: list[str] = []
 
@@ -323,12 +327,12 @@ def compare(work: Path, labels: list[str], demo_files: list[str]) -> int:
         print(f"  FAIL {msg}")
 
     print("demo command: edgevl run --image demo --seed 37 --prompt \"Describe the image.\"")
-    print(f"  x86:     {spec['x86_demo'].strip()}")
+    print(f"  x86:     {plan['x86_demo'].strip()}")
     for f in demo_files:
         p = Path(f)
         got = p.read_text() if p.is_file() else ""
         print(f"  {p.stem}: {got.strip()}")
-        if got.strip() != spec["x86_demo"].strip():
+        if got.strip() != plan["x86_demo"].strip():
             fail(f"{p.stem}: the demo answer differs from x86's (see above)")
 
     for label in labels:
@@ -344,34 +348,34 @@ def compare(work: Path, labels: list[str], demo_files: list[str]) -> int:
               f"threads {info['threads']}; fp16 arithmetic in the CPU (asimdhp): {info['asimdhp']}; "
               f"fp16 packages run with fp16 storage {opts['use_fp16_storage']}, "
               f"arithmetic {opts['use_fp16_arithmetic']}")
-        for pk, cases in spec["cases"].items():
+        for pk, cases in plan["cases"].items():
             forced, greedy_ok = [], []
             for c in cases:
                 name, r = c["name"], got["results"].get(c["name"])
                 if r is None:
                     fail(f"{label} {name}: missing from the results")
                     continue
-                if r["ids"] != spec["x86"][name]["ids"]:
+                if r["ids"] != plan["x86"][name]["ids"]:
                     fail(f"{label} {name}: the prompt's token ids differ from x86 (first at "
-                         f"{_first_diff(r['ids'], spec['x86'][name]['ids'])}): image processing or tokenizer")
+                         f"{_first_diff(r['ids'], plan['x86'][name]['ids'])}): image processing or tokenizer")
                     continue
                 pv = f"{name}/arm/pixel_values"
                 if pv in arm.files and not np.array_equal(arm[pv], exp[f"{name}/x86/pixel_values"]):
                     d = float(np.abs(arm[pv] - exp[f"{name}/x86/pixel_values"]).max())
                     print(f"  note {name}: pixel_values differ from x86 by up to {d:.3g}")
                 if c["kind"] == "greedy":
-                    if _greedy(label, c, r["tokens"], spec["x86"][name]["tokens"], fail):
+                    if _greedy(label, c, r["tokens"], plan["x86"][name]["tokens"], fail):
                         greedy_ok.append(len(r["tokens"]))
                 else:
                     forced.append((arm[f"{name}/arm/logits"], exp[f"{name}/x86/logits"], exp[f"{name}/reference"]))
                     if c.get("incremental"):
-                        _incremental(label, name, spec["packages"][pk]["dtype"], arm[f"{name}/arm/step_logits"],
+                        _incremental(label, name, plan["packages"][pk]["dtype"], arm[f"{name}/arm/step_logits"],
                                      arm[f"{name}/arm/logits"], fail)
             if greedy_ok:
                 print(f"  ok   {pk}: fp32 greedy tokens identical to PyTorch and x86 for "
                       f"{len(greedy_ok)} prompts ({' + '.join(map(str, greedy_ok))} tokens)")
             if forced:
-                _forced(label, pk, spec["packages"][pk]["dtype"], *(np.concatenate(x) for x in zip(*forced)),
+                _forced(label, pk, plan["packages"][pk]["dtype"], *(np.concatenate(x) for x in zip(*forced)),
                         fail=fail)
 
     print()
@@ -381,7 +385,7 @@ def compare(work: Path, labels: list[str], demo_files: list[str]) -> int:
             print(f"  - {f}")
         return 1
     print("aarch64 check passed: the demo answer and every fp32 greedy token identical to x86 and to the "
-          "PyTorch reference; fp16/bf16/q8 logits within the suite's tolerances of x86's")
+          "PyTorch reference; fp16/bf16/q8 logits within TOLERANCE of x86's")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""fp16 on ARM at real layer widths: the measurement behind README "ARM boards" (not part of CI).
+"""fp16 on ARM at real layer widths: the measurement behind docs/arm.md section 4 (not part of CI).
 
 The tiny parity models have dot products of at most a few hundred terms; ncnn's fp16 arithmetic
 accumulates in fp16, so its error grows with the width. This builds two random decoder layers
@@ -31,7 +31,7 @@ def _logits(work: Path, dtype: str) -> np.ndarray:
 
     model = edgevl.load(work / f"wide-{dtype}", threads=1)
     ids = [int(x) for x in np.random.default_rng(0).integers(5, model.vocab_size, N)]
-    hidden, _ = model.decoder.forward(model.embed(ids), model.decoder.new_cache())
+    hidden, _ = model.decoder.forward(model.embed(ids), model.decoder.new_cache(), model.positions(ids))
     return model.logits(hidden)
 
 
@@ -39,11 +39,10 @@ def host(work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT / "tests"))
     import edgevl
-    from helpers import make_youtu
+    from edgevl import verification
 
-    ck = make_youtu(work / "wide-checkpoint", seed=3, init_scale=0.02, **WIDE)
+    ck = verification.get("youtu").make_tiny(work / "wide-checkpoint", "q_lora", seed=3, init_scale=0.02, **WIDE)
     for dtype in ("fp32", "fp16", "bf16"):
         edgevl.convert(ck, work / f"wide-{dtype}", dtype=dtype, progress=False)
     np.savez(work / "wide-x86.npz", **{d: _logits(work, d) for d in ("fp32", "fp16", "bf16")})

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# edgevl on aarch64, checked under emulation (README "ARM boards").
+# edgevl on aarch64, checked under emulation (docs/arm.md, sections 3 and 4).
 #
 # Debian's arm64 Python 3.11 (unpacked from its .deb files) and the aarch64 wheels of ncnn,
 # numpy, Pillow, tokenizers and jinja2 (the host's versions) run under qemu-aarch64-static with
-# this checkout on PYTHONPATH. They run the README demo command and the cases of
+# this checkout on PYTHONPATH. They run the README's demo command and the cases of
 # scripts/aarch64_check.py on two emulated CPUs, and the answers are compared with this
 # machine's: fp32 greedy tokens must equal the PyTorch reference and x86 exactly; fp16/bf16/q8
 # logits must stay within the test suite's tolerances of x86's. Exit status 1 says what differed.
@@ -19,7 +19,7 @@
 # KEEP_WORK=1 (keep the work folder for inspection).
 #
 # scripts/check-aarch64.sh --fp16-wide: instead of the check, the fp16 accuracy measurement at
-# real layer widths that README "ARM boards" quotes (scripts/aarch64_fp16_wide.py; ~6 min of CPU).
+# real layer widths that docs/arm.md section 4 quotes (scripts/aarch64_fp16_wide.py; ~6 min of CPU).
 set -euo pipefail
 FP16_WIDE=0
 case "${1:-}" in
@@ -33,7 +33,7 @@ PY="${PYTHON:-python}"
 CACHE="${EDGEVL_ARM_CACHE:-$REPO/.cache/aarch64}"
 # ncnn picks its ARM kernels by CPU feature: cortex-a76 stands for ARMv8.2 with fp16 arithmetic and
 # dot product (Pi 5, RK3588, and RK3566/RK3568's Cortex-A55), cortex-a72 for ARMv8.0 (Pi 4, A53
-# boards). "max" (ARMv8.6+: bf16 and i8mm paths, no board named in README) can be added.
+# boards). "max" (ARMv8.6+: bf16 and i8mm paths, no board named in docs/arm.md) can be added.
 CPUS="${EDGEVL_ARM_CPUS:-cortex-a76 cortex-a72}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm  # its python3.11 matches the cp311 wheels
@@ -81,7 +81,7 @@ if [ "$(cat "$ROOT/.debs" 2>/dev/null)" != "$WANT_DEBS" ]; then
     : >"$APT/state/status"
     echo "deb [arch=amd64,arm64 signed-by=$KEYRING] $MIRROR $SUITE main" >"$APT/etc/sources.list"
     apt_update
-    say "downloading $(echo "$WANT_DEBS" | wc -l) Debian packages (arm64 Python 3.11 and its libraries${QEMU:-, qemu-user-static})"
+    say "downloading $(echo "$WANT_DEBS" | wc -l) Debian packages (arm64 Python 3.11 and its libraries$([ -n "$QEMU" ] || echo ", qemu-user-static"))"
     # shellcheck disable=SC2086
     (cd "$APT/debs" && apt_private download $WANT_DEBS) >"$APT/download.log" 2>&1 || {
         cat "$APT/download.log" >&2

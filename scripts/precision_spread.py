@@ -1,5 +1,5 @@
 """How far reduced-precision packages move from their fp32 reference, over seeds and CPUs: the
-measurement behind the bounds of the precision tests (tests/precision.py).
+measurement behind the bounds of the precision tests (tests/support/precision.py).
 
     python scripts/precision_spread.py build OUT [--seeds 11 21 31 41 51]
         trains each precision test's tiny checkpoints with these seeds (its own seed is always
@@ -30,13 +30,14 @@ os.environ.setdefault("EDGEVL_THREADS", "1")
 
 def cases():
     """(suite, config, dtypes, default seed, build(folder, seed) -> checkpoint, prompts(model) -> ids lists)."""
-    import test_qwen3_5_moe as qm
-    import test_qwen3_5_precision as qp
-    import test_youtu_parity as yp
-    from arch import test_conformance as conf
+    from conformance import test_all_families as conf
+    from precision import test_qwen3_5 as qp
+    from precision import test_qwen3_5_moe as qm
+    from precision import test_youtu as yp
 
     from edgevl import models
     from edgevl.generate import prepare
+    from support.youtu import chat_ids
 
     for name in models.names():
         yield ("conformance", name, ["bf16", "q8"], 11, lambda f, s, n=name: conf.trained_checkpoint(n, f, s),
@@ -46,7 +47,7 @@ def cases():
             dtypes = ["fp16"] if half else ["bf16", "q8"]
             yield ("youtu", f"{name}-{'fp16' if half else 'bf16'}", dtypes, 12 if half else 11,
                    lambda f, s, n=name, d=dtypes[0]: yp.trained_checkpoint(n, f, d, s),
-                   lambda m: [yp._ids(m, p) for p in yp.PROMPTS])
+                   lambda m: [chat_ids(m, p) for p in yp.PROMPTS])
     for i, name in enumerate(qp.CONFIGS):
         yield ("qwen3_5", name, ["bf16", "q8"], 60 + i, lambda f, s, n=name: qp.trained_checkpoint(n, f, s),
                qp.prompt_ids)
@@ -55,9 +56,9 @@ def cases():
 
 def build(out: Path, seeds: list[int]) -> None:
     import edgevl
-    import precision
     from edgevl import verification
     from edgevl.progress import Progress
+    from support import precision
 
     todo = [(c, s) for c in cases() for s in sorted({c[3], *seeds})]
     bar = Progress(len(todo), "checkpoints", unit="", enabled=True)
@@ -84,9 +85,8 @@ def build(out: Path, seeds: list[int]) -> None:
 
 def ref_rows_moe(model, ref):
     from edgevl.generate import prepare
-    from helpers import CORPUS
-
-    import precision
+    from support import precision
+    from support.common import CORPUS
 
     out = []
     for prompt in (CORPUS[0], CORPUS[4], CORPUS[8]):
@@ -97,8 +97,8 @@ def ref_rows_moe(model, ref):
 
 def measure(out: Path, cpu: str) -> list[dict]:
     import edgevl
-    import precision
     from edgevl import verification
+    from support import precision
 
     results = []
     for rows_file in sorted(out.glob("*/*/s*/rows.pkl")):
@@ -128,8 +128,8 @@ def measure(out: Path, cpu: str) -> list[dict]:
 
 
 def moe_q8(q8, f32, ref_rows):
-    """test_qwen3_5_moe.q8_agreement on stored reference rows."""
-    import test_qwen3_5_moe as qm
+    """tests/precision/test_qwen3_5_moe.py's q8_agreement on stored reference rows."""
+    from precision import test_qwen3_5_moe as qm
 
     class Stored:        # the reference's rows, looked up by prompt
         def __init__(self):

@@ -31,6 +31,15 @@ def tiny_tokenizer(vocab_size: int = 400, vision: bool = True, n_coordinates: in
     return train_tokenizer(CORPUS, vocab_size=vocab_size, vision=vision, n_coordinates=n_coordinates)
 
 
+def chat_ids(tok, turn: str) -> list[int]:
+    """CORPUS as chat turns, tokenized: each sentence a user message answered by the next one,
+    written with the model's turn format ``turn`` (a format string with ``{user}`` and
+    ``{answer}``). Trained on these, a tiny model has peaked logits on the prompts tests render."""
+    sents = CORPUS[: len(CORPUS) // 4]
+    return [t for i, s in enumerate(sents)
+            for t in tok.encode(turn.format(user=s, answer=sents[(i + 1) % len(sents)])).ids]
+
+
 def init_random(model, seed: int, scale: float = 0.15):
     """Deterministic, well-conditioned random weights; norm weights are not ones (so a wrong load shows)."""
     import torch

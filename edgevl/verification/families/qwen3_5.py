@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...models.qwen3_5.model import CHAT_TEMPLATE, TextArgs
 from ..reference import FamilyVerification, QwenImagesReference, torch_dtype
-from ..tiny import CORPUS, init_random, train_briefly
+from ..tiny import CORPUS, chat_ids, init_random, train_briefly
 
 # transformers' classes of the family (the reference and the tiny checkpoints)
 HF_CLASSES = {"vlm": "Qwen3_5ForConditionalGeneration", "causal_lm": "Qwen3_5ForCausalLM",
@@ -138,7 +138,8 @@ TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, i
                    hidden_act="gelu_pytorch_tanh")
 
 
-def tiny_tokenizer(vocab_size: int = 400):
+def qwen_tokenizer(vocab_size: int = 400):
+    """A small byte-level BPE with Qwen's special tokens and pre-tokenizer, trained on CORPUS."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -155,7 +156,9 @@ def tiny_tokenizer(vocab_size: int = 400):
     return tok
 
 
-def save_tiny_tokenizer(tok, folder) -> dict:
+def save_qwen_tokenizer(tok, folder) -> dict:
+    """tokenizer.json, tokenizer_config.json, the chat template, generation and preprocessor configs;
+    returns the special token ids."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -216,11 +219,8 @@ def _init_gdn(model, seed: int):
 def train_chat(model, tok, steps: int, seed: int = 0):
     """Brief training on chat-formatted CORPUS turns (user: a sentence; assistant: the next one,
     after an empty think block): peaked logits on the prompts the tests render."""
-    sents = CORPUS[: len(CORPUS) // 4]
-    ids = []
-    for i, s in enumerate(sents):
-        ids += tok.encode(f"<|im_start|>user\n{s}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-                          f"{sents[(i + 1) % len(sents)]}<|im_end|>\n").ids
+    ids = chat_ids(tok, "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                        "{answer}<|im_end|>\n")
     return train_briefly(model, tok, steps, seed, ids=ids, lr=1e-2)
 
 
@@ -236,9 +236,11 @@ def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.
         getattr(transformers, names[k]) for k in ("config", "causal_lm", "vlm", "text_config"))
 
     folder = Path(folder)
-    tok = tiny_tokenizer()
-    ids = save_tiny_tokenizer(tok, folder)
-    tc = tiny_text_config(tok.get_vocab_size(), tie_word_embeddings=tie_word_embeddings, **text_overrides)
+    tok = qwen_tokenizer()
+    ids = save_qwen_tokenizer(tok, folder)
+    # a bigger vocabulary than the tokenizer's (a real model's shape): rows no token reaches
+    vocab = text_overrides.pop("vocab_size", tok.get_vocab_size())
+    tc = tiny_text_config(vocab, tie_word_embeddings=tie_word_embeddings, **text_overrides)
     tc["eos_token_id"] = ids["im_end"]
     torch.manual_seed(seed)
     if text_only:

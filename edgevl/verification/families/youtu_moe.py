@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...models.youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
 from ..reference import FamilyVerification, QwenImagesReference, torch_dtype
-from ..tiny import CORPUS, tiny_tokenizer
+from ..tiny import chat_ids, tiny_tokenizer
 from ..tokenizers import save_tokenizer
 
 
@@ -145,11 +145,8 @@ def train_chat(model, tok, steps: int, seed: int = 0, window: int = 32, lr: floa
     import torch.nn.functional as F
     import transformers.models.kimi_linear.modeling_kimi_linear as kimi
 
-    sents = CORPUS[: len(CORPUS) // 4]
-    ids = []
-    for i, s in enumerate(sents):
-        ids += tok.encode(f"<|begin_of_text|>user\n{s}<|end_of_text|>\n<|begin_of_text|>assistant\n</think>"
-                          f"{sents[(i + 1) % len(sents)]}<|end_of_text|>\n").ids
+    ids = chat_ids(tok, "<|begin_of_text|>user\n{user}<|end_of_text|>\n<|begin_of_text|>assistant\n</think>"
+                        "{answer}<|end_of_text|>\n")
     data = torch.tensor(ids)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
