@@ -12,13 +12,15 @@ if "EDGEVL_CACHE" not in os.environ:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# tests/ on sys.path: test modules (imported by pytest's importlib mode, which adds nothing to
+# sys.path) and the scripts that reuse them import the shared helpers as ``support.<subject>``.
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Tiny test models gain nothing from threads, and two OpenMP pools (torch's and ncnn's) spinning
 # on the same 2 cores slow each other down by orders of magnitude.
 os.environ.setdefault("EDGEVL_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 

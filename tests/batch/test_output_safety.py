@@ -7,28 +7,18 @@ fields, bad --max-image-patches and more workers than the memory holds."""
 import csv
 import json
 import os
-from pathlib import Path
 
 import pytest
-from hostile import cli, one_line_error
 
 import edgevl
 from edgevl.batch import FIELDS, RESULT_FIELDS, THOUGHT_CUT, BatchJob, Sink
-from edgevl.demo import demo_package
 from edgevl.demo.scenes import make_scene
 from edgevl.errors import EdgevlError
+from support.cli import cli, one_line_error
+from support.files import read_jsonl
+from support.qwen import make_qwen3_5
 
 PROMPT = "Describe the image."
-
-
-@pytest.fixture(scope="module")
-def pkg():
-    return demo_package()
-
-
-@pytest.fixture(scope="module")
-def model(pkg):
-    return edgevl.load(pkg, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +31,6 @@ def folder(tmp_path_factory):
 
 def batch(capsys, pkg, *args):
     return cli(capsys, "batch", pkg, "--prompt", PROMPT, "--threads", 1, "--quiet", *args)
-
-
-def read_jsonl(path):
-    data = Path(path).read_bytes()
-    assert data == b"" or data.endswith(b"\n"), "torn last line"
-    return [json.loads(line) for line in data.decode().splitlines()]
 
 
 def input_jsonl(path, folder):
@@ -230,8 +214,6 @@ def test_repair_moves_bad_lines_aside_and_keeps_the_good_rows(pkg, folder, model
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
     """A tiny random Qwen3.5 (its template opens a think block: the output is all thinking)."""
-    from qwen_helpers import make_qwen3_5
-
     root = tmp_path_factory.mktemp("thinker")
     ck = make_qwen3_5(root / "ck", seed=3)
     return edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)

@@ -16,17 +16,12 @@ import pytest
 import edgevl
 from edgevl import cli
 from edgevl.batch import Sink, empty_row
-from edgevl.demo import demo_package
 from edgevl.demo.scenes import make_scene
+from support.common import ROOT
+from support.files import read_jsonl
 
 PROMPT = "Describe the image."
 N = 30
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def pkg():
-    return demo_package()
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +38,6 @@ def scenes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(pkg):
-    return edgevl.load(pkg, threads=1)
-
-
-@pytest.fixture(scope="module")
 def reference(model, scenes):
     """What edgevl.generate answers for each image, id -> answer."""
     return {rel: edgevl.generate(model, PROMPT, image=str(p)) for rel, p in scenes[1].items()}
@@ -57,13 +47,6 @@ def run_cli(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "edgevl", "batch", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env)
-
-
-def read_jsonl(path):
-    """Rows of a JSONL output; every line must be complete JSON (no torn lines)."""
-    data = Path(path).read_bytes()
-    assert data == b"" or data.endswith(b"\n"), "torn last line"
-    return [json.loads(line) for line in data.decode().splitlines()]
 
 
 def assert_complete(rows, reference):

@@ -9,9 +9,10 @@ from PIL import Image
 
 import edgevl
 from edgevl.errors import EdgevlError
-from edgevl.processing.image import MAX_IMAGE_PATCHES
 from edgevl.models.youtu_vl.processing import preprocess
-from hostile import cli, one_line_error, tiny_checkpoint
+from edgevl.processing.image import MAX_IMAGE_PATCHES
+from support.cli import cli, one_line_error
+from support.youtu import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,20 @@
-"""The benchmark harness on a tiny model: JSON keys, table, plot (speed itself lives in benchmarks/)."""
+"""The benchmark harness on a tiny model: JSON keys, table, plot, usage errors, a reference that
+cannot run (speed itself lives in benchmarks/)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import edgevl
-from helpers import make_youtu
+from edgevl.demo import DEMO_CHECKPOINT
+from edgevl.errors import EdgevlError
+from support.cli import cli, one_line_error
+from support.youtu import make_youtu
 
 
 def test_bench_json_table_and_plot(tmp_path):
@@ -22,7 +29,7 @@ def test_bench_json_table_and_plot(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())
     assert set(res["results"]) == {"edgevl", "torch"}
     assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8 expanded-kv", "torch bf16"}
-    for name, v in res["results"].items():
+    for _name, v in res["results"].items():
         for k in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes", "kv_bytes_per_token"):
             assert k in v
         assert v["decode_tok_s"] > 0 and v["peak_rss_bytes"] > 10 << 20
@@ -52,8 +59,6 @@ def test_bench_bad_model_is_one_line(tmp_path):
     (("--threads", "0"), "--threads must be between 1 and"),
 ])
 def test_bench_counts_below_one_are_usage_errors_before_any_work(tmp_path, capsys, monkeypatch, args, needle):
-    from hostile import cli, one_line_error
-
     monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))   # the demo is not even converted
     one_line_error(*cli(capsys, "bench", *args)[::2], needle)
     assert not (tmp_path / "cache").exists()
@@ -61,7 +66,6 @@ def test_bench_counts_below_one_are_usage_errors_before_any_work(tmp_path, capsy
 
 def test_bench_api_refuses_zero_runs():
     from edgevl.bench import bench, bench_images
-    from edgevl.errors import EdgevlError
 
     with pytest.raises(EdgevlError, match="--repeats must be an integer >= 1, got 0"):
         bench({}, 16, 4, 1, 0)
@@ -116,7 +120,8 @@ def test_table_states_the_ratio_to_llamacpp_at_the_same_precision():
     # an MoE package names its counterpart; plain bf16 is not it
     res = {"edgevl bf16 auto experts": dict(row("bf16", 100.0, 50.0), llamacpp_type="bf16+q8_0-experts"),
            "llama.cpp bf16": row(None, 250.0, 64.0), "llama.cpp bf16+q8_0-experts": row(None, 200.0, 40.0)}
-    assert "- edgevl bf16 auto experts / llama.cpp bf16+q8_0-experts: decode 1.25×, prefill 0.50×" in markdown_table(res)
+    assert ("- edgevl bf16 auto experts / llama.cpp bf16+q8_0-experts: decode 1.25×, prefill 0.50×"
+            in markdown_table(res))
     assert "/ llama.cpp bf16:" not in markdown_table(res)
     assert "same precision" not in markdown_table({"edgevl q8": row("q8", 300.0, 90.0)})
 
@@ -149,10 +154,7 @@ def test_moe_packages_pair_with_llamacpp_at_their_mixed_precision(tmp_path):
 
 def test_mixed_gguf_types_force_llamacpp_tensor_names():
     """``BASE+TYPE-PART``: the converter's per-tensor override picks weights by their GGUF names."""
-    import pytest
-
     from edgevl.bench import GGUF_HEAD, forced_quant, parse_gguf_type
-    from edgevl.errors import EdgevlError
     from edgevl.models.qwen3_5_moe import ARCH
 
     parts = {**GGUF_HEAD, **ARCH.bench.parts}     # an MoE architecture's parts, and the head
@@ -161,7 +163,8 @@ def test_mixed_gguf_types_force_llamacpp_tensor_names():
     types = {"Q8_0": "Q8_0 type", "F16": "F16 type"}
     force = forced_quant(forced, lambda self, name, new, bid, n: False, types)
     assert base == "bf16"
-    for name, n, want in (("blk.3.ffn_gate_exps.weight", 3, "Q8_0 type"), ("blk.0.ffn_down_exps.weight", 3, "Q8_0 type"),
+    for name, n, want in (("blk.3.ffn_gate_exps.weight", 3, "Q8_0 type"),
+                          ("blk.0.ffn_down_exps.weight", 3, "Q8_0 type"),
                           ("blk.1.ffn_gate_up_exps.weight", 3, "Q8_0 type"), ("output.weight", 2, "Q8_0 type"),
                           ("token_embd.weight", 2, "Q8_0 type"), ("blk.3.ffn_gate_shexp.weight", 2, False),
                           ("blk.3.ffn_gate_inp.weight", 2, False), ("blk.3.attn_q.weight", 2, False),
@@ -172,3 +175,19 @@ def test_mixed_gguf_types_force_llamacpp_tensor_names():
     for bad in ("bf16+q4-experts", "bf16+q8_0-mlp", "bf16+q8_0", "q9"):
         with pytest.raises(EdgevlError, match="GGUF type"):
             parse_gguf_type(bad, parts)
+
+
+def test_bench_reference_failure_says_what_could_not_run(tmp_path):
+    from edgevl.bench import _run_worker
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_bytes((DEMO_CHECKPOINT / "config.json").read_bytes())  # no weights
+    with pytest.raises(EdgevlError) as e:
+        _run_worker("torch", {"reference": str(ref), "vocab": 700, "prompt_tokens": 8, "gen_tokens": 2,
+                              "threads": 1})
+    msg = str(e.value)
+    assert f"the PyTorch reference ({ref}) could not run: EdgevlError: " in msg and "safetensors" in msg, msg
+    log = re.search(r"its full output: (\S+)\)", msg).group(1)
+    assert "Traceback" in Path(log).read_text()
+    os.unlink(log)

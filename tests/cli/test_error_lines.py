@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import edgevl
-from helpers import make_youtu
+from support.youtu import make_youtu
 
 
 def cli(*args, cwd=None):

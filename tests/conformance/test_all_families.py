@@ -13,24 +13,18 @@ import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 import edgevl
-import precision
 from edgevl import models, verification
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.verification.verify import compare
+from support import precision
+from support.common import PROMPTS, first_diff, smooth_image
 
 ARCHS = models.names()
 N_NEW = 24
 PROMPT = "Describe the image in one sentence."
-
-
-def smooth_image(w, h, seed=0):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +43,6 @@ def built(tmp_path_factory):
     return get
 
 
-def first_difference(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 @pytest.mark.parametrize("name", ARCHS)
 def test_fp32_greedy_parity_and_layers(built, name):
     ck, pk = built(name)
@@ -61,7 +51,7 @@ def test_fp32_greedy_parity_and_layers(built, name):
     prep = prepare(model, "How many shapes are there?")
     ours = list(model.generate_tokens(prep.input_ids, N_NEW, ignore_eos=True, reuse_cache=False))
     theirs = ref.greedy(prep.input_ids, N_NEW)
-    assert ours == theirs, f"{name}: first differing token at {first_difference(ours, theirs)}"
+    assert ours == theirs, f"{name}: first differing token at {first_diff(ours, theirs)}"
     rep = compare(pk, ck, PROMPT, max_new_tokens=4)
     low = [(layer, c) for _, layer, c, _ in rep.rows if c < 0.99999]
     assert not low and rep.identical, f"{name}: layers below 0.99999 cosine: {low}"
@@ -79,7 +69,7 @@ def test_fp32_image_prompt_parity(built, name):
     ours = list(model.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True,
                                       reuse_cache=False))
     theirs = ref.greedy(prep.input_ids, N_NEW, images=ref_images)
-    assert ours == theirs, f"{name}: first differing token at {first_difference(ours, theirs)}"
+    assert ours == theirs, f"{name}: first differing token at {first_diff(ours, theirs)}"
     rep = compare(pk, ck, PROMPT, image=img, max_new_tokens=4)
     low = [(sec, layer, c) for sec, layer, c, _ in rep.rows if c < 0.99999]
     assert not low and rep.identical, f"{name}: below 0.99999 cosine: {low}"
@@ -97,7 +87,7 @@ def test_chat_prefix_reuse_equals_fresh_run(built, name):
     # only what follows turn 1's prompt is new (a template may re-render turn 1's answer
     # differently from how it was generated, e.g. without its reasoning: that much is recomputed)
     ids1 = prepare(model, turn1).input_ids
-    shared = first_difference(ids1, ids2)
+    shared = first_diff(ids1, ids2)
     assert 0 < model.last_prefill_tokens <= len(ids2) - (len(ids1) if shared is None else shared), \
         "the second turn re-prefilled the conversation"
     fresh = list(edgevl.load(pk).generate_tokens(ids2, 12, ignore_eos=True))
@@ -191,18 +181,16 @@ def test_a_forward_interrupted_midway_leaves_a_whole_cache(built, name):
     ids3 = ids2 + prepare(model, " And then?", raw=True).input_ids
     again = list(model.generate_tokens(ids3, 8, ignore_eos=True))
     fresh = list(edgevl.load(pk).generate_tokens(ids3, 8, ignore_eos=True))
-    assert again == fresh, f"{name}: first differing token at {first_difference(again, fresh)}"
+    assert again == fresh, f"{name}: first differing token at {first_diff(again, fresh)}"
 
 
-# Teacher-forced over 4 x 48 tokens on briefly trained tiny models (tests/precision.py): top-1
-# agreement, the logit cosine of all but the sensitive rows, and the largest reference gap a
+# Teacher-forced over 4 x 48 tokens on briefly trained tiny models (tests/support/precision.py):
+# top-1 agreement, the logit cosine of all but the sensitive rows, and the largest reference gap a
 # disagreement crossed there (in row standard deviations). Measured over 5 seeds x AVX-512/AVX2
 # (every family, worst first): top-1 bf16 0.964 (youtu_vl), q8 0.927 (youtu_vl); cosine bf16
 # 0.975, q8 0.976 (qwen3_5_moe, 4th lowest row), the dense families >= 0.978; gap bf16 0.27, q8
 # 0.52. Bounds: those less precision.MARGIN.
 TOLERANCE = {"bf16": (0.94, 0.96, 0.45), "q8": (0.90, 0.96, 0.80)}   # top-1, cosine, gap
-PROMPTS = ["Describe the image in one sentence.", "How many shapes are there? 数一数。", "def main():\n    return 42",
-           "Zürich — “quotes”"]
 
 
 def trained_checkpoint(name: str, folder, seed: int = 11):

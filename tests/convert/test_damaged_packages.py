@@ -1,4 +1,4 @@
-"""Hostile packages: a manifest cannot point outside its folder or at unverified files, wrong
+"""Damaged packages: a manifest cannot point outside its folder or at unverified files, wrong
 types give one line, a damaged graph names package and blob, ``edgevl check`` finds bit rot the
 stamp cache hides, and a broken stamp cache (verified.json) never stops loading."""
 
@@ -12,7 +12,9 @@ import pytest
 
 import edgevl
 from edgevl.package import MANIFEST
-from hostile import cli, edit_json, one_line_error, tiny_checkpoint
+from support.cli import cli, one_line_error
+from support.files import edit_json
+from support.youtu import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,21 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import edgevl
 from edgevl import verification
-from edgevl.errors import EdgevlError
-from edgevl.generate import prepare
 from edgevl.blocks import gated_delta as gd
 from edgevl.blocks import rope
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare
 from edgevl.models import qwen3_5 as q
 from edgevl.models.qwen3_5 import model as qm
-from helpers import CORPUS, first_diff
-from qwen_helpers import cosine, hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
+from support.common import CORPUS, cosine, first_diff, smooth_image
+from support.qwen import hf_greedy, hf_inputs, hf_processor, load_hf, make_qwen3_5
 
-CONFIGS = list(verification.get("qwen3_5").tiny_variants)   # Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
+# Hv = 2Hk / Hv = Hk, tied / untied, interval 4 / 2 / 3, head 64 / 128 / 256
+CONFIGS = list(verification.get("qwen3_5").tiny_variants)
 N_NEW = 48
-
-
-def image(w, h, seed=0):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC)  # smooth, so resizing matters
 
 
 LONG = " ".join(CORPUS[:9])   # well over two chunks (ours: 32 tokens, transformers': 64)
@@ -36,10 +30,10 @@ PROMPTS = {
     "short": ([{"role": "user", "content": "Describe it."}], []),
     "long": ([{"role": "user", "content": LONG}], []),
     "image-37x1001": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
-                      [image(37, 1001, 1)]),
+                      [smooth_image(37, 1001, 1)]),
     "two-images": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
                                                  {"type": "image"}, {"type": "text", "text": "compare them."}]}],
-                   [image(64, 150, 2), image(200, 70, 3)]),
+                   [smooth_image(64, 150, 2), smooth_image(200, 70, 3)]),
 }
 
 
@@ -104,7 +98,7 @@ def test_layers_and_states_after_prefill(models, name):
     _, ref, proc = _load(models, name)
     model = edgevl.Model(models[name][1], light_mode=False)   # layer outputs stay extractable
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": LONG}]}]
-    images = [image(90, 60, 5)]
+    images = [smooth_image(90, 60, 5)]
     ids, enc = hf_inputs(proc, msgs, images)
     rows, infos = model.encode_images(images)
     names = model.decoder.info["outputs"]["layers"]
@@ -141,7 +135,7 @@ def test_chat_second_turn_prefills_only_new_tokens(models, thinking):
     ck, pk = models[CONFIGS[0]]
     model, ref, proc = _load(models, CONFIGS[0])
     model.reset()
-    img = image(120, 80, 7)
+    img = smooth_image(120, 80, 7)
     kw = {"enable_thinking": thinking}
     turn1 = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What is this?"}]}]
     done = edgevl.complete(model, turn1, max_new_tokens=12, temperature=0, chat_template_kwargs=kw)
@@ -195,7 +189,7 @@ def test_light_mode_off_gives_the_same_tokens(models):
 
 def test_image_patch_budget(models):
     model = _load(models, CONFIGS[0])[0]
-    img = image(640, 480, 9)
+    img = smooth_image(640, 480, 9)
     rows, info = model.encode_image(img)
     small, sinfo = model.encode_image(img, max_image_patches=64)
     _, gh, gw = sinfo["grid_thw"]
@@ -216,7 +210,7 @@ def test_text_only_checkpoint(tmp_path):
     ours = list(model.generate_tokens(ids, 16, ignore_eos=True))
     assert ours == verification.get("qwen3_5").reference(ck).greedy(ids, 16)
     with pytest.raises(EdgevlError, match="no vision tower"):
-        edgevl.generate(model, "hi", image=image(32, 32))
+        edgevl.generate(model, "hi", image=smooth_image(32, 32))
 
 
 def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
@@ -235,8 +229,10 @@ def test_conversion_notes_mtp_and_refuses_bad_configs(models, tmp_path):
     assert m["mtp"]["tensors"] == 1 and "mtp.fc.weight" not in json.dumps(m["graphs"])
     cfg = json.loads((bad / "config.json").read_text())
     for change, msg in ((lambda c: c["text_config"].update(layer_types=["linear_attention"] * 2), "layer_types"),
-                        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[8, 8, 8]), "mrope_section"),
-                        (lambda c: c["text_config"].update(linear_num_key_heads=2, linear_num_value_heads=3), "multiple of key heads"),
+                        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[8, 8, 8]),
+                         "mrope_section"),
+                        (lambda c: c["text_config"].update(linear_num_key_heads=2, linear_num_value_heads=3),
+                         "multiple of key heads"),
                         (lambda c: c.pop("text_config"), "needs a text_config")):
         c = json.loads(json.dumps(cfg))
         change(c)
@@ -286,7 +282,8 @@ def test_server_returns_reasoning_content_and_passes_template_kwargs(models):
         assert not "".join(d.content or "" for d in pieces)
         r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-        off = edgevl.complete(model, msgs, max_new_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
+        off = edgevl.complete(model, msgs, max_new_tokens=8, temperature=0,
+                              chat_template_kwargs={"enable_thinking": False})
         assert r.choices[0].message.content == off.text and not off.reasoning
         assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
         import openai
@@ -310,7 +307,8 @@ def test_cli_thinking_flags(models):
 
     def run(*flags):
         r = subprocess.run([sys.executable, "-m", "edgevl", "run", str(pk), "--prompt", "hi", "--max-new-tokens", "6",
-                            "--temperature", "0", "--threads", "1", *flags], capture_output=True, text=True, timeout=120)
+                            "--temperature", "0", "--threads", "1", *flags],
+                           capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         return r.stdout
 
@@ -328,7 +326,7 @@ def test_verify_table_has_the_recurrent_states(models, capsys):
     from edgevl.verification.verify import verify
 
     ck, pk = models["hd256-i3"]
-    assert verify(pk, ck, prompt="Describe the image.", image=image(50, 40, 2), max_new_tokens=4)
+    assert verify(pk, ck, prompt="Describe the image.", image=smooth_image(50, 40, 2), max_new_tokens=4)
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("state")]
     assert [(r[2], r[3]) for r in rows] == [("0", "conv"), ("0", "recurrent"), ("1", "conv"), ("1", "recurrent")]

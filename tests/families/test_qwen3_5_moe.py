@@ -2,44 +2,34 @@
 (fp32, random tiny configs with different expert counts, top-k and shared-expert widths): greedy
 tokens through the public API (text shorter and longer than a delta-rule chunk, and an image),
 the same tokens with an expert cache far smaller than the experts (hit rate reported by the API,
-`run --verbose` and `bench`), both checkpoint layouts of the experts, a reduced-precision package
-with q8 experts, and bad input."""
+`run --verbose` and `bench`), both checkpoint layouts of the experts, preloading, and bad input
+(a package with q8 experts: tests/precision/test_qwen3_5_moe.py)."""
 
 import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import edgevl
-import precision
+from edgevl.blocks import gated_delta as gd
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.blocks import gated_delta as gd
 from edgevl.verification.families.qwen3_5_moe import VERIFY as ARCH
-from helpers import CORPUS, first_diff
-from qwen_helpers import hf_greedy, hf_inputs, hf_processor
+from support.common import CORPUS, first_diff, smooth_image
+from support.qwen import hf_greedy, hf_inputs, hf_processor
 
 CONFIGS = list(ARCH.tiny_variants)
 N_NEW = 48
 LONG = " ".join(CORPUS[:9])   # over two chunks (ours 32 tokens, transformers' 64)
 
 
-def image(w, h, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
-
-
 PROMPTS = {
     "short": ([{"role": "user", "content": "Describe it."}], []),
     "long": ([{"role": "user", "content": LONG}], []),
     "image": ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
-              [image(90, 150, 1)]),
+              [smooth_image(90, 150, 1)]),
 }
 
 
@@ -124,7 +114,8 @@ def test_cli_reports_the_hit_rate(models, tmp_path):
     r = subprocess.run(run + ["--expert-cache-mb", "-1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: expert_cache_mb must be >= 0, got -1"]
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", str(pk), "--prompt-tokens", "8", "--gen-tokens", "2",
-                        "--threads", "1", "--repeats", "1", "--expert-cache-mb", "0.05", "--json", str(tmp_path / "b.json")],
+                        "--threads", "1", "--repeats", "1", "--expert-cache-mb", "0.05",
+                        "--json", str(tmp_path / "b.json")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "b.json").read_text())["results"]["edgevl"]
@@ -213,7 +204,8 @@ def test_fused_expert_tensors_convert_to_the_same_package(models, tmp_path):
         out = {k: v for k, v in t.items() if ".mlp.experts." not in k}
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.language_model.layers.{i}.mlp.experts"
-            out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]])
+            out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"],
+                                                               t[f"{p}.{e}.up_proj.weight"]])
                                                     for e in range(E)])
             out[f"{p}.down_proj"] = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(E)])
         return out
@@ -235,114 +227,6 @@ def test_missing_experts_is_a_one_line_error(models, tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgevl", "convert", str(bad), str(tmp_path / "out2"), "--quiet"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
-
-
-# q8 with the dense path int8 too (--dense q8) flips more near-tied expert choices. Measured over
-# 5 seeds x AVX-512/AVX2 (tests/precision.py), 96 rows: top-1 0.979 (dense bf16) and 0.969 (dense
-# int8); with the fp32 routing forced, min logit cosine 0.9973 and 0.9691. Bounds (top-1, forced
-# cosine): those less precision.MARGIN, no tighter than they were.
-Q8_BARS = {"auto": (0.9, 0.97), "q8": (0.9, 0.95)}
-
-
-def q8_checkpoint(folder, seed: int = 11):
-    return ARCH.make_tiny(folder, CONFIGS[0], seed=seed, dtype="bf16", train_steps=40)
-
-
-def q8_agreement(q8, f32, ref, patch) -> tuple:
-    """(plain, forced) teacher-forced agreement of the q8 package with the fp32 reference:
-    plain as it runs, forced with the fp32 package's expert choices replayed (weighted by the q8
-    package's own router logits). ``patch(obj, name, value)`` swaps the routing function."""
-    from edgevl.blocks import moe
-
-    route, chosen = moe.softmax_topk, []
-
-    def record(logits, k, renormalize=True):
-        idx, w = route(logits, k, renormalize)
-        chosen.append(idx)
-        return idx, w
-
-    def replay(logits, k, renormalize=True):     # the fp32 choice, weighted by our own logits
-        idx = chosen.pop(0)
-        z = np.asarray(logits, np.float32)
-        p = np.exp(z - z.max(1, keepdims=True))
-        w = np.take_along_axis(p, idx, 1)
-        return idx, (w / w.sum(1, keepdims=True)).astype(np.float32)
-
-    plain, forced = precision.Agreement(), precision.Agreement()
-    for prompt in (CORPUS[0], CORPUS[4], CORPUS[8]):
-        ids = prepare(q8, prompt).input_ids
-        seq, want = precision.reference_rows(ref, ids, 32)
-        plain.add(precision.teacher_forced(q8, seq, len(ids)), want)
-        patch(moe, "softmax_topk", record)
-        precision.teacher_forced(f32, seq, len(ids))
-        patch(moe, "softmax_topk", replay)
-        forced.add(precision.teacher_forced(q8, seq, len(ids)), want)
-        patch(moe, "softmax_topk", route)
-        assert not chosen
-    return plain, forced
-
-
-@pytest.mark.parametrize("dense", list(Q8_BARS))
-def test_q8_package_differs_only_by_rounding(tmp_path, monkeypatch, dense):
-    """A q8 package (q8 experts by default; the dense path bf16, or int8 with --dense q8) of a
-    briefly trained bf16 checkpoint, teacher-forced against transformers in fp32: top-1
-    agreement, and with the fp32 package's expert choices forced every row's logits are close —
-    what remains beyond that is a near-tied expert choice flipped by rounding (transformers' own
-    bf16 run flips them too), not a wrong q8 expert."""
-    ck = q8_checkpoint(tmp_path / "ck")
-    q8 = edgevl.load(edgevl.convert(ck, tmp_path / "q8", dtype="q8", dense=dense, progress=False))
-    f32 = edgevl.load(edgevl.convert(ck, tmp_path / "fp32", dtype="fp32", progress=False))
-    assert q8.manifest["experts"]["dtype"] == "q8" and f32.manifest["experts"]["dtype"] == "fp32"
-    gemms = [line.split() for line in (tmp_path / "q8" / "decoder.param").read_text().splitlines()
-             if line.startswith("Gemm")]
-    int8 = {g[1] for g in gemms if "18=2" in g}
-    gates = {g[1] for g in gemms if g[1].endswith((".mlp.gate", ".shared_expert_gate"))}
-    assert gates and not int8 & gates               # the router and the shared expert's gate never are
-    assert (len(int8) == len(gemms) - len(gates)) if dense == "q8" else not int8
-    if dense == "q8":
-        with pytest.raises(EdgevlError, match="needs --dtype q8"):
-            edgevl.convert(ck, tmp_path / "bad", dtype="bf16", dense="q8", progress=False)
-    plain, forced = q8_agreement(q8, f32, ARCH.reference(ck), monkeypatch.setattr)
-    print(f"q8 (dense {dense}): top-1 {plain.agree}/{plain.total}; min logit cosine with fp32 routing "
-          f"{forced.low():.4f}")
-    top1, cos = Q8_BARS[dense]
-    assert plain.rate >= top1, f"q8 top-1 agreement {plain.agree}/{plain.total}"
-    assert forced.low() >= cos, f"q8 with the fp32 routing: min logit cosine {forced.low():.4f}"
-
-
-def test_profile_graph_times_a_decoder_with_host_passes(models, capsys):
-    """benchmarks/profile_graph.py on a decoder with host passes (delta rule, experts) — it
-    crashed inside ncnn before: its timing extractor runs the same step to the same logits, times
-    every computing layer once, and the whole decode step runs."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    import profile_graph as pg
-
-    pk = models[CONFIGS[0]][1]
-    model = edgevl.load(pk)
-    ids = model.tokenizer.encode("Describe it in a few words.", special=False)
-    net, plain = model.decoder.net, model.decoder.net.extractor
-    graph = pg.Graph(str(pk / "decoder.param"))
-
-    def step(timer):
-        tok = int(np.argmax(model.prefill(ids, reuse_cache=False)))
-        if timer is not None:
-            net.extractor = lambda: pg.TimedExtractor(plain(), graph, timer)
-        try:
-            return model.step(tok)
-        finally:
-            net.extractor = plain
-
-    timer = pg.Timer()
-    assert np.array_equal(step(None), step(timer))
-    computing = [name for typ, name, _, _ in graph.layers if typ not in ("Input", "Split")]
-    timed = set(timer.per_layer)
-    assert timed and timed <= set(computing)
-    assert {p["hook"] for p in model.decoder.passes} >= {"moe", "gated_delta"}
-    assert pg.main([str(pk), "decoder", "--tokens", "5", "--step"]) == 0
-    out = capsys.readouterr().out
-    assert "| Gemm |" in out and "outside them" in out
 
 
 def test_preload_loads_every_expert_once_and_serve_starts_preloaded(models):
@@ -371,26 +255,3 @@ def test_preload_loads_every_expert_once_and_serve_starts_preloaded(models):
         assert server.model.runtime_stats()["experts"]["misses"] == total
     finally:
         server.stop()
-
-
-def test_moe_memory_benchmark_reports_the_bound(models, tmp_path, capsys):
-    """benchmarks/moe_memory.py: one fresh process per cache size, the same tokens in each, peak
-    RSS beside the bound 1.15 x (cache + the non-expert .bin files)."""
-    import json
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    import moe_memory
-
-    pk = models[CONFIGS[0]][1]
-    out = tmp_path / "m.json"
-    assert moe_memory.main([str(pk), "--cache-mb", "0.05", "--cache-mb", "-1", "--prompt-tokens", "12",
-                            "--gen-tokens", "4", "--threads", "1", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    small, full = res["runs"]
-    dense = sum(f.stat().st_size for f in Path(pk).glob("*.bin") if f.name != "experts.bin")
-    assert small["non_expert_bytes"] == dense and small["expert_bytes"] == (Path(pk) / "experts.bin").stat().st_size
-    assert small["bound"] == pytest.approx(1.15 * (0.05 * 2 ** 20 + dense)) and full["bound"] is None
-    assert res["tokens_identical"] and len(small["tokens"]) == 4
-    assert small["peak"] >= small["loaded_rss"] > 0 and 0 <= small["hit_rate"] < full["hit_rate"]
-    assert "| 0.05 |" in capsys.readouterr().out

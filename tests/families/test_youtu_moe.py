@@ -1,5 +1,5 @@
 """Youtu MoE packages (edgevl.convert + edgevl.load) vs the project's PyTorch reference
-(edgevl/reference/youtu_moe.py: transformers' kimi_linear KDA with the lower-bounded gate, youtu
+(edgevl/verification/references/youtu_moe.py: transformers' kimi_linear KDA with the lower-bounded gate, youtu
 MLA with an output gate and interleaved M-RoPE, quantile-balanced MoE, Qwen3-VL tower), fp32, on
 two tiny configs (heads/dims, q_lora on/off, headwise/elementwise gate, expert counts): greedy
 tokens through the public API for prompts of different lengths and an odd-sized image; image
@@ -11,25 +11,17 @@ import pytest
 import torch
 
 import edgevl
+from edgevl.blocks import gated_delta as gd_block
+from edgevl.blocks import moe
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
-from edgevl.blocks import moe
-from edgevl.blocks import gated_delta as gd_block
 from edgevl.models.youtu_moe import model as Y
 from edgevl.verification.families.youtu_moe import VERIFY as ARCH
 from edgevl.verification.references import youtu_moe as R
-from helpers import CORPUS, first_diff
+from support.common import CORPUS, first_diff, smooth_image
 
 CONFIGS = list(ARCH.tiny_variants)
 N_NEW = 48
-
-
-def image(w, h, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC)
 
 
 PROMPTS = {
@@ -65,7 +57,7 @@ def test_fp32_greedy_tokens_equal_the_reference(built, name, prompt):
     model = edgevl.load(pk)
     ref = reference(built, name)
     text, size = PROMPTS[prompt]
-    img = image(*size, seed=len(name)) if size else None
+    img = smooth_image(*size, seed=len(name)) if size else None
     prep = prepare(model, text, image=img)
     ours = list(model.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
     ref_images = ref.prepare_images([img], prep.images) if img is not None else None
@@ -99,7 +91,7 @@ def test_image_rows_route_with_the_image_row_of_qb_beta_end_to_end(built, monkey
         return idx, w
 
     monkeypatch.setattr(moe.Router, "__call__", record)
-    img = image(45, 77, seed=1)
+    img = smooth_image(45, 77, seed=1)
     prep = prepare(model, "What is in the picture?", image=img)
     ids = np.asarray(prep.input_ids)
     embeds = model.embed(prep.input_ids, prep.image_rows)

@@ -1,4 +1,6 @@
-"""Youtu-VL on ncnn vs the PyTorch reference at several image sizes (acceptance of the VL issue)."""
+"""Youtu-VL on ncnn vs the PyTorch reference (fp32, two random configs) at several image sizes and
+patch budgets: greedy tokens, every stage's cosine, text-only and two-image prompts, bad images,
+grounding boxes, the vision window layout, low-memory mode and the window attention's memory."""
 
 import numpy as np
 import pytest
@@ -6,14 +8,14 @@ import torch
 from PIL import Image
 
 import edgevl
-from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
-from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration, make_config, make_random
 from edgevl.models.youtu_vl.runtime import GroundingProcessor, parse_boxes
 from edgevl.verification.families.youtu_vl import torch_pixel_values
+from edgevl.verification.references.youtu_vl import YoutuVLForConditionalGeneration
 from edgevl.verification.verify import compare
-from helpers import tiny_tokenizer
+from support.common import smooth_image
+from support.youtu_vl import make_vl
 
 CONFIGS = {
     # real window size (256 px): several windows only for large images
@@ -24,15 +26,6 @@ CONFIGS = {
                         vision_config={"fullatt_block_indexes": [0], "num_hidden_layers": 3,
                                        "window_size": 64, "hidden_size": 48, "num_attention_heads": 3}),
 }
-
-
-def make_vl(folder, seed, **overrides):
-    tok = tiny_tokenizer(400, True, 64)
-    ids = save_tokenizer(tok, folder)
-    ids.pop("pad_token_id")
-    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids, **overrides)
-    make_random(cfg, seed=seed).save_pretrained(folder)
-    return folder, cfg
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +40,6 @@ def vl(tmp_path_factory):
     return out
 
 
-def image(w, h, seed=0):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC)  # smooth, so resizing matters
-
-
 SIZES = [((37, 1001), None), ((100, 50), None), ((640, 480), None), ((640, 480), 256)]
 
 
@@ -61,7 +48,7 @@ SIZES = [((37, 1001), None), ((100, 50), None), ((640, 480), None), ((640, 480),
 def test_image_parity(vl, name, size, budget):
     ck, pk, ref, cfg = vl[name]
     model = edgevl.load(pk)
-    img = image(*size, seed=size[0])
+    img = smooth_image(*size, seed=size[0])
     prep = prepare(model, "Describe the image.", image=img, max_image_patches=budget)
     rows, info = model.vision(img, budget, extract_layers=True)
     gh, gw = info["spatial_shapes"]
@@ -91,7 +78,7 @@ def test_image_parity(vl, name, size, budget):
 
 def test_verify_report_covers_every_stage(vl, tmp_path):
     ck, pk, _, _ = vl["custom_full"]
-    img = image(200, 120, seed=1)
+    img = smooth_image(200, 120, seed=1)
     img.save(tmp_path / "x.png")
     rep = compare(pk, ck, "What is this?", image=tmp_path / "x.png", max_new_tokens=8)
     assert rep.processor_max_diff == 0
@@ -115,7 +102,7 @@ def test_text_only_prompt_on_vl_model(vl):
 def test_two_images_in_one_prompt(vl):
     ck, pk, ref, cfg = vl["custom_full"]
     model = edgevl.load(pk)
-    a, b = image(64, 96, 1), image(160, 64, 2)
+    a, b = smooth_image(64, 96, 1), smooth_image(160, 64, 2)
     msgs = [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "and"},
                                           {"type": "image", "image": b}, {"type": "text", "text": "compare"}]}]
     prep = prepare(model, msgs)
@@ -140,9 +127,9 @@ def test_two_images_in_one_prompt(vl):
 def test_image_token_count_must_match(vl):
     _, pk, _, cfg = vl["default"]
     model = edgevl.load(pk)
-    img = image(64, 64)
+    img = smooth_image(64, 64)
     prep = prepare(model, "hi", image=img)
-    short = [t for t in prep.input_ids]
+    short = list(prep.input_ids)
     short.remove(cfg["image_token_id"])
     with pytest.raises(EdgevlError, match="image tokens but the image"):
         list(model.generate_tokens(short, 2, image=prep.image_rows))
@@ -167,7 +154,7 @@ def test_bad_image_files(vl, tmp_path, setup, msg):
 def test_truncated_jpeg_small_and_huge_images(vl, tmp_path):
     _, pk, _, _ = vl["default"]
     model = edgevl.load(pk)
-    image(300, 200).save(tmp_path / "full.jpg", quality=90)
+    smooth_image(300, 200).save(tmp_path / "full.jpg", quality=90)
     data = (tmp_path / "full.jpg").read_bytes()
     (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
     with pytest.raises(EdgevlError, match="truncated"):
@@ -201,9 +188,9 @@ def test_coordinates_are_rescaled_and_boxes_drawn(vl, tmp_path):
 def test_window_layout_packs_real_patches_only(grid, classes):
     """Windows grouped by size into slots, no padding: every row is a real patch, each window's
     rows are contiguous and hold exactly that window's patches."""
+    from edgevl.models.youtu_vl import processing as siglip2
     from edgevl.models.youtu_vl.config import WINDOW_SLOTS, VisionArgs
     from edgevl.models.youtu_vl.runtime import window_layout
-    from edgevl.models.youtu_vl import processing as siglip2
 
     v = VisionArgs()  # real geometry: 256-px windows = 16 x 16 patches
     gh, gw = grid
@@ -226,13 +213,13 @@ def test_vision_graph_feeds_real_rows_only(vl):
     1536); unused slots stand in as one-row windows of the last row."""
     _, pk, _, _ = vl["default"]
     enc = edgevl.load(pk).vision
-    feeds, lay = enc.inputs(enc.preprocess(image(640, 480)))
+    feeds, lay = enc.inputs(enc.preprocess(smooth_image(640, 480)))
     names = enc.info["inputs"]
     assert feeds[names["pixel_values"]].shape[0] == lay.rows == 1200
     shapes = [feeds[n].shape for n in names["window_shapes"]]
     assert len(lay.slots) == 4 and sum(n * s for n, s in shapes) == 1200  # 640x480: four window sizes
     assert [feeds[n].shape[0] - 1 for n in names["window_starts"]] == [start for _, _, start in lay.slots]
-    feeds, lay = enc.inputs(enc.preprocess(image(512, 512)))  # one window size: three stand-in slots
+    feeds, lay = enc.inputs(enc.preprocess(smooth_image(512, 512)))  # one window size: three stand-in slots
     assert len(lay.slots) == 1 and [feeds[n].shape for n in names["window_shapes"]][1:] == [(1, 1)] * 3
     assert [feeds[n].shape[0] - 1 for n in names["window_starts"]][1:] == [lay.rows - 1] * 3
 
@@ -257,7 +244,7 @@ def test_package_with_the_padded_window_layout_is_refused(vl, tmp_path):
 
 def test_low_memory_mode_matches_resident(vl):
     _, pk, _, _ = vl["custom_full"]
-    img = image(120, 90, seed=4)
+    img = smooth_image(120, 90, seed=4)
     res = edgevl.generate(edgevl.load(pk), "Describe.", image=img, max_new_tokens=10)
     low = edgevl.load(pk, low_memory=True)
     assert type(low.vision.net).__name__ == "SectionedNet"
@@ -268,7 +255,7 @@ def test_vision_window_memory_is_linear_in_patches(tmp_path):
     """Window layers at 16384 patches (2048x2048): a dense N x N mask alone would be 1 GiB.
 
     The model has window layers only: whether full-attention layers hold N x N scores depends on
-    ncnn's SDPA kernel (README, known limits), which is not ours to test.
+    ncnn's SDPA kernel (docs/ncnn.md, section 6), which is not ours to test.
     """
     import subprocess
     import sys
@@ -278,12 +265,12 @@ def test_vision_window_memory_is_linear_in_patches(tmp_path):
     edgevl.convert(ck, pk, dtype="fp32", progress=False)
     peaks = {}
     for side, grid in ((1024, 64), (2048, 128)):
-        image(side, side, seed=9).save(tmp_path / f"{side}.png")
+        smooth_image(side, side, seed=9).save(tmp_path / f"{side}.png")
         # VmHWM is this process's own peak; ru_maxrss would carry pytest's size across fork+exec
-        code = ("import edgevl; m = edgevl.load(%r); "
-                "rows, info = m.vision(%r); assert info['spatial_shapes'] == (%d, %d), info; "
-                "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0])") % (
-                    str(pk), str(tmp_path / f"{side}.png"), grid, grid)
+        image = str(tmp_path / f"{side}.png")
+        code = (f"import edgevl; m = edgevl.load({str(pk)!r}); "
+                f"rows, info = m.vision({image!r}); assert info['spatial_shapes'] == ({grid}, {grid}), info; "
+                "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0])")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         peaks[side] = int(r.stdout.split()[-1]) / 1024

@@ -11,11 +11,10 @@ from PIL import Image
 
 import edgevl
 from edgevl.chat import ChatSession, chat_loop
-from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
-from edgevl.verification.references.youtu_vl import make_config, make_random
-from helpers import make_youtu, tiny_tokenizer
+from support.youtu import make_youtu
+from support.youtu_vl import make_vl
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +28,12 @@ def pkg(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vl_pkg(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat-vl")
-    tok = tiny_tokenizer(400, True, 64)
-    ids = save_tokenizer(tok, root / "ck")
-    ids.pop("pad_token_id")
-    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids)
-    make_random(cfg, seed=4).save_pretrained(root / "ck")
-    return edgevl.convert(root / "ck", root / "pk", dtype="fp32", progress=False)
+    ck, _ = make_vl(root / "ck", seed=4)
+    return edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
 
 
-def run_script(model, lines, **kw):
+def chat_lines(model, lines, **kw):
+    """Run chat_loop on ``lines`` as the user's input (then end of input): (exit code, output)."""
     feed = iter(lines)
 
     def fake_input(prompt):
@@ -72,7 +68,7 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(pkg):
 def test_commands_reset_save_help_bad_image(pkg, tmp_path):
     model = edgevl.load(pkg)
     save = tmp_path / "t.json"
-    code, out = run_script(model, ["/help", "Hello there", f"/image {tmp_path / 'nope.png'}", "/bogus",
+    code, out = chat_lines(model, ["/help", "Hello there", f"/image {tmp_path / 'nope.png'}", "/bogus",
                                    f"/save {save}", "/reset", "Hi again", f"/save {tmp_path / 'no' / 'x.json'}",
                                    "/quit", "never read"], max_new_tokens=6)
     assert code == 0
@@ -110,7 +106,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(pkg):
         list(edgevl.load(pkg).generate_tokens(ids, 6, ignore_eos=True))
     model.step = step
     calls[:] = [0] * 12  # the next call is the 13th: the first answer is interrupted, the next ones are not
-    code, out = run_script(model, ["How many shapes are there?", "Two?", "/save /dev/null"], max_new_tokens=4)
+    code, out = chat_lines(model, ["How many shapes are there?", "Two?", "/save /dev/null"], max_new_tokens=4)
     assert code == 0 and out.count("[interrupted]") == 1 and out.rstrip().endswith("[transcript saved to /dev/null]")
 
 
@@ -118,7 +114,7 @@ def test_overflow_drops_oldest_turns_and_refuses_oversized_messages(pkg):
     model = edgevl.load(pkg)
     lines = ["How many shapes are there?", "What color is the square?", "Describe the image.",
              "word " * 100, "Two."]
-    code, out = run_script(model, lines, max_new_tokens=12, system="Be brief.")
+    code, out = chat_lines(model, lines, max_new_tokens=12, system="Be brief.")
     assert code == 0
     notices = [line for line in out.splitlines() if line.startswith("[context full")]
     assert notices and "dropped the 1 oldest turn" in notices[0], out
@@ -147,7 +143,7 @@ def test_image_turns_reuse_the_cache(vl_pkg, tmp_path):
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     (tmp_path / "bad.png").write_bytes(b"not an image")
-    code, out = run_script(model, [f"/image {tmp_path / 'bad.png'}", f"/image {tmp_path / 'none.png'}", "hi"],
+    code, out = chat_lines(model, [f"/image {tmp_path / 'bad.png'}", f"/image {tmp_path / 'none.png'}", "hi"],
                            max_new_tokens=4)
     lines = out.splitlines()
     assert code == 0 and "Not a readable image" in lines[1] and "not found" in lines[2], out

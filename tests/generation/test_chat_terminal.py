@@ -12,6 +12,7 @@ import time
 import pytest
 
 from edgevl.demo import demo_package
+from support.common import ROOT
 
 
 class Terminal:
@@ -93,7 +94,7 @@ class Terminal:
 def chat(tmp_path):
     demo_package()  # converted once, outside the timed terminal session
     env = dict(os.environ, TERM="dumb", PYTHONPATH=os.pathsep.join(
-        [str(__import__("pathlib").Path(__file__).parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     terms = []
 
     def start(*args):

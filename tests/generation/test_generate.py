@@ -7,7 +7,7 @@ import edgevl
 from edgevl.errors import EdgevlError
 from edgevl.generate import stream_events
 from edgevl.tokenizer import StreamDecoder
-from helpers import hf_greedy, load_hf, make_youtu
+from support.youtu import hf_greedy, load_hf, make_youtu
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import pytest
 
 import edgevl
 from edgevl import verification
-import precision
 from edgevl.generate import prepare
-from helpers import CORPUS
-from qwen_helpers import make_qwen3_5
+from support import precision
+from support.common import CORPUS
+from support.qwen import make_qwen3_5
 
 CONFIGS = {   # L F each: one recurrent and one attention layer
     "tied": dict(num_hidden_layers=2, full_attention_interval=2),
@@ -17,8 +17,8 @@ CONFIGS = {   # L F each: one recurrent and one attention layer
 }
 PROMPTS = [CORPUS[0], CORPUS[1], CORPUS[4], CORPUS[8]]
 # Per dtype: top-1 agreement, the logit cosine of all but the sensitive rows and the largest
-# reference gap a disagreement crossed there (tests/precision.py; q8 also quantizes activations
-# per row). Measured over 5 seeds x AVX-512/AVX2, both configs: top-1 bf16 0.990, q8 0.969;
+# reference gap a disagreement crossed there (tests/support/precision.py; q8 also quantizes
+# activations per row). Measured over 5 seeds x AVX-512/AVX2, both configs: top-1 bf16 0.990, q8 0.969;
 # cosine bf16 0.9977, q8 0.9795 (3rd lowest row; the lowest went down to 0.71 in bf16 and 0.34 in
 # q8 at one row where transformers' own bf16 run gives 0.71 too); gap bf16 0.046, q8 0.223.
 # Bounds: those less precision.MARGIN, the bf16 cosine no tighter than it was (0.995). Running
@@ -48,7 +48,8 @@ def test_reduced_precision_teacher_forced_top1(trained, tmp_path_factory, name, 
     ck = trained[name]
     ours = edgevl.load(edgevl.convert(ck, tmp_path_factory.mktemp("pk") / f"{name}-{dtype}", dtype=dtype,
                                       progress=False))
-    got = precision.compare(ours, verification.get("qwen3_5").reference(ck), prompt_ids(ours))   # the reference computes in fp32
+    # the reference computes in fp32
+    got = precision.compare(ours, verification.get("qwen3_5").reference(ck), prompt_ids(ours))
     top1, cos, gap = TOLERANCE[dtype]
     skip = precision.sensitive_rows(got.total)
     print(f"{name} {dtype}: {got.line(skip)}")

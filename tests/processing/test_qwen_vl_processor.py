@@ -8,20 +8,16 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from edgevl.errors import EdgevlError
 from edgevl.blocks import qwen_vision, rope
+from edgevl.errors import EdgevlError
 from edgevl.processing import qwen_vl
-from qwen_helpers import TINY_PREPROCESSOR as PREPROCESSOR
-
-
-def image(w, h, seed=0, mode="RGB"):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((w, h), Image.BICUBIC).convert(mode)
+from edgevl.verification.families.qwen3_5 import TINY_PREPROCESSOR as PREPROCESSOR
+from support.common import smooth_image
 
 
 def _hf(cfg: dict, img):
-    ip = Qwen2VLImageProcessorPil(**{k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")})
+    ip = Qwen2VLImageProcessorPil(**{k: v for k, v in cfg.items()
+                                     if k not in ("image_processor_type", "processor_class")})
     enc = ip(images=[img], return_tensors="np")
     return enc["pixel_values"], tuple(int(x) for x in enc["image_grid_thw"][0])
 
@@ -39,7 +35,7 @@ SIZES = [(37, 1001), (100, 50), (640, 480), (10, 5), (208, 208), (1500, 500)]
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 @pytest.mark.parametrize("cfg", list(CFGS))
 def test_pixel_values_bit_exact(cfg, size):
-    img = image(*size, seed=size[0])
+    img = smooth_image(*size, seed=size[0])
     ref, grid = _hf(CFGS[cfg], img)
     ours = qwen_vl.preprocess(img, qwen_vl.ProcessorConfig.from_dict(CFGS[cfg]))
     assert ours["grid_thw"] == grid
@@ -62,10 +58,10 @@ def test_modes_and_paths(tmp_path):
     """RGBA/greyscale/palette inputs and files (EXIF orientation applied) like transformers."""
     cfg = PREPROCESSOR
     for mode in ("RGBA", "L", "P"):
-        img = image(70, 90, 3, mode)
+        img = smooth_image(70, 90, 3, mode)
         np.testing.assert_array_equal(qwen_vl.preprocess(img, qwen_vl.ProcessorConfig.from_dict(cfg))["pixel_values"],
                                       _hf(cfg, img)[0])
-    img = image(60, 100, 4)
+    img = smooth_image(60, 100, 4)
     exif = Image.Exif()
     exif[0x0112] = 6   # rotate 90 degrees on display
     img.save(tmp_path / "r.jpg", exif=exif.tobytes())

@@ -1,5 +1,6 @@
-"""The Youtu MoE reference (edgevl/reference/youtu_moe.py) against the transformers blocks it is
-composed from, and against the llama.cpp patch's formulas (spec §2.3/§2.4)."""
+"""The Youtu MoE reference (edgevl/verification/references/youtu_moe.py) against the transformers
+blocks it is composed from, and against the llama.cpp patch's formulas (docs/models/youtu_moe.md,
+sections 2 to 5)."""
 
 import functools
 import json
@@ -11,7 +12,6 @@ import torch
 
 from edgevl.blocks import moe
 from edgevl.verification.references import youtu_moe as R
-
 
 
 @pytest.fixture(autouse=True)
@@ -90,8 +90,8 @@ def test_lower_bound_gate_formula_and_transformers_safe_gate():
     assert got.shape == (1, 5, H, D)
     assert torch.allclose(got, want, atol=1e-6)
     assert float(got.min()) > -5.0 and float(got.max()) < 0.0
-    glm = Glm5NextTextForgetGate(types.SimpleNamespace(linear_head_dim=D, linear_num_heads=H, hidden_size=tc.kimi.hidden_size,
-                                                       linear_lower_bound=-5.0))
+    glm = Glm5NextTextForgetGate(types.SimpleNamespace(linear_head_dim=D, linear_num_heads=H,
+                                                       hidden_size=tc.kimi.hidden_size, linear_lower_bound=-5.0))
     sd = dict(gate.state_dict())
     sd["A_log"] = sd["A_log"].reshape(H)
     glm.load_state_dict(sd)
@@ -116,8 +116,8 @@ def _run_attention(layer, rope, x, positions, steps, cfg):
 
 
 def test_mla_equals_youtu_without_gate_and_mrope():
-    from transformers.models.youtu.modeling_youtu import YoutuAttention, YoutuRotaryEmbedding
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+    from transformers.models.youtu.modeling_youtu import YoutuAttention, YoutuRotaryEmbedding
 
     tc = R.text_configs(R.make_config())
     youtu = _randomize(YoutuAttention(tc.mla, 3), 5).eval()
@@ -152,7 +152,8 @@ def test_mla_equals_youtu_without_gate_and_mrope():
 
 def test_mrope_frequency_assignment_matches_hf_semantics():
     """mrope_section [12, 10, 10] over 32 rope frequencies: H at 1, 4, ... < 30, W at 2, 5, ...
-    < 30, T elsewhere (incl. 30 and 31; spec §2.4: llama.cpp needed [11, 10, 10] for this)."""
+    < 30, T elsewhere (incl. 30 and 31; docs/models/youtu_moe.md section 2: llama.cpp needed
+    [11, 10, 10] for this)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
     cfg = R.make_config(qk_rope_head_dim=64, rope_parameters={"mrope_section": [12, 10, 10], "rope_theta": 1e6})
@@ -179,8 +180,9 @@ def test_rope_positions_match_transformers_get_rope_index():
     img = 99
     grids = torch.tensor([[1, 6, 8], [1, 4, 4]])
     ids = [1, 2] + [img] * 12 + [3, 4, 5] + [img] * 4 + [6]
-    fake = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
-                                 get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None))
+    fake = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
+        get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None))
     tt = torch.tensor([[1 if t == img else 0 for t in ids]])
     want, _ = Qwen3VLModel.get_rope_index(fake, torch.tensor([ids]), tt, image_grid_thw=grids)
     got = R.rope_positions(ids, grids, img, merge=2)
@@ -215,7 +217,8 @@ def test_router_matches_patch_formula_per_modality():
     x = torch.randn(6, cfg["hidden_size"], generator=torch.Generator().manual_seed(8))
     modality = torch.tensor([0, 0, 0, 1, 1, 1])
     logits, w, idx = router(x, modality)
-    want_idx, want_w = _patch_routing(logits.numpy(), router.qb_beta, modality.tolist(), cfg["num_experts_per_token"], 2.83)
+    want_idx, want_w = _patch_routing(logits.numpy(), router.qb_beta, modality.tolist(),
+                                      cfg["num_experts_per_token"], 2.83)
     gi, gw = _sorted(idx.numpy(), w.numpy())
     wi, ww = _sorted(want_idx, want_w)
     assert np.array_equal(gi, wi) and np.allclose(gw, ww, atol=1e-6)
@@ -269,11 +272,13 @@ def test_greedy_with_cache_equals_recompute_text_and_image():
 
     cfg, model = tiny(1, deepstack=True)
     ids = list(range(5, 40))
-    assert model.greedy_generate(ids, max_new_tokens=10) == model.greedy_generate(ids, max_new_tokens=10, use_cache=False)
+    assert (model.greedy_generate(ids, max_new_tokens=10)
+            == model.greedy_generate(ids, max_new_tokens=10, use_cache=False))
     im = Image.fromarray((np.random.default_rng(0).random((70, 100, 3)) * 255).astype("uint8"))
     pv, grid = R.preprocess([im], R.make_preprocessor_config(cfg))
     n = int(grid.prod()) // 4
-    ids = [cfg["vision_start_token_id"]] + [cfg["image_token_id"]] * n + [cfg["vision_end_token_id"]] + list(range(9, 20))
+    ids = ([cfg["vision_start_token_id"]] + [cfg["image_token_id"]] * n + [cfg["vision_end_token_id"]]
+           + list(range(9, 20)))
     a = model.greedy_generate(ids, pv, grid, max_new_tokens=10)
     assert a == model.greedy_generate(ids, pv, grid, max_new_tokens=10, use_cache=False)
     assert len(set(a)) > 3, f"random tiny model should decode varied tokens, got {a}"
@@ -310,7 +315,8 @@ def test_save_load_round_trip(tmp_path):
 def test_other_checkpoint_layout_needs_only_the_table(tmp_path):
     """A checkpoint with Kimi's on-disk names and per-expert tensors loads by changing only the
     layout table."""
-    kimi_disk = R.CheckpointLayout(renames=((r"\.forget_gate\.", "."), (r"\.mlp\.(experts|gate|shared)", r".block_sparse_moe.\1")),
+    kimi_disk = R.CheckpointLayout(renames=((r"\.forget_gate\.", "."),
+                                            (r"\.mlp\.(experts|gate|shared)", r".block_sparse_moe.\1")),
                                    experts="per_expert", expert_names=("w1", "w3", "w2"))
     cfg, model = tiny()
     model.save_pretrained(tmp_path, layout=kimi_disk)

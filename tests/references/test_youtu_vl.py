@@ -1,4 +1,5 @@
-"""Tests of the PyTorch reference of Youtu-VL (edgevl/reference/youtu_vl.py), on tiny models."""
+"""Tests of the PyTorch reference of Youtu-VL (edgevl/verification/references/youtu_vl.py), on tiny
+models; sections are those of docs/models/youtu_vl.md."""
 
 import json
 import math
@@ -48,7 +49,7 @@ def _prompt(cfg, n_img, text=(5, 6, 7)):
     )
 
 
-# ---- configuration ------------------------------------------------------------------------
+# ---- configuration ---------------------------------------------------------------------------
 
 
 def test_text_config_rope_theta_is_taken_from_config(cfg):
@@ -68,7 +69,8 @@ def test_text_config_rope_theta_is_taken_from_config(cfg):
 
 
 def test_make_config_overrides():
-    c = make_config(vocab_size=100, hidden_size=64, vision_config={"num_hidden_layers": 2, "fullatt_block_indexes": [1]})
+    c = make_config(vocab_size=100, hidden_size=64,
+                    vision_config={"num_hidden_layers": 2, "fullatt_block_indexes": [1]})
     assert c["vision_config"]["out_hidden_size"] == 64
     assert c["vision_config"]["hidden_size"] == 32  # untouched keys survive the merge
     assert c["image_token_id"] < 100
@@ -76,7 +78,7 @@ def test_make_config_overrides():
     assert (v.num_hidden_layers, v.fullatt_block_indexes, v.window_cells) == (2, [1], 8)
 
 
-# ---- vision geometry (§4.3, §4.4) -----------------------------------------------------------
+# ---- vision geometry (sections 4.3, 4.4) -----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -107,7 +109,7 @@ def test_vision_rope_angles():
         torch.testing.assert_close(ang[p].double(), torch.cat([r * inv, c * inv]), rtol=1e-6, atol=1e-6)
 
 
-# ---- checkpoint keys and I/O (§8) -----------------------------------------------------------
+# ---- checkpoint keys and I/O (section 8) -----------------------------------------------------
 
 
 def _expected_keys(cfg, untied=False):
@@ -215,7 +217,7 @@ def test_load_key_variants_and_errors(tmp_path, cfg, model):
         YoutuVLForConditionalGeneration.from_pretrained(tmp_path)
 
 
-# ---- vision tower (§4) ----------------------------------------------------------------------
+# ---- vision tower (section 4) ----------------------------------------------------------------
 
 
 def _with_fullatt(model, fullatt):
@@ -240,7 +242,7 @@ def _naive_tower(model, pv, gh, gw, fullatt):
     vc = model.vision_config
     vm = model.siglip2.vision_model
     n, hd, nh = gh * gw, vc.head_dim, vc.num_attention_heads
-    # raster id of every processor-order patch, straight from the §3.5 reshape
+    # raster id of every processor-order patch, straight from the section 3.5 reshape
     raster = torch.arange(n).reshape(gh // 2, 2, gw // 2, 2).permute(0, 2, 1, 3).reshape(-1)
     r, c = (raster // gw).double(), (raster % gw).double()
     inv = 1.0 / (vc.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float64) / (hd // 2)))
@@ -260,7 +262,8 @@ def _naive_tower(model, pv, gh, gw, fullatt):
     for i, L in enumerate(vm.encoder.layers):
         h = F.layer_norm(x, (vc.hidden_size,), L.layer_norm1.weight, L.layer_norm1.bias, vc.layer_norm_eps)
         a = L.self_attn
-        q, k, v = (F.linear(h, p.weight, p.bias).view(n, nh, hd).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k, v = (F.linear(h, p.weight, p.bias).view(n, nh, hd).transpose(0, 1)
+                   for p in (a.q_proj, a.k_proj, a.v_proj))
         s = rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(hd)
         if i not in fullatt:
             s = s + win_mask
@@ -270,7 +273,8 @@ def _naive_tower(model, pv, gh, gw, fullatt):
         x = x + F.linear(F.gelu(F.linear(h, L.mlp.fc1.weight, L.mlp.fc1.bias), approximate="tanh"),
                          L.mlp.fc2.weight, L.mlp.fc2.bias)
         states.append(x)
-    return F.layer_norm(x, (vc.hidden_size,), vm.post_layernorm.weight, vm.post_layernorm.bias, vc.layer_norm_eps), states
+    return (F.layer_norm(x, (vc.hidden_size,), vm.post_layernorm.weight, vm.post_layernorm.bias, vc.layer_norm_eps),
+            states)
 
 
 @pytest.mark.parametrize("fullatt", [[0, 1, 2, 3], [1, 3]])
@@ -287,7 +291,7 @@ def test_tower_matches_unpermuted_naive(model, fullatt):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(hidden[5], out, atol=2e-5, rtol=1e-5)
     assert torch.equal(hidden[6], merged) and merged.shape == (gh * gw // 4, 48)
-    # §5 by hand: RMSNorm, concatenate groups of 4, Linear-GELU(erf)-Linear
+    # section 5 by hand: RMSNorm, concatenate groups of 4, Linear-GELU(erf)-Linear
     z = m.merger.ln_q.weight * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6))
     z = z.reshape(-1, 128)
     mlp = m.merger.mlp
@@ -295,7 +299,7 @@ def test_tower_matches_unpermuted_naive(model, fullatt):
     torch.testing.assert_close(merged, want, atol=2e-5, rtol=1e-5)
 
 
-# ---- fusion and LM (§6, §7) -----------------------------------------------------------------
+# ---- fusion and LM (sections 6, 7) -----------------------------------------------------------
 
 
 def test_fusion_count_mismatch_raises(cfg, model):
@@ -362,7 +366,8 @@ def test_greedy_generate_cache_matches_recompute(cfg, model):
 
 
 def test_real_layout_config_builds_real_shapes():
-    """The real config.json values (§2) give the §8 tensor shapes; built on meta, so it is free."""
+    """The real config.json values (section 2) give the section 8 tensor shapes; built on meta, so it
+    is free."""
     real = make_config(
         vocab_size=283386, hidden_size=2560, intermediate_size=9728, num_hidden_layers=40,
         num_attention_heads=32, num_key_value_heads=32, q_lora_rank=1536, kv_lora_rank=512,

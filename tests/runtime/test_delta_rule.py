@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                          torch_recurrent_gated_delta_rule)
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
 
 from edgevl.blocks import gated_delta as gd
-from edgevl.runtime import from_mat, to_mat
+from edgevl.runtime import from_mat
 
 
 @pytest.fixture(scope="module", params=[(2, 4, 16, 24), (2, 2, 32, 32)], ids=["Hv=2Hk", "Hv=Hk"])

@@ -46,7 +46,7 @@ print(json.dumps(out))
 def test_load_arena_reuses_temporaries_and_returns_memory():
     """Inside the arena, large blocks freed and allocated again reuse their pages (a bf16 Gemm
     weight passes through read, fp32 and bf16 copies before the packed copy ncnn keeps: fresh
-    pages for each were most of a large model's load time, README); afterwards freed memory
+    pages for each were most of a large model's load time, docs/benchmarks.md section 7); afterwards freed memory
     goes back to the OS as before."""
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

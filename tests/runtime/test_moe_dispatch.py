@@ -1,4 +1,4 @@
-"""Expert dispatch (edgevl/models/moe.py): the in-graph router and shared expert plus the host
+"""Expert dispatch (edgevl/blocks/moe.py): the in-graph router and shared expert plus the host
 hook against transformers' Qwen3.5-MoE block and the Youtu MoE reference's block; the on-demand
 expert cache (identical outputs, hit rate, resident bytes and process peak RSS)."""
 
@@ -14,11 +14,11 @@ import torch
 
 from edgevl import ncnn_graph as G
 from edgevl import runtime
-from edgevl.errors import EdgevlError, PackageError
 from edgevl.blocks import base, moe
+from edgevl.errors import EdgevlError, PackageError
 from edgevl.weights import Checkpoint
-from moe_helpers import workload, write_random_package
-
+from support.common import ROOT, TESTS
+from support.moe import workload, write_random_package
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +83,8 @@ def qwen_block(qwen_moe, tmp, dtype="fp32", cache_mb=None):
     experts = [moe.split_expert(ckpt, f"{p}.experts.{e}", QH, QI) for e in range(QE)]
     dec, store = moe_block_decoder(tmp, ckpt, p, QH, QE, {"prefix": f"{p}.shared_expert", "inter": QSI,
                                                          "gate": f"{p}.shared_expert_gate"},
-                                   experts, {"kind": "softmax", "top_k": QK, "renormalize": True}, dtype, cache_mb=cache_mb)
+                                   experts, {"kind": "softmax", "top_k": QK, "renormalize": True}, dtype,
+                                   cache_mb=cache_mb)
     return model.model.layers[0].mlp, dec, store
 
 
@@ -141,7 +142,8 @@ def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
     H, E, I, k = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_token"]
     layer = 2
     p = f"model.layers.{layer}.mlp"
-    experts = [moe.fused_expert(ckpt, f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj", e, H, I, E) for e in range(E)]
+    experts = [moe.fused_expert(ckpt, f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj", e, H, I, E)
+               for e in range(E)]
     img = cfg["image_token_id"]
     routing = {"kind": "sigmoid_biased", "top_k": k, "scale": cfg["routed_scaling_factor"], "eps": 1e-20,
                "modality_token_ids": [img, cfg["video_token_id"]]}
@@ -154,7 +156,7 @@ def test_youtu_moe_block_matches_reference_text_and_image_rows(tmp_path):
     modality = torch.from_numpy((ids == img).astype(np.int64))[None]
     want = block(torch.from_numpy(x)[None], modality)[0].numpy()
     # the hook as the Decoder calls it for a pass that asks for ids (the end-to-end path:
-    # tests/test_youtu_moe.py)
+    # tests/families/test_youtu_moe.py)
     spec = dec.passes[0]
     hook = dec.hooks["moe"]
     ex_blobs = {spec["args"]["input"]: x, spec["args"]["logits"]: x @ ckpt.numpy(f"{p}.gate.weight").T}
@@ -301,7 +303,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path[:0] = [{root!r}, {tests!r}]
     from edgevl.blocks import moe
-    from moe_helpers import workload
+    from support.moe import workload
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -326,11 +328,11 @@ def test_peak_rss_stays_near_the_expert_budget(tmp_path):
     spec = write_random_package(tmp_path, [0], E, H, I, "q8", 8)
     total = spec["expert_bytes"] * E
     script = tmp_path / "peak.py"
-    script.write_text(PEAK_SCRIPT.format(root=str(Path(__file__).parents[1]), tests=str(Path(__file__).parent)))
+    script.write_text(PEAK_SCRIPT.format(root=str(ROOT), tests=str(TESTS)))
     runs = {}
     for budget, steps in (("24", 24), ("0", 4), ("none", 24)):    # "0": the run's needs without a cache
-        r = subprocess.run([sys.executable, str(script), str(tmp_path), budget, str(steps)], capture_output=True, text=True,
-                           cwd=Path(__file__).parent, timeout=300)
+        r = subprocess.run([sys.executable, str(script), str(tmp_path), budget, str(steps)],
+                           capture_output=True, text=True, cwd=TESTS, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
         runs[budget] = dict(out, grown=out["peak"] - out["base"])
@@ -381,7 +383,7 @@ def test_expert_sources_read_the_right_rows(tmp_path):
 def test_an_evicted_experts_net_takes_the_next_expert(tmp_path):
     """A miss loads the new expert into the net of the expert it evicts (every expert has the
     same shapes, so ncnn refills the same weight buffers instead of the heap taking new ones and
-    fragmenting; README, "Expert cache memory"): over hundreds of evictions the outputs equal
+    fragmenting; docs/moe.md, section 7): over hundreds of evictions the outputs equal
     those of fresh nets, and the store never holds more nets than its budget's experts."""
     layers, E, H, I = [0, 1], 24, 512, 384
     spec = write_random_package(tmp_path, layers, E, H, I, "q8", 2)

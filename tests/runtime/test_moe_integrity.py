@@ -1,5 +1,5 @@
 """A mixture-of-experts package whose ``experts.bin`` changes under a running model, and manifests
-whose ``experts`` section lies (edgevl/models/moe.py: ExpertStore, edgevl/package.py:
+whose ``experts`` section lies (edgevl/blocks/moe.py: ExpertStore, edgevl/package.py:
 check_experts). Experts are read from disk for the life of the process, long after loading
 verified the files: every expert block read is checked against its checksum from conversion, a
 file cut short or replaced is noticed before ncnn reads from it, and each fault is one line
@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import edgevl
-from edgevl.errors import EdgevlError, PackageError
 from edgevl.blocks import moe
-from edgevl.verification.families.qwen3_5_moe import VERIFY as ARCH
+from edgevl.errors import EdgevlError, PackageError
 from edgevl.package import MANIFEST, check_experts
-from hostile import cli, edit_json, one_line_error
-from moe_helpers import random_experts, write_random_package
+from edgevl.verification.families.qwen3_5_moe import VERIFY as ARCH
+from support.cli import cli, one_line_error
+from support.files import edit_json
+from support.moe import random_experts, write_random_package
 
 PROMPT = [10, 11, 12, 13, 14]
 N_NEW = 6
@@ -187,9 +188,10 @@ def test_experts_file_cut_short_while_running(packages, tmp_path, monkeypatch, c
     data = f.read_bytes()
     os.truncate(f, off + 10)                 # inside the first expert the prompt reads
     capfd.readouterr()
-    assert package_error(lambda: generate(model)) == (f"{f} is {off + 10} bytes, not the {len(data)} it had when the model loaded (cut "
-                               "short or rewritten while the model runs); restore the file or convert the model "
-                               "again")
+    assert package_error(lambda: generate(model)) == (
+        f"{f} is {off + 10} bytes, not the {len(data)} it had when the model loaded (cut "
+        "short or rewritten while the model runs); restore the file or convert the model "
+        "again")
     no_raw_ncnn_output(capfd)
     f.write_bytes(data)                      # restored in place
     assert generate(model) == want
@@ -220,13 +222,15 @@ def test_experts_file_replaced_while_running(packages, tmp_path, monkeypatch, ca
     # a different file of the same size
     replace(f, bytes(damaged))
     capfd.readouterr()
-    assert package_error(lambda: generate(model)) == (f"{f}: expert {e} of layer {layer} does not match its checksum (the file was "
-                               "replaced while the model runs); convert the model again or restore the file")
+    assert package_error(lambda: generate(model)) == (
+        f"{f}: expert {e} of layer {layer} does not match its checksum (the file was "
+        "replaced while the model runs); convert the model again or restore the file")
     no_raw_ncnn_output(capfd)
     # a file of another size
     replace(f, data + b"\0" * 16)
-    assert package_error(lambda: generate(model)) == (f"{f} was replaced while the model runs by a file of {len(data) + 16} bytes, not "
-                               f"the package's {len(data)}; restore the package's file or convert the model again")
+    assert package_error(lambda: generate(model)) == (
+        f"{f} was replaced while the model runs by a file of {len(data) + 16} bytes, not "
+        f"the package's {len(data)}; restore the package's file or convert the model again")
     replace(f, data)                         # the package's own file back
     assert generate(model) == want
 

@@ -1,10 +1,16 @@
-"""The graph writer, layer by layer, against the installed ncnn runtime and numpy."""
+"""The graph writer, layer by layer, against the installed ncnn runtime and numpy; buffers a big
+run leaves behind are released."""
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from edgevl import ncnn_graph as G
 from edgevl.runtime import Net
+from support.common import ROOT
 
 rng = np.random.default_rng(0)
 
@@ -144,6 +150,7 @@ def _attn(q, k, v, mask, scale):
 
 def test_sdpa_with_mask_and_kv_cache(tmp_path):
     import ncnn
+
     from edgevl.runtime import causal_mask, from_mat, to_mat
 
     H, dk, dv = 3, 6, 4
@@ -186,7 +193,7 @@ def test_memorydata_matmul(tmp_path):
 
 @pytest.mark.parametrize("block", [32, 64])
 def test_block_quantized_gemm_probe(tmp_path, block):
-    """Proves our q8 file layout against the installed runtime (ncnn_notes.md, Gemm)."""
+    """Proves our q8 file layout against the installed runtime (docs/ncnn.md, section 8)."""
     w, x = rand(24, 96), rand(5, 96)  # K=96: a ragged last block at block 64
     q, s = G.block_quantize(w, 8, block)
     deq = q.astype(np.float32) / np.repeat(s, block, axis=1)[:, :96]
@@ -244,16 +251,11 @@ def status(key):
 """
 
 
-def run_script(tmp_path, body: str, *args) -> dict:
+def run_in_fresh_process(tmp_path, body: str, *args) -> dict:
     """``SCRIPT_HEAD + body`` in a fresh interpreter (its memory is that script's alone); the
     JSON of its last output line."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     path = tmp_path / "script.py"
-    path.write_text((SCRIPT_HEAD + body).format(root=str(Path(__file__).parents[1]), tmp=str(tmp_path)))
+    path.write_text((SCRIPT_HEAD + body).format(root=str(ROOT), tmp=str(tmp_path)))
     r = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -291,7 +293,7 @@ def test_release_returns_a_big_runs_buffers_and_outputs_survive(tmp_path):
     """After a large input, a net's pooled activation buffers stay allocated (ncnn's own pools
     kept them for the net's lifetime) until ``release``; the outputs of ``execute`` stay valid
     after their net and its pools are gone."""
-    out = run_script(tmp_path, RELEASE_SCRIPT)
+    out = run_in_fresh_process(tmp_path, RELEASE_SCRIPT)
     assert out["ok"] and out["shape"] == [4096, 4096]
     mb = 1 << 20
     # measured: 256 MB held (the 64 MB output and three pooled blobs), 64 MB after release
@@ -324,7 +326,7 @@ def test_a_host_pass_leaf_blob_is_dropped_once_read(tmp_path):
     """A blob only a host pass reads (no layer consumes it) stayed in ncnn's extractor until the
     forward ended; dropped once read, its buffer serves the layers after it (64 MB less at peak
     here), and the results are unchanged."""
-    out = {mode: run_script(tmp_path, LEAF_SCRIPT, mode) for mode in ("drop", "keep")}
+    out = {mode: run_in_fresh_process(tmp_path, LEAF_SCRIPT, mode) for mode in ("drop", "keep")}
     for o in out.values():
         assert o["leaf"] == pytest.approx(np.exp(0.5)) and o["y"] == pytest.approx(1.0)
     assert out["drop"]["grown"] < out["keep"]["grown"] - 40 * 2 ** 20, out    # measured: 192 vs 256 MB

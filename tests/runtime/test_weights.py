@@ -23,7 +23,7 @@ def write(folder, tensors, shards=1):
         part = {n: tensors[n] for n in names[s::shards]}
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(part, str(folder / fname))
-        wm.update({n: fname for n in part})
+        wm.update(dict.fromkeys(part, fname))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
 
 

@@ -14,11 +14,10 @@ from openai import OpenAI
 from PIL import Image
 
 import edgevl
-from edgevl.verification.tokenizers import save_tokenizer
 from edgevl.generate import prepare
-from edgevl.verification.references.youtu_vl import make_config, make_random
 from edgevl.server import make_server
-from helpers import make_youtu, tiny_tokenizer
+from support.youtu import make_youtu
+from support.youtu_vl import make_vl
 
 KEY = "test-key"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many shapes are there?"}]
@@ -28,12 +27,8 @@ MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def pkgs(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     text = edgevl.convert(make_youtu(root / "ck", seed=5), root / "tiny-youtu", dtype="fp32", progress=False)
-    tok = tiny_tokenizer(400, True, 64)
-    ids = save_tokenizer(tok, root / "vl-ck")
-    ids.pop("pad_token_id")
-    cfg = make_config(vocab_size=tok.get_vocab_size(), pad_token_id=None, **ids)
-    make_random(cfg, seed=6).save_pretrained(root / "vl-ck")
-    vl = edgevl.convert(root / "vl-ck", root / "tiny-vl", dtype="fp32", progress=False)
+    vl_ck, _ = make_vl(root / "vl-ck", seed=6)
+    vl = edgevl.convert(vl_ck, root / "tiny-vl", dtype="fp32", progress=False)
     images = root / "images"
     images.mkdir()
     picture(64, 48).save(images / "a.png")
@@ -162,7 +157,9 @@ def test_local_image_paths(pkgs, vl_server):
 
 
 def test_bad_requests_get_clear_errors_and_the_server_goes_on(pkgs, text_server, vl_server):
-    img = lambda url: {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    def img(url):
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+
     cases = [  # (server, method, path, body, headers, status, words in the message)
         (text_server, "POST", "/v1/chat/completions", b'{"messages": [', {}, 400, "not valid JSON"),
         (text_server, "POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": MSGS}, {}, 404, "gpt-4o"),

@@ -1,42 +1,13 @@
-"""Shared pieces of the hostile-input tests (tests/test_hostile_*.py)."""
+"""Files tests compare, damage or make up: digests of a folder and of a package, a JSON file
+edited in place, a huge PNG written fast, the rows of a JSONL output."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
+import zlib
 from pathlib import Path
-
-from helpers import make_youtu
-
-# the smallest Youtu-LLM that still has every block (q_lora off, one layer): converts in ~30 ms
-TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
-            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_hidden_layers=1, max_position_embeddings=64)
-
-
-def tiny_checkpoint(folder, seed: int = 1) -> Path:
-    return make_youtu(folder, seed=seed, **TINY)
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    """``edgevl ARGS`` in this process (exit code, stdout, stderr)."""
-    from edgevl.cli import main
-
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code: int, err: str, *needles: str) -> str:
-    """Exit 2 and exactly one ``error: ...`` line (the last), naming every needle."""
-    assert code == 2, (code, err)
-    assert "Traceback" not in err, err
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), err
-    assert sum(line.startswith("error: ") for line in lines) == 1, err
-    for n in needles:
-        assert n in lines[-1], (n, lines[-1])
-    return lines[-1]
 
 
 def tree_digest(folder) -> dict:
@@ -65,13 +36,15 @@ def edit_json(path, fn) -> None:
     path.write_text(json.dumps(data if new is None else new))
 
 
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, type, data and CRC."""
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
 def png_bomb(path, width: int, height: int, rgb=(200, 30, 30), rows_per_block: int = 64) -> Path:
     """A valid RGB PNG of one colour, width x height, written in well under a second however big:
     identical row blocks compress to identical bytes after a full flush, so one block is
     compressed and its output repeated (the Adler-32 trailer is computed over the real data)."""
-    import struct
-    import zlib
-
     row = b"\x00" + bytes(rgb) * width
     block = row * rows_per_block
     c = zlib.compressobj(9)
@@ -85,9 +58,14 @@ def png_bomb(path, width: int, height: int, rgb=(200, 30, 30), rows_per_block: i
     adler = zlib.adler32(row * rest, adler)
     idat = first + again * (n_blocks - 1) + tail[:-4] + struct.pack(">I", adler)
 
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                           + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n"
+                           + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                           + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b""))
     return Path(path)
+
+
+def read_jsonl(path):
+    """Rows of a JSONL output; every line must be complete JSON (no torn lines)."""
+    data = Path(path).read_bytes()
+    assert data == b"" or data.endswith(b"\n"), "torn last line"
+    return [json.loads(line) for line in data.decode().splitlines()]

@@ -56,7 +56,7 @@ class Agreement:
     # (0 where they agree): a flip on a near-tie crosses a small gap
     gaps: list = field(default_factory=list)
 
-    def add(self, ours: np.ndarray, ref: np.ndarray) -> "Agreement":
+    def add(self, ours: np.ndarray, ref: np.ndarray) -> Agreement:
         ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
         top, want = ours.argmax(1), ref.argmax(1)
         self.agree += int((top == want).sum())

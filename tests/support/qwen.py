@@ -8,10 +8,7 @@ import copy
 import json
 from pathlib import Path
 
-import numpy as np
-
-from edgevl.models.qwen3_5 import ARCH  # noqa: F401 - re-exported for tests
-from edgevl.verification.families.qwen3_5 import TINY_PREPROCESSOR, VERIFY  # noqa: F401 - re-exported for tests
+from edgevl.verification.families.qwen3_5 import VERIFY
 
 
 def make_qwen3_5(folder, seed: int = 0, dtype: str = "fp32", train_steps: int = 0, variant: str = "",
@@ -69,8 +66,3 @@ def hf_greedy(model, enc, n: int) -> list[int]:
     toks = out[0, enc["input_ids"].shape[1]:].tolist()
     assert len(toks) == n, f"transformers stopped after {len(toks)} of {n} tokens"
     return toks
-
-
-def cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))

@@ -1,15 +1,24 @@
-"""Builders for tiny random checkpoints with real layouts (the architectures' own factories)."""
+"""Youtu-LLM on both sides: tiny random (or briefly trained) checkpoints in the real layout, from
+the verification wing's factory (``edgevl.verification.families.youtu``), and transformers' own
+model and greedy decoding to compare with."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
-
-from edgevl.models.youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE  # noqa: F401 - re-exported for tests
 from edgevl.verification.families.youtu import VERIFY as YOUTU
-from edgevl.verification.tiny import CORPUS, init_random, tiny_tokenizer, train_briefly  # noqa: F401
+
+# the random configs of the parity tests (YoutuConfig overrides of the factory's defaults)
+CONFIGS = {
+    "q_lora": dict(),
+    "no_q_lora": dict(q_lora_rank=None, hidden_size=72, num_attention_heads=3),
+    "rope32_v_ne_nope": dict(qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=40, num_hidden_layers=3),
+    "untied": dict(tie_word_embeddings=False, kv_lora_rank=24),
+    "theta10000": dict(rope_theta=10000.0, intermediate_size=80),
+}
+# the smallest Youtu-LLM that still has every block (q_lora off, one layer): converts in ~30 ms
+TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_hidden_layers=1, max_position_embeddings=64)
 
 
 def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, init_scale: float = 0.15,
@@ -18,6 +27,26 @@ def make_youtu(folder, seed: int = 0, dtype: str = "fp32", max_shard_size=None, 
     folder = Path(folder)
     return YOUTU.make_tiny(folder, "q_lora", seed, dtype, train_steps, max_shard_size=max_shard_size,
                            init_scale=init_scale, **overrides)
+
+
+def tiny_checkpoint(folder, seed: int = 1) -> Path:
+    """The ``TINY`` Youtu-LLM: for tests of everything around the model (CLI, server, conversion)."""
+    return make_youtu(folder, seed=seed, **TINY)
+
+
+def convert_and_load(ck, root, dtype, kv="absorbed"):
+    """The package of ``ck`` at ``dtype`` and KV-cache layout ``kv`` (converted once under ``root``), loaded."""
+    import edgevl
+
+    out = root / f"{ck.name}-{dtype}-{kv}"
+    if not out.exists():
+        edgevl.convert(ck, out, dtype=dtype, kv_cache=kv, progress=False)
+    return edgevl.load(out)
+
+
+def chat_ids(model, prompt):
+    """Token ids of ``prompt`` as one user turn of the model's chat template."""
+    return model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
 
 
 def load_hf(folder):
@@ -32,17 +61,3 @@ def hf_greedy(model, input_ids, n: int) -> list[int]:
     from edgevl.verification.reference import TransformersCausalLM
 
     return TransformersCausalLM(model).greedy(input_ids, n, eos=())
-
-
-def config_of(folder) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())
-
-
-def cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
-
-
-def first_diff(a, b):
-    """Index of the first differing token of two sequences (None when one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)

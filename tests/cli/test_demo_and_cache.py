@@ -1,0 +1,65 @@
+"""The demo package from the command line: 'demo' (or no model) names it in every command, where
+it lives is said once, and `edgevl cache` lists and clears only edgevl's own files; the cache is
+named when it cannot be written and is keyed by the edgevl version."""
+
+import pytest
+
+import edgevl
+from edgevl import cli
+from edgevl.demo import demo_package, demo_package_path
+from edgevl.errors import EdgevlError
+
+
+def test_demo_path_is_printed_and_demo_names_it_everywhere(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    first = cli.resolve_model(None)
+    assert f"[converting the demo model into {first} (once)]" in capsys.readouterr().err
+    assert cli.resolve_model("demo") == cli.resolve_model(None) == first
+    assert capsys.readouterr().err == ""  # said once, when converting
+    (tmp_path / "mine").mkdir()
+    assert cli.resolve_model(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    for cmd in ("run", "verify", "chat", "serve", "bench"):
+        a = cli.build_parser().parse_args([cmd] + (["--prompt", "x"] if cmd == "run" else []))
+        assert a.model is None, cmd  # the model is optional everywhere
+
+
+def test_cache_lists_and_clears_only_its_own_files(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EDGEVL_CACHE", str(cache))
+    pkg = demo_package()
+    (cache / "notes.txt").write_text("mine, not edgevl's")
+    assert cli.main(["cache"]) == 0
+    out = capsys.readouterr().out
+    size = sum(p.stat().st_size for p in pkg.iterdir())
+    assert str(cache) in out and pkg.name in out and f"{size / 2**20:.1f} MB" in out and "notes.txt" not in out
+    assert cli.main(["cache", "clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert not pkg.exists() and (cache / "notes.txt").is_file()
+
+
+def test_unwritable_cache_folder_is_named_as_the_cache(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(EdgevlError, match=r"edgevl cache folder .*file/cache.*set EDGEVL_CACHE"):
+        demo_package()
+
+
+def test_bench_and_verify_take_demo(tmp_path, capsys):
+    assert cli.main(["verify", "demo", "--max-new-tokens", "4"]) == 0  # --reference: the package's source
+    out = capsys.readouterr()
+    assert "PASS" in out.out
+    lines = out.err.splitlines()
+    assert lines[0].startswith("[1/4] loading the package")
+    assert "prompt 'Describe the image in one sentence.'" in out.err and "(fp32)" in out.err
+    assert "greedy tokens must be identical" in out.err and "[4/4] 4 greedy tokens" in out.err
+    assert cli.main(["bench", "--repeats", "1", "--prompt-tokens", "8", "--gen-tokens", "2"]) == 0
+    assert "| edgevl fp32 expanded-kv |" in capsys.readouterr().out
+
+
+def test_demo_cache_is_keyed_by_the_edgevl_version(monkeypatch, tmp_path):
+    """An upgrade converts the demo again instead of loading (or refusing) an older release's copy."""
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path))
+    now = demo_package_path()
+    assert now.parent == tmp_path and now.name.endswith(f"-{edgevl.__version__}")
+    monkeypatch.setattr(edgevl, "__version__", "9.9.9")
+    assert demo_package_path() != now
