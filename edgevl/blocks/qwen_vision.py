@@ -129,6 +129,14 @@ def write_vision(ckpt, out: Path, dtype: str, on_tensor, v: VisionArgs, prefix: 
     return save_graph(g, out / "vision.param", info)
 
 
+def vision_token_ids(cfg: dict, tower: bool) -> dict:
+    """The manifest's token ids of the vision side: ``image_token_id`` when the package has a
+    tower, and the video and vision start/end ids config.json names."""
+    keys = (("image_token_id",) if tower else ()) + ("video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id")
+    return {k: int(cfg[k]) for k in keys if cfg.get(k) is not None}
+
+
 def open_vision(pkg, net) -> VisionEncoder:
     """The vision encoder of a loaded package (its vision graph and position table)."""
     info = pkg.manifest["graphs"]["vision"]

@@ -98,6 +98,22 @@ class Reference:
         return out
 
 
+def module_outputs(modules, run):
+    """(``run()``, the output of each of ``modules`` while it ran, in call order), without gradients:
+    the hidden states after each decoder layer or vision block."""
+    import torch
+
+    outs = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+             for m in modules]
+    try:
+        with torch.no_grad():
+            return run(), outs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _tensor_bytes(obj, seen=None) -> int:
     """Bytes of the tensors a transformers cache holds (keys, values, conv/recurrent states)."""
     import torch
@@ -132,16 +148,10 @@ class TransformersCausalLM(Reference):
     def text_states(self, ids, images=None):
         import torch
 
-        outs = []
-        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                 for layer in self._layers()]
-        try:
-            with torch.no_grad():
-                r = self.model(torch.tensor([list(ids)]), output_hidden_states=True)
-                final = self._norm()(outs[-1])
-        finally:
-            for h in hooks:
-                h.remove()
+        ids = torch.tensor([list(ids)])
+        r, outs = module_outputs(self._layers(), lambda: self.model(ids, output_hidden_states=True))
+        with torch.no_grad():
+            final = self._norm()(outs[-1])
         states = [r.hidden_states[0][0].numpy()] + [o[0].numpy() for o in outs] + [final[0].numpy()]
         return states, r.logits[0].float().numpy()
 
@@ -171,6 +181,21 @@ class QwenImagesReference(Reference):
 
     has_vision = True
     folder: Path
+
+    def _vision_blocks(self):
+        raise NotImplementedError
+
+    def _image_features(self, pixel_values, grid):
+        """The merger rows of one image (a tensor)."""
+        raise NotImplementedError
+
+    def vision_states(self, images):
+        out = []
+        for pv, grid in images:
+            merged, outs = module_outputs(self._vision_blocks(),
+                                          lambda pv=pv, grid=grid: self._image_features(pv, grid))
+            out.append((merged.float().numpy(), [o.float().numpy().reshape(-1, o.shape[-1]) for o in outs]))
+        return out
 
     def _processor(self, max_image_patches: int):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

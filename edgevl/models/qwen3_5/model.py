@@ -280,13 +280,10 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
 
     if v is not None:
         parts["graphs"]["vision"] = qwen_vision.write_vision(ckpt, out, dtype, on_tensor, v, VISION_PREFIX)
-        parts["image_token_id"] = int(cfg["image_token_id"])
+    parts.update(qwen_vision.vision_token_ids(cfg, tower=v is not None))
     mtp = sorted(k for k in ckpt.keys() if k.startswith("mtp."))
     if mtp:
         parts["mtp"] = {"tensors": len(mtp), "note": "multi-token-prediction head, not converted"}
-    for k in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        if cfg.get(k) is not None:
-            parts[k] = int(cfg[k])
     return parts
 
 

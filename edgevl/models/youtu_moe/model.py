@@ -347,10 +347,7 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
 
     if v is not None:
         parts["graphs"]["vision"] = qwen_vision.write_vision(view, out, dtype, on_tensor, v, VISION_PREFIX)
-        parts["image_token_id"] = int(cfg["image_token_id"])
-    for k in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        if cfg.get(k) is not None:
-            parts[k] = int(cfg[k])
+    parts.update(qwen_vision.vision_token_ids(cfg, tower=v is not None))
     return parts
 
 

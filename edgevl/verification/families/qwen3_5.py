@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ...models.qwen3_5.model import CHAT_TEMPLATE, TextArgs
-from ..reference import FamilyVerification, QwenImagesReference, torch_dtype
+from ..reference import FamilyVerification, QwenImagesReference, module_outputs, torch_dtype
 from ..tiny import CORPUS, chat_ids, init_random, train_briefly
 
 # transformers' classes of the family (the reference and the tiny checkpoints)
@@ -28,24 +28,12 @@ class Qwen3_5Reference(QwenImagesReference):
     def _lm(self):
         return self.model.model.language_model if self.vl else self.model.model
 
-    def vision_states(self, images):
-        import torch
+    def _vision_blocks(self):
+        return self.model.model.visual.blocks
 
-        visual = self.model.model.visual
-        out = []
-        for pv, grid in images:
-            outs = []
-            hooks = [b.register_forward_hook(
-                lambda m, i, o, outs=outs: outs.append(o[0] if isinstance(o, tuple) else o)) for b in visual.blocks]
-            try:
-                with torch.no_grad():
-                    merged = self.model.model.get_image_features(pv, grid, return_dict=True).pooler_output
-            finally:
-                for h in hooks:
-                    h.remove()
-            merged = merged[0] if isinstance(merged, (list, tuple)) else merged
-            out.append((merged.float().numpy(), [o.float().numpy().reshape(-1, o.shape[-1]) for o in outs]))
-        return out
+    def _image_features(self, pixel_values, grid):
+        merged = self.model.model.get_image_features(pixel_values, grid, return_dict=True).pooler_output
+        return merged[0] if isinstance(merged, (list, tuple)) else merged
 
     def _inputs(self, ids, images):
         import torch
@@ -64,16 +52,10 @@ class Qwen3_5Reference(QwenImagesReference):
     def text_states(self, ids, images=None):
         import torch
 
-        outs = []
-        hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-                 for layer in self._lm().layers]
-        try:
-            with torch.no_grad():
-                r = self.model(**self._inputs(ids, images), output_hidden_states=True)
-                final = self._lm().norm(outs[-1])
-        finally:
-            for h in hooks:
-                h.remove()
+        r, outs = module_outputs(self._lm().layers,
+                                 lambda: self.model(**self._inputs(ids, images), output_hidden_states=True))
+        with torch.no_grad():
+            final = self._lm().norm(outs[-1])
         states = ([r.hidden_states[0][0].float().numpy()] + [o[0].float().numpy() for o in outs]
                   + [final[0].float().numpy()])
         return states, r.logits[0].float().numpy()

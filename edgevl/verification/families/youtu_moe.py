@@ -30,23 +30,11 @@ class YoutuMoeReference(QwenImagesReference):
             return None, None
         return torch.cat([pv for pv, _ in images]), torch.cat([g for _, g in images])
 
-    def vision_states(self, images):
-        import torch
+    def _vision_blocks(self):
+        return self.model.visual.blocks
 
-        visual = self.model.visual
-        out = []
-        for pv, grid in images:
-            outs = []
-            hooks = [b.register_forward_hook(
-                lambda m, i, o, outs=outs: outs.append(o[0] if isinstance(o, tuple) else o)) for b in visual.blocks]
-            try:
-                with torch.no_grad():
-                    merged, _ = self.model.vision_features(pv, grid)
-            finally:
-                for h in hooks:
-                    h.remove()
-            out.append((merged.float().numpy(), [o.float().numpy().reshape(-1, o.shape[-1]) for o in outs]))
-        return out
+    def _image_features(self, pixel_values, grid):
+        return self.model.vision_features(pixel_values, grid)[0]
 
     def text_states(self, ids, images=None):
         states, logits = self.model.text_states(list(ids), *self._cat(images))
