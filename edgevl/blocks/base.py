@@ -217,8 +217,10 @@ def head_weight_name(ckpt: Checkpoint, tied: bool, embed_name: str, head_name: s
 
 
 def write_head_and_embedding(ckpt: Checkpoint, out, dtype: str, on_tensor, vocab: int, hidden: int,
-                             embed_name: str, head_name: str) -> tuple[dict, dict]:
-    """lm_head.param/.bin and the host-side embedding table; returns (head graph entry, embedding)."""
+                             embed_name: str, tied: bool) -> tuple[dict, dict]:
+    """lm_head.param/.bin and the host-side embedding table ``embed_name`` (``tied``: the head is
+    the embedding); returns (head graph entry, embedding)."""
+    head_name = head_weight_name(ckpt, tied, embed_name)
     g = G.Graph(out / "lm_head.bin")
     ctx = weight_ctx(ckpt, g, dtype, on_tensor)
     head = save_graph(g, out / "lm_head.param", build_lm_head(ctx, vocab, hidden, head_name))

@@ -38,7 +38,6 @@ from ...blocks.base import (
     GraphInfo,
     RowStack,
     config_args,
-    head_weight_name,
     heads_first,
     heads_last,
     kv_state,
@@ -273,9 +272,8 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
     parts["graphs"]["gdn_chunk"] = gd.build_core_net(out / "gdn_chunk.param", out / "gdn_chunk.bin", a.delta)
 
     embed_name = f"{prefix}.embed_tokens.weight"
-    head, parts["embedding"] = write_head_and_embedding(
-        ckpt, out, dtype, on_tensor, a.vocab_size, a.hidden_size, embed_name,
-        head_weight_name(ckpt, a.tie_word_embeddings, embed_name))
+    head, parts["embedding"] = write_head_and_embedding(ckpt, out, dtype, on_tensor, a.vocab_size, a.hidden_size,
+                                                        embed_name, a.tie_word_embeddings)
     parts["graphs"]["lm_head"] = head
 
     if v is not None:

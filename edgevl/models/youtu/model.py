@@ -22,7 +22,6 @@ from ...blocks.base import (
     Ctx,
     GraphInfo,
     config_args,
-    head_weight_name,
     kv_state,
     save_graph,
     swiglu_mlp,
@@ -125,7 +124,7 @@ def write_language_model(ckpt, out, a: ModelArgs, dtype: str, kv_cache: str, pre
     dec = save_graph(g, out / "decoder.param", info)
     embed_name = f"{prefix}.embed_tokens.weight"
     head, embedding = write_head_and_embedding(ckpt, out, dtype, on_tensor, a.vocab_size, a.hidden_size, embed_name,
-                                               head_weight_name(ckpt, a.tie_word_embeddings, embed_name))
+                                               a.tie_word_embeddings)
     return {"graphs": {"decoder": dec, "lm_head": head}, "embedding": embedding,
             "context": int(a.max_position_embeddings)}
 

@@ -47,7 +47,6 @@ from ...blocks.base import (
     GraphInfo,
     RowStack,
     config_args,
-    head_weight_name,
     kv_state,
     save_graph,
     swiglu_mlp,
@@ -340,9 +339,8 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     ctx = weight_ctx(view, g, dtype, on_tensor, float_layers=dense)
     parts["graphs"]["decoder"] = save_graph(g, out / "decoder.param", build_decoder(ctx, a))
     embed_name = f"{PREFIX}.embed_tokens.weight"
-    head, parts["embedding"] = write_head_and_embedding(
-        view, out, dtype, on_tensor, a.vocab_size, a.hidden_size, embed_name,
-        head_weight_name(view, a.tie_word_embeddings, embed_name))
+    head, parts["embedding"] = write_head_and_embedding(view, out, dtype, on_tensor, a.vocab_size, a.hidden_size,
+                                                        embed_name, a.tie_word_embeddings)
     parts["graphs"]["lm_head"] = head
 
     if v is not None:
