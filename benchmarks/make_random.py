@@ -1,7 +1,7 @@
 """Write a random-weight checkpoint of a registered model family at a named shape.
 
     python benchmarks/make_random.py FAMILY OUT [--shape NAME] [--layers N] [--experts N]
-                                     [--dtype bf16|fp32] [--seed 0]
+                                     [--dtype bf16|fp32] [--seed 0] [--mtp random|echo]
     python benchmarks/make_random.py --list
 
 The checkpoint is the family's own tiny checkpoint (``edgevl.verification.get(FAMILY).make_tiny``:
@@ -15,6 +15,12 @@ in memory in fp32 (about 4 bytes a parameter, 8 GB for the Youtu-LLM-2B shape), 
 
 benchmarks/run.sh builds its checkpoints with it, e.g.
 ``make_random.py qwen3_5_moe OUT --shape a3b --layers 16 --experts 32``.
+
+``--mtp`` (Qwen3.5 families) adds the multi-token-prediction block: ``random`` drafts at chance;
+``echo`` is derived from the model itself so that it drafts the token the model just predicted
+(fc passes the hidden half, the layer adds nothing, norms without gain: the block's output is the
+decoder's hidden state rescaled, whose head argmax is that token). A random model's greedy text
+repeats itself, so echo drafts are mostly accepted — by any runtime (llama.cpp's too).
 """
 
 from __future__ import annotations
@@ -117,6 +123,29 @@ def overrides(family: str, shape: str, layers: int | None = None, experts: int |
     return over
 
 
+def echo_mtp(folder: Path) -> None:
+    """Rewrite the checkpoint's MTP block so that it drafts the token the model just predicted:
+    x = fc([e | h]) = h (fc = [0 | I]), the layer's residual branches zero (o_proj, down_proj and
+    the experts' down projections), every norm's gain 1 (zero-centred weights 0): the output is
+    h rescaled, so the head's argmax over it is the decoder's own prediction."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        t = load_file(str(f))
+        if "mtp.fc.weight" not in t:
+            continue
+        for k, v in t.items():
+            if not k.startswith("mtp."):
+                continue
+            if k == "mtp.fc.weight":
+                h = v.shape[0]
+                t[k] = torch.cat([torch.zeros(h, h), torch.eye(h)], 1).to(v.dtype)
+            elif "norm" in k or k.endswith(("o_proj.weight", "down_proj.weight", "shared_expert_gate.weight")):
+                t[k] = torch.zeros_like(v)
+        save_file(t, str(f), metadata={"format": "pt"})
+
+
 def parameters(folder: Path) -> int:
     from safetensors import safe_open
 
@@ -138,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, help="override the routed experts per layer (MoE families)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mtp", choices=["random", "echo"], help="add the multi-token-prediction block (Qwen3.5)")
     ap.add_argument("--list", action="store_true", help="list the families' shapes and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -157,7 +187,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     t0 = time.time()
     print(f"{a.family} {shape}: {SHAPES[a.family][shape].about} -> {out}", file=sys.stderr)
-    verification.get(a.family).make_tiny(out, None, seed=a.seed, dtype=a.dtype, **over)
+    verification.get(a.family).make_tiny(out, None, seed=a.seed, dtype=a.dtype, mtp=bool(a.mtp), **over)
+    if a.mtp == "echo":
+        echo_mtp(out)
     pre = SHAPES[a.family][shape].preprocessor
     if pre:
         p = out / "preprocessor_config.json"

@@ -109,7 +109,20 @@ def _runtime_options() -> dict:
 
 
 def add_runtime_option_args(p: argparse.ArgumentParser) -> None:
-    """The architectures' load-time options as flags (e.g. --expert-cache-mb)."""
+    """The load-time options as flags: speculative decoding's and the architectures' own (e.g.
+    --expert-cache-mb)."""
+    p.add_argument("--speculative", choices=["none", "mtp"], default=None,
+                   help="speculative decoding: mtp drafts tokens with the package's multi-token-prediction block "
+                        "and checks them in one decoder pass (same output, faster when drafts are accepted; it "
+                        "turns itself off for a generation whose drafts are mostly rejected); none decodes one "
+                        "token per pass (default: mtp where the package has the block)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="tokens the MTP block drafts per decoder pass (default 1; at most 2 on the models that "
+                        "have the block)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft among the first N vocabulary entries only (BPE vocabularies put the frequent tokens "
+                        "first): a cheaper draft, slightly fewer drafts accepted (default 65536; 0: the whole "
+                        "vocabulary)")
     for name, (opt, archs) in _runtime_options().items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.type, default=None, metavar=opt.metavar,
                        help=f"{opt.help} ({', '.join(archs)} models)")
@@ -117,7 +130,10 @@ def add_runtime_option_args(p: argparse.ArgumentParser) -> None:
 
 def runtime_option_values(a) -> dict:
     """The load-time options given on the command line (for ``load(..., options=)``)."""
-    return {name: getattr(a, name) for name in _runtime_options() if getattr(a, name, None) is not None}
+    from .model import SPECULATIVE_OPTIONS
+
+    names = [*SPECULATIVE_OPTIONS, *_runtime_options()]
+    return {name: getattr(a, name) for name in names if getattr(a, name, None) is not None}
 
 
 def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
@@ -384,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "output row) with activations quantized per row at run time (ncnn's int8 Gemm): the "
                         "fastest; the architecture keeps some layers (e.g. the vision tower) in bf16")
     for name, (opt, archs) in _convert_options().items():  # the architectures' own options
+        if opt.flag:
+            c.add_argument("--" + opt.flag, dest=name, default=None, action="store_const", const=opt.flag_value,
+                           help=f"{opt.help} ({', '.join(archs)} models)")
+            continue
         c.add_argument("--" + name.replace("_", "-"), dest=name, default=None, choices=list(opt.choices),
                        help=f"{opt.help} (default {opt.default}; {', '.join(archs)} models)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import models
+from . import models, speculative
 from .errors import EdgevlError
 from .models.protocol import PackageView
 from .package import check_listed, package_path, read_manifest, verify_files
@@ -34,6 +34,8 @@ from .tokenizer import Tokenizer
 # hybrid delta-rule model's 1000-token prefill: 0.24 GB of activations against 0.40-0.50 GB;
 # docs/benchmarks.md, section 6).
 PREFILL_CHUNK = 512
+# load options of the runtime itself (not of an architecture): speculative decoding
+SPECULATIVE_OPTIONS = ("speculative", "draft_tokens", "draft_vocab")
 RELEASE_TRIM_BYTES = 64 << 20
 
 
@@ -77,8 +79,10 @@ class Model:
         check_listed(self.path, m)  # nothing beside the graphs is read unverified
         self.arch = models.get(m["architecture"])
         self._nets: list = []   # every Net opened for this model (release_buffers)
+        options = dict(options or {})
+        spec = {k: options.pop(k, None) for k in SPECULATIVE_OPTIONS}
         # the architecture's load-time options (Architecture.runtime_options), checked
-        self.options = self.arch.resolve_runtime_options(options or {})
+        self.options = self.arch.resolve_runtime_options(options)
         self.config = m["config"]
         self.dtype = m["dtype"]
         self.threads = check_threads(threads) if threads is not None else default_threads()
@@ -111,6 +115,16 @@ class Model:
         self.cache = self.decoder.new_cache()
         self.cache_keys: list = []  # one hashable key per cached position (token id or image row)
         self.last_prefill_tokens = 0
+        # the decoder's last hidden state at each length the cache can go back to (the MTP
+        # block's row before a reused prefix needs it)
+        self._hidden_at: dict[int, np.ndarray] = {}
+        self.mtp = None
+        has_mtp = "mtp" in graphs and not self.low_memory
+        undo = self.decoder.undo_rows if has_mtp or spec["speculative"] == "mtp" else 0
+        mode, k, vocab = speculative.check_options(spec["speculative"], spec["draft_tokens"], spec["draft_vocab"],
+                                                   has_mtp, undo)
+        if mode == "mtp":
+            self.mtp = speculative.Mtp(self, k, vocab)
 
     @property
     def family(self) -> str:
@@ -118,8 +132,21 @@ class Model:
 
     def runtime_stats(self) -> dict:
         """What the runtime measured beyond speed (e.g. an expert cache's hit rate):
-        {name: {..., "summary": one line}}; empty for most models."""
-        return self.arch.runtime_stats(self.package)
+        {name: {..., "summary": one line}}; with speculative decoding ``speculative``:
+        {"drafted", "accepted"} of the last generation."""
+        stats = dict(self.arch.runtime_stats(self.package))
+        if self.mtp is not None:
+            d, a = self.mtp.drafted, self.mtp.accepted
+            stats["speculative"] = {"drafted": d, "accepted": a,
+                                    "summary": f"speculative decoding (MTP, {self.mtp.k} draft token"
+                                               f"{'s' if self.mtp.k > 1 else ''}): {a} of {d} drafts accepted"
+                                               + (f" ({a / d:.0%})" if d else "")}
+        return stats
+
+    @property
+    def speculative(self) -> str:
+        """"mtp" when generation drafts with the package's MTP block, else "none"."""
+        return "none" if self.mtp is None else "mtp"
 
     def preload(self, progress: bool = False) -> Model:
         """Load what the model would otherwise load on first use (an MoE's routed experts kept all
@@ -193,6 +220,18 @@ class Model:
     def reset(self) -> None:
         self.cache = self.decoder.new_cache()
         self.cache_keys = []
+        self._hidden_at = {}
+        if self.mtp is not None:
+            self.mtp.reset()
+
+    def note_hidden(self, hidden_row: np.ndarray) -> None:
+        """Remember the decoder's hidden state at the cache's current length (kept only where the
+        cache can go back to: its snapshots, and its end)."""
+        if self.mtp is None:
+            return
+        keep = set(self.cache._snapshots)
+        self._hidden_at = {n: h for n, h in self._hidden_at.items() if n in keep}
+        self._hidden_at[self.cache.length] = np.array(hidden_row, np.float32).reshape(-1)
 
     def _keys(self, input_ids, image_rows) -> list:
         keys, img, k = [], 0, 0
@@ -235,7 +274,8 @@ class Model:
         else:
             self.cache.rollback(start)
             self.cache_keys = self.cache_keys[:start]
-        hidden = None
+        hidden, hiddens = None, []
+        before = self._hidden_at.get(start) if start else None   # h[start - 1], for the MTP block
         # runs end at the architecture's snapshot points (where a later prompt may diverge from
         # this one, e.g. before an answer that the next turn's template renders differently)
         points = {p for p in self.arch.snapshot_points(self.tokenizer, list(input_ids)) if start < p < len(keys)}
@@ -251,9 +291,21 @@ class Model:
                                                  kv_hint=len(keys) if len(cuts) > 1 else 0)
                 if e in points:
                     self.cache.snapshot()
+                    self.note_hidden(hidden[-1])
+                if self.mtp is not None:
+                    hiddens.append(hidden)
                 s = e
             self.cache.snapshot()  # the end of a prompt: where the next turn of a chat starts from
             self.cache_keys.extend(keys[start:])
+        self.note_hidden(hidden[-1])
+        if self.mtp is not None:
+            # the block's rows from start - 1 on wait for the prompt's next token (row j: x[j + 1], h[j])
+            self.mtp.keep_before(start - 1)
+            h = np.concatenate(hiddens)
+            if before is not None:
+                self.mtp.add(x[start:], np.concatenate([before[None], h]), positions[:, start - 1:], start - 1)
+            else:
+                self.mtp.add(x[start + 1:], h, positions[:, start:], start)
         self.last_prefill_tokens = len(keys) - start
         logits = self.logits(hidden[-1:])[0]
         if len(keys) - start > 1:
@@ -280,6 +332,8 @@ class Model:
         except BaseException:
             kept = self.cache.recover(min(length, len(self.cache_keys)))
             del self.cache_keys[kept:]
+            if self.mtp is not None:
+                self.mtp.keep_before(kept - 1)
             raise
 
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
@@ -300,6 +354,9 @@ class Model:
         stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
         logits = self.prefill(input_ids, rows, reuse_cache, images=infos)
         history = list(input_ids)
+        if self.mtp is not None and int(max_new_tokens) > 0:
+            yield from speculative.generate(self, self.mtp, sampler, logits, history, stops, int(max_new_tokens))
+            return
         for _ in range(int(max_new_tokens)):
             tok = sampler(logits, history)
             yield tok
@@ -332,8 +389,11 @@ def load(path, threads: int | None = None, verify: bool = True, low_memory: bool
 
     ``low_memory=True`` keeps no weights resident: each decoder layer / lm_head shard is loaded
     only while it runs (much slower; for models that do not fit in RAM).
-    ``options`` / keyword arguments: the architecture's load-time options, e.g.
-    ``expert_cache_mb=512`` for mixture-of-experts models (``edgevl run --help`` lists them).
+    ``options`` / keyword arguments: load-time options — ``speculative`` ("mtp": draft with the
+    package's multi-token-prediction block, the default where it has one; "none"),
+    ``draft_tokens`` (per decoder pass, default 1), ``draft_vocab`` (draft among the first N
+    vocabulary entries only) — and the architecture's own, e.g. ``expert_cache_mb=512`` for
+    mixture-of-experts models (``edgevl run --help`` lists them).
     """
     return Model(path, threads=threads, verify=verify, low_memory=low_memory,
                  options={**(options or {}), **runtime_options})

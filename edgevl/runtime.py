@@ -298,6 +298,18 @@ def blob_order(param_path) -> tuple[dict, set]:
     return order, set(order) - used
 
 
+def layer_outputs(param_path) -> dict:
+    """From a .param file: layer name -> its output blob names."""
+    out = {}
+    with open(param_path) as f:
+        for line in f.read().split("\n")[2:]:
+            parts = line.split()
+            if len(parts) >= 4:
+                n_in, n_out = int(parts[2]), int(parts[3])
+                out[parts[1]] = parts[4 + n_in: 4 + n_in + n_out]
+    return out
+
+
 def _detach(m: ncnn.Mat, pools) -> ncnn.Mat:
     """A Mat allocated from one of ``pools``, cloned out of it (the pool may be cleared or go
     first). Others are kept as they are: SDPA's KV caches come from the system allocator with
@@ -417,6 +429,22 @@ class RecurrentState:
         self.inputs, self.outputs = list(spec["inputs"]), list(spec["outputs"])
         self.shapes = [tuple(int(x) for x in s) for s in spec["shapes"]]  # numpy (c, h, w) order
         self.mats: tuple | None = None
+        # a window (the last columns of a channels x time input, e.g. a causal conv's): the
+        # last rows of a forward can be dropped from it, given the state before (``undo``)
+        self.window = bool(spec.get("window")) and all(len(sh) == 2 for sh in self.shapes)
+        self.before: tuple | None = None
+
+    def undo(self, rows: int, r: int) -> None:
+        """Drop the last ``r`` of the ``rows`` rows the last forward fed (a window state, at most
+        its width of rows; ``before`` holds the state from before that forward)."""
+        if not self.window or rows > min(sh[1] for sh in self.shapes):
+            raise ValueError("this state cannot take rows back")
+        old = self.before or tuple(np.zeros(sh, np.float32) for sh in self.shapes)
+        out = []
+        for b, a, (_, w) in zip(old, self.mats, self.shapes):
+            new = from_mat(a).reshape(-1, w)[:, w - rows: w - r]    # the rows kept, as columns
+            out.append(to_mat(np.concatenate([np.asarray(b, np.float32).reshape(-1, w), new], 1)[:, -w:]))
+        self.mats = tuple(out)
 
     def feeds(self) -> dict:
         if self.mats is None:
@@ -530,9 +558,12 @@ class Cache:
         if snap is not None:
             for s, a in zip((s for s in self.layers if not s.truncatable), snap):
                 s.restore(a)
-        self._snapshots = {k: v for k, v in self._snapshots.items() if k <= n}
+        self.drop_snapshots_after(n)
         self.length = n
         del self.next_positions[n:]
+
+    def drop_snapshots_after(self, n: int) -> None:
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k <= n}
 
     def recover(self, n: int) -> int:
         """After a forward that failed part-way (an exception, a Ctrl-C): go back to a state
@@ -734,13 +765,56 @@ class Decoder:
     def new_cache(self) -> Cache:
         return Cache(self.info["state"])
 
+    @property
+    def undo_rows(self) -> int:
+        """The most rows of one forward that :meth:`undo` can take back (0: none): every state
+        must allow it — KV caches (when truncation works), window states (up to their width
+        of rows), host states whose hook has an ``undo``."""
+        if not kv_truncation_works():
+            return 0
+        limit = 1 << 30
+        for i, spec in enumerate(self.info["state"]):
+            if spec["kind"] == "recurrent":
+                st = RecurrentState(spec)
+                limit = min(limit, min(sh[1] for sh in st.shapes) if st.window else 0)
+            elif spec["kind"] == "host":
+                hooks = [self.hooks[p["hook"]] for p in self.passes if p.get("state") == i]
+                limit = min(limit, limit if hooks and all(hasattr(h, "undo") for h in hooks) else 0)
+        return limit
+
+    def undo(self, cache: Cache, rows: int, r: int) -> None:
+        """Take back the last ``r`` of the ``rows`` rows of the last forward (an ``undoable``
+        one): the cache is as if only the others had been fed."""
+        if r <= 0:
+            return
+        n = cache.length - r
+        for i, s in enumerate(cache.layers):
+            if s.truncatable:
+                s.truncate(n)
+            elif isinstance(s, HostState):
+                for p in self.passes:
+                    if p.get("state") == i:
+                        self.hooks[p["hook"]].undo(s, r)
+                s.dirty = False
+            else:
+                s.undo(rows, r)
+        cache.length = n
+        del cache.next_positions[n:]
+        cache.drop_snapshots_after(n)
+
     def forward(self, embeds: np.ndarray, cache: Cache, positions: np.ndarray,
-                extract: list[str] = (), ids=None, kv_hint: int = 0) -> tuple[np.ndarray, dict]:
+                extract: list[str] = (), ids=None, kv_hint: int = 0,
+                undoable: bool = False) -> tuple[np.ndarray, dict]:
         """Run ``embeds`` [S, H] at rotary ``positions`` [axes, S] on top of ``cache`` (updated
         in place); returns the final hidden states [S, H] and the blobs named in ``extract``.
         ``ids``: the rows' token ids (for passes that ask for them). ``kv_hint``: the cache
-        length a chunked prompt will reach (KV caches are then allocated once)."""
+        length a chunked prompt will reach (KV caches are then allocated once). ``undoable``:
+        the last rows may be taken back afterwards (:meth:`undo`; up to ``undo_rows`` rows)."""
         seq, past = embeds.shape[0], cache.length
+        if undoable:
+            for s in cache.layers:
+                if isinstance(s, RecurrentState) and not isinstance(s, HostState):
+                    s.before = s.mats
         positions = np.asarray(positions).reshape(-1, seq)
         cos, sin = self.rope(positions)
         names = self.info["inputs"]
@@ -748,7 +822,7 @@ class Decoder:
                  names["sin"]: sin, **cache.feeds()}
         if ids is not None and len(ids) != seq:
             raise ValueError(f"{len(ids)} token ids for {seq} rows")
-        passes = [(p["extract"], self._hook(p, seq, cache, ids), bool(p.get("mats"))) for p in self.passes
+        passes = [(p["extract"], self._hook(p, seq, cache, ids, undoable), bool(p.get("mats"))) for p in self.passes
                   if p.get("when", "always") == "always" or seq > 1]
         # intermediate blobs first (they must be extracted before consumers free them); state
         # outputs with their kind's extraction type
@@ -759,10 +833,12 @@ class Decoder:
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
 
-    def _hook(self, p: dict, seq: int, cache: Cache, ids=None):
+    def _hook(self, p: dict, seq: int, cache: Cache, ids=None, undoable: bool = False):
         fn, args = self.hooks[p["hook"]], dict(p.get("args", {}))
         if "state" in p:
             args["state"] = cache.layers[int(p["state"])]
+            if undoable:
+                args["undoable"] = True
         if p.get("ids"):
             args["ids"] = None if ids is None else np.asarray(ids, np.int64)
         return lambda blobs: fn(blobs, seq=seq, **args)

@@ -44,6 +44,28 @@ class Sampler:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def __call__(self, logits: np.ndarray, history=()) -> int:
+        if self.greedy:
+            return int(np.argmax(self._penalized(logits, history)))
+        p = self.distribution(logits, history)
+        return int(self.rng.choice(p.shape[0], p=p))
+
+    def check(self, logits: np.ndarray, history, draft: int) -> int:
+        """The token to take where a drafter proposed ``draft`` (speculative decoding; the
+        drafter picks one token, its argmax): ``draft`` itself if accepted. Greedy accepts it iff
+        it is the argmax. Sampling accepts it with probability p(draft), else draws from p
+        without it renormalised — the rule that leaves the output distribution p unchanged."""
+        if self.greedy:
+            return int(np.argmax(self._penalized(logits, history)))
+        p = self.distribution(logits, history)
+        if self.rng.random() < p[draft]:
+            return int(draft)
+        p[draft] = 0.0
+        total = p.sum()
+        if total <= 0:     # p(draft) was 1 (up to rounding): nothing else to draw
+            return int(draft)
+        return int(self.rng.choice(p.shape[0], p=p / total))
+
+    def _penalized(self, logits, history) -> np.ndarray:
         x = np.asarray(logits, dtype=np.float32).copy()
         if self.repetition_penalty != 1.0 and len(history):
             ids = np.unique(np.asarray(history, dtype=np.int64))
@@ -51,8 +73,12 @@ class Sampler:
             v = x[ids]
             with np.errstate(over="ignore", divide="ignore"):  # an absurd penalty may overflow to inf
                 x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
-        if self.greedy:
-            return int(np.argmax(x))
+        return x
+
+    def distribution(self, logits: np.ndarray, history=()) -> np.ndarray:
+        """The probabilities (float64) sampling draws from: every processor applied
+        (speculative decoding's rejection rule needs them, not just a draw). Not for greedy."""
+        x = self._penalized(logits, history)
         with np.errstate(over="ignore"):
             x = x.astype(np.float64) / self.temperature
         if 0 < self.top_k < x.shape[0]:
@@ -71,7 +97,7 @@ class Sampler:
             mask[keep] = True
             p = np.where(mask, p, 0.0)
             p /= p.sum()
-        return int(self.rng.choice(p.shape[0], p=p))
+        return p
 
 
 # -- defaults: the checkpoint's generation_config.json, then what the caller sets -------------------

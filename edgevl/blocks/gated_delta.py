@@ -131,8 +131,10 @@ def declare_recurrent_layer(states: list, i: int, conv_shape, host_shapes, hook:
     extracts the conv window's output first (extracting the core's ``inputs`` runs the conv,
     which consumes and in light mode frees the window the state output is cut from), then the
     core's inputs as Mats, and hands ``hook`` the host state."""
+    # "window": the state is the last columns of the (channels x time) input, so the runtime can
+    # drop a forward's last rows from it (speculative decoding's rejected drafts)
     states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
-                   "outputs": [f"out_conv_state{i}"], "shapes": [list(conv_shape)]})
+                   "outputs": [f"out_conv_state{i}"], "shapes": [list(conv_shape)], "window": True})
     states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [], "names": list(HOST_STATE_NAMES),
                    "shapes": [list(sh) for sh in host_shapes]})
     return {"extract": [f"out_conv_state{i}", *inputs], "hook": hook, "args": args, "state": len(states) - 1,
@@ -364,14 +366,24 @@ class DeltaRuleCore(WindowedCore):
         offset = np.concatenate([np.zeros(d.value_heads, np.float32), b])
         return (to_mat(a[None]), to_mat(b[None]), a, qk_scale, sign, offset)
 
-    def __call__(self, qkv, ba, gates: tuple, state: tuple):
+    def __call__(self, qkv, ba, gates: tuple, state: tuple, undoable: bool = False):
         """qkv [seq, 2Kd+Vd] and ba [seq, 2Hv] (the decoder graph's conv output and gate logits,
-        as arrays or Mats); returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state)."""
+        as arrays or Mats); returns (o: a Mat (h=seq, w=Vd) or array [seq, Vd], the new state).
+
+        ``undoable``: the rows go through the window one by one (never folded in between), so
+        :meth:`drop_last` can take the last of them back — a few rows (speculative decoding's
+        drafts); a prompt takes the chunk net."""
         from ..runtime import from_mat
 
-        if (qkv.h if hasattr(qkv, "h") else qkv.shape[0]) == 1:
+        seq = qkv.h if hasattr(qkv, "h") else qkv.shape[0]
+        if seq == 1 and not undoable:
             return self._step(qkv, ba, gates, state)
         qkv, ba = (x if isinstance(x, np.ndarray) else from_mat(x) for x in (qkv, ba))
+        if undoable:
+            if int(state[5][0]) + seq >= self.window:   # no fold among these rows
+                self.fold(state)
+            o = np.concatenate([self._step(qkv[t], ba[t], gates, state)[0] for t in range(seq)])
+            return o, state
         s0 = self.fold(state)[0]
         names, outs = self.chunk_info["inputs"], self.chunk_info["outputs"]
         seq, n = qkv.shape[0], self.rows
@@ -442,6 +454,22 @@ class DeltaRuleCore(WindowedCore):
         return o.reshape(1, -1), state
 
 
+    def drop_last(self, state, r: int) -> None:
+        """Take the last ``r`` rows of an ``undoable`` call back: the state is as if they had
+        never been fed (their window slots emptied, the log-decay since S0 back to the last kept
+        row's)."""
+        s0, wk, wd, wc, c, n = state
+        m = int(n[0])
+        if r > m:
+            raise ValueError(f"cannot take back {r} rows: the window holds {m}")
+        m -= r
+        wk[:, m:m + r] = 0
+        wd[:, m:m + r] = 0
+        c[...] = wc[:, :, m - 1:m] if m else 0
+        wc[:, :, m:m + r] = 0
+        n[0] = m
+
+
 def _borrow(a: np.ndarray):
     """A Mat over ``a``'s memory (no copy): ``a`` must be C-contiguous float32 with each channel a
     multiple of 4 values (ncnn's channel alignment), stay alive and unchanged while ncnn reads it,
@@ -455,10 +483,17 @@ def core_hook(core: DeltaRuleCore, gates: dict):
     """The decoder's host pass for a recurrent layer (``runtime.Decoder`` passes): the layer's
     conv output and gate logits in, the delta rule run on its ``host`` state (the matrix),
     the core output fed back by name."""
-    def hook(blobs, seq, state, layer, qkv, ba, out):
-        o, st = core(blobs[qkv], blobs[ba], gates[layer], core.as_state(state.get()))
+    def hook(blobs, seq, state, layer, qkv, ba, out, undoable=False):
+        o, st = core(blobs[qkv], blobs[ba], gates[layer], core.as_state(state.get()), undoable)
         state.set(st)
         return {out: o}
+
+    def undo(state, r):
+        st = core.as_state(state.get())
+        core.drop_last(st, r)
+        state.set(st)
+
+    hook.undo = undo
     return hook
 
 

@@ -45,6 +45,12 @@ class Option:
     default: str
     help: str = ""
     label: str = "{value} {name}"   # how benchmark tables name a non-default value
+    # a two-choice option offered as one switch instead (``--no-mtp``): it sets the other choice
+    flag: str = ""
+
+    @property
+    def flag_value(self) -> str:
+        return next(c for c in self.choices if c != self.default)
 
 
 @dataclass(frozen=True)

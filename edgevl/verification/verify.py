@@ -28,6 +28,7 @@ class Report:
     reference: list = field(default_factory=list)
     processor_max_diff: float | None = None
     dtype: str = "fp32"
+    mtp_top1: tuple | None = None                # (rows whose MTP draft matches the reference's, rows)
 
     def add(self, section, name, a, b):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -50,8 +51,8 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        if self.dtype == "fp32":
-            return self.identical
+        if self.dtype == "fp32":   # the MTP block's drafts too, where the package has it
+            return self.identical and (self.mtp_top1 is None or self.mtp_top1[0] == self.mtp_top1[1])
         # reduced precision drifts eventually: require the first token and close logits
         logits = [r for r in self.rows if r[1] == "logits"]
         return self.agreement >= 1 and all(r[2] >= 0.99 for r in logits)
@@ -60,7 +61,8 @@ class Report:
         vals = [r[2] for r in self.rows if r[0] == section]
         return min(vals) if vals else float("nan")
 
-    THRESHOLDS = {"fp32": "fp32: the greedy tokens must be identical to the reference's",
+    THRESHOLDS = {"fp32": "fp32: the greedy tokens must be identical to the reference's (and the MTP block's drafts, "
+                     "where the package has one)",
                   "reduced": "reduced precision: the first greedy token must match and the logits cosine "
                              "be >= 0.99"}
 
@@ -75,6 +77,9 @@ class Report:
         print(f"{'section':<8} {'tensor':<28} {'cosine':>12} {'max|diff|':>12}", file=out)
         for sec, name, c, d in self.rows:
             print(f"{sec:<8} {name:<28} {c:>12.8f} {d:>12.4g}", file=out)
+        if self.mtp_top1 is not None:
+            print(f"MTP drafts (top-1 of the block's logits): {self.mtp_top1[0]} of {self.mtp_top1[1]} rows equal to "
+                  "the reference's", file=out)
         n = len(self.reference)
         state = "identical" if self.identical else f"first {self.agreement} of {n} agree"
         print(f"greedy tokens ({n} new): {state}", file=out)
@@ -164,6 +169,17 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
                 rep.add("state", f"layer {i} {key[1]}", ours_state[key], ref_state[key])
     rep.add("text", "final norm", hidden, states[-1])
     rep.add("text", "logits", model.logits(hidden), ref_logits)
+    if "mtp" in model.manifest["graphs"] and len(ids) > 1:
+        from .. import speculative
+
+        log("   the multi-token-prediction block (row i: token i+1's embedding and the hidden state at i)")
+        mtp = model.mtp or speculative.Mtp(model)
+        out = speculative.block_outputs(mtp, embeds[1:], hidden[:-1], model.positions(ids, prep.images)[:, :-1])
+        ref_out, ref_mtp_logits = ref.mtp_states(ids, ref_images)
+        rep.add("mtp", "block output", out, ref_out)
+        mtp_logits = model.logits(out)
+        rep.add("mtp", "logits", mtp_logits, ref_mtp_logits)
+        rep.mtp_top1 = (int((mtp_logits.argmax(-1) == np.asarray(ref_mtp_logits).argmax(-1)).sum()), len(out))
     log(f"[{next(step)}/{steps}] {max_new_tokens} greedy tokens, ours and the reference's")
     rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.encoded, reuse_cache=False))
     rep.reference = ref.greedy(ids, max_new_tokens, model.eos_ids, ref_images)

@@ -48,7 +48,7 @@ from ...blocks.base import (
 )
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import Architecture, BenchProfile, answer_header_points
+from ..protocol import Architecture, BenchProfile, Option, answer_header_points
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -79,6 +79,7 @@ class TextArgs:
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
     mrope_section: list = field(default_factory=lambda: [11, 11, 10])
+    mtp_num_hidden_layers: int = field(default=0, metadata={"min": 0})
 
     # a text-only checkpoint (e.g. Qwen3_5ForCausalLM, model_type qwen3_5_text) has it at the root
     text_model_types: ClassVar[tuple] = ("qwen3_5_text",)
@@ -191,14 +192,15 @@ def emit_dense_mlp(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple[str, 
 
 
 def emit_decoder_layer(ctx: Ctx, x: str, a: TextArgs, i: int, cos: str, sin: str, mask: str,
-                       prefix: str, mlp=emit_dense_mlp) -> tuple[str, dict | None, dict | None]:
-    """``mlp(ctx, normed blob, prefix, args, layer) -> (blob, host pass or None)``: the dense
-    SwiGLU here, a sparse MoE block in Qwen3.5-MoE. Returns (output, the core's pass args, the
-    MLP's pass)."""
-    g, p = ctx.g, f"{prefix}.layers.{i}"
+                       p: str, mlp=emit_dense_mlp, recurrent: bool = False) -> tuple[str, dict | None, dict | None]:
+    """Layer ``i`` (its state and blob names) with the tensors named ``p``.*: Gated DeltaNet if
+    ``recurrent``, else gated attention. ``mlp(ctx, normed blob, prefix, args, layer) -> (blob,
+    host pass or None)``: the dense SwiGLU here, a sparse MoE block in Qwen3.5-MoE. Returns
+    (output, the core's pass args, the MLP's pass)."""
+    g = ctx.g
     h = rms_norm(ctx, x, f"{p}.input_layernorm", a.hidden_size, a.rms_norm_eps)
     core = None
-    if a.is_recurrent(i):
+    if recurrent:
         h, core = emit_gated_delta_net(ctx, h, f"{p}.linear_attn", a, i)
     else:
         h = emit_attention(ctx, h, f"{p}.self_attn", a, i, cos, sin, mask)
@@ -225,7 +227,8 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX, mlp=emit_dense_ml
     d = a.delta
     for i in range(a.num_hidden_layers):
         g.section(f"layer{i}")
-        x, core, mlp_pass = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, prefix, mlp)
+        x, core, mlp_pass = emit_decoder_layer(ctx, x, a, i, cos, sin, mask, f"{prefix}.layers.{i}", mlp,
+                                               a.is_recurrent(i))
         if core is None:
             states.append(dict(kv_state(i, 2 * a.num_key_value_heads * a.head_dim), layer=i))
             passes += [mlp_pass] if mlp_pass else []
@@ -247,21 +250,76 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX, mlp=emit_dense_ml
     )
 
 
+def build_mtp(ctx: Ctx, a: TextArgs, mlp=emit_dense_mlp) -> GraphInfo:
+    """The multi-token-prediction block (docs/models/qwen3_5.md, "MTP"): row i takes
+    ``embeds`` = [embed(t[i+1]) | h[i]] (w=2H; h[i] the decoder's final-normed hidden state at i)
+    and gives the block's ``hidden`` after ``mtp.norm``, whose head argmax drafts t[i+2].
+
+    x = fc([pre_fc_norm_embedding(e) | pre_fc_norm_hidden(h)]), then one full-attention layer
+    (``mtp.layers.0``: the same parts as a decoder attention layer, the MoE block in
+    Qwen3.5-MoE) with its own KV cache, at token i's rotary position. The layer takes index
+    ``num_hidden_layers`` (its state and blob names, its experts in ``experts.bin``), after the
+    decoder's layers."""
+    g, H, eps, n = ctx.g, a.hidden_size, a.rms_norm_eps, a.num_hidden_layers
+    x = g.input("embeds")
+    mask = g.input("mask")
+    cos, sin = g.input("rope_cos"), g.input("rope_sin")
+    g.input(f"cache_k{n}")
+    g.input(f"cache_v{n}")
+    e, h = G.slice_(g, x, [H, H], axis=1, name="mtp.split")
+    e = rms_norm(ctx, e, "mtp.pre_fc_norm_embedding", H, eps)
+    h = rms_norm(ctx, h, "mtp.pre_fc_norm_hidden", H, eps)
+    x = ctx.linear(G.concat(g, [e, h], axis=1, name="mtp.cat"), "mtp.fc", H, 2 * H)
+    x, _, mlp_pass = emit_decoder_layer(ctx, x, a, n, cos, sin, mask, "mtp.layers.0", mlp)
+    rms_norm(ctx, x, "mtp.norm", H, eps, out="hidden")
+    return GraphInfo(
+        inputs={"embeds": "embeds", "mask": "mask", "cos": "rope_cos", "sin": "rope_sin"},
+        outputs={"hidden": "hidden"},
+        state=[dict(kv_state(n, 2 * a.num_key_value_heads * a.head_dim), layer=n)],
+        passes=[mlp_pass] if mlp_pass else [],
+        extra={"layer": n, "hidden_size": H})
+
+
+def mtp_present(ckpt, a: TextArgs, keep: bool = True) -> bool:
+    """Whether the package gets the MTP block: the checkpoint has it (``mtp.*`` tensors) and
+    ``keep``. One layer is supported (every released checkpoint has one)."""
+    if not keep or "mtp.fc.weight" not in ckpt:
+        return False
+    layers = a.mtp_num_hidden_layers or 1
+    if layers != 1 or "mtp.layers.1.input_layernorm.weight" in ckpt:
+        raise EdgevlError(f"the checkpoint's multi-token-prediction block has {layers} layers; edgevl converts a "
+                          "one-layer block — convert with --no-mtp to leave it out")
+    p = "mtp.layers.0"
+    for name in ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm", f"{p}.input_layernorm",
+                 f"{p}.post_attention_layernorm", f"{p}.self_attn.q_proj", f"{p}.self_attn.o_proj"):
+        if f"{name}.weight" not in ckpt:
+            raise EdgevlError(f"the checkpoint's multi-token-prediction block lacks {name}.weight; re-download "
+                              "the checkpoint, or convert with --no-mtp to leave the block out")
+    return True
+
+
+MTP_OPTION = Option(("keep", "drop"), "keep",
+                    "the multi-token-prediction block of checkpoints that have one: keep converts it for "
+                    "speculative decoding (a few percent more weights); drop (--no-mtp) leaves it out",
+                    flag="no-mtp")
+
+
 # ---------------------------------------------------------------------------------------------
 # conversion
 
 
 def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emit_dense_mlp,
-            float_layers=None) -> dict:
-    """Decoder, lm_head, the two delta-rule core nets, the vision tower and the embedding table.
+            float_layers=None, mtp: str = "keep") -> dict:
+    """Decoder, lm_head, the delta-rule chunk net, the vision tower, the embedding table and,
+    when the checkpoint has one and ``mtp`` is "keep", the multi-token-prediction block.
 
-    Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_chunk, vision),
-    ``embedding``, ``context``, and ``mtp`` (the multi-token-prediction weights, kept out of the
-    decoder: the base for speculative decoding later). ``a`` and ``mlp``: the text arguments and
-    MLP emitter of a derived architecture (Qwen3.5-MoE); ``float_layers(name)``: the decoder Gemms
-    a q8 package keeps in bf16."""
+    Returns the manifest parts: ``graphs`` (decoder, lm_head, gdn_chunk, vision, mtp),
+    ``embedding``, ``context`` and ``mtp`` (whether the checkpoint had the block and the package
+    has it). ``a`` and ``mlp``: the text arguments and MLP emitter of a derived architecture
+    (Qwen3.5-MoE); ``float_layers(name)``: the Gemms a q8 package keeps in bf16."""
     cfg = ckpt.config
     a = a or TextArgs.from_config(cfg)
+    with_mtp = mtp_present(ckpt, a, mtp == "keep")
     v = qwen_vision.checked_vision_args(ckpt, a.hidden_size, VISION_PREFIX, "qwen3_5")
     prefix = text_prefix(ckpt)
     parts = {"graphs": {}, "context": int(a.max_position_embeddings)}
@@ -279,9 +337,12 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
     if v is not None:
         parts["graphs"]["vision"] = qwen_vision.write_vision(ckpt, out, dtype, on_tensor, v, VISION_PREFIX)
     parts.update(qwen_vision.vision_token_ids(cfg, tower=v is not None))
-    mtp = sorted(k for k in ckpt.keys() if k.startswith("mtp."))
-    if mtp:
-        parts["mtp"] = {"tensors": len(mtp), "note": "multi-token-prediction head, not converted"}
+    if with_mtp:
+        g = G.Graph(out / "mtp.bin")
+        ctx = weight_ctx(ckpt, g, dtype, on_tensor, float_layers=float_layers)
+        parts["graphs"]["mtp"] = save_graph(g, out / "mtp.param", build_mtp(ctx, a, mlp))
+    if "mtp.fc.weight" in ckpt:
+        parts["mtp"] = {"converted": with_mtp}
     return parts
 
 
@@ -322,14 +383,14 @@ class Qwen3_5(Architecture):
     chat_template = CHAT_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
     template_switches = ("enable_thinking", "add_vision_id")
-    # the MTP head is not converted (nor run) by edgevl; llama.cpp's converter otherwise wants it
-    bench = BenchProfile(convert_args=("--no-mtp",))
+    options = {"mtp": MTP_OPTION}
+    bench = BenchProfile()
 
     def __init__(self):
         self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
-        return convert(ckpt, out, dtype, on_tensor)
+        return convert(ckpt, out, dtype, on_tensor, mtp=options.get("mtp", "keep"))
 
     def thinking_args(self, thinking):
         return {} if thinking is None else {"enable_thinking": bool(thinking)}

@@ -79,10 +79,13 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
                          moe.expert_dtype(dtype, options.get("experts", "auto")))
     for i in range(a.num_hidden_layers):
         w.add_layer(i, layer_experts(ckpt, f"{prefix}.layers.{i}.mlp.experts", a, on_tensor))
+    mtp = options.get("mtp", "keep")
+    if qwen3_5.mtp_present(ckpt, a, mtp == "keep"):   # the MTP layer's experts: layer index N
+        w.add_layer(a.num_hidden_layers, layer_experts(ckpt, "mtp.layers.0.mlp.experts", a, on_tensor))
     experts = w.finish({"kind": "softmax", "top_k": a.num_experts_per_tok, "renormalize": True})
     # q8: the routed experts (most of the weights) and the head in int8, the dense path as
     # ``dense`` says (moe.dense_float_layers)
-    parts = qwen3_5.convert(ckpt, out, dtype, on_tensor, a, emit_moe_mlp, float_layers=keep)
+    parts = qwen3_5.convert(ckpt, out, dtype, on_tensor, a, emit_moe_mlp, float_layers=keep, mtp=mtp)
     parts["experts"] = experts
     return parts
 
@@ -95,7 +98,7 @@ class Qwen3_5Moe(Architecture):
     chat_template = qwen3_5.CHAT_TEMPLATE
     reasoning_tokens = qwen3_5.ARCH.reasoning_tokens
     template_switches = qwen3_5.ARCH.template_switches
-    options = moe.OPTIONS
+    options = {**moe.OPTIONS, "mtp": qwen3_5.MTP_OPTION}
     runtime_options = moe.RUNTIME_OPTIONS
     bench = moe.bench_profile(qwen3_5.ARCH.bench.convert_args)
 

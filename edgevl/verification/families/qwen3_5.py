@@ -1,7 +1,8 @@
 """Qwen3.5's verification: transformers' ``Qwen3_5ForConditionalGeneration`` (or ``ForCausalLM``) is
 the reference; tiny checkpoints are those classes with random (or briefly trained) weights, a small
 byte-level BPE with Qwen's special tokens and pre-tokenizer, the real chat template, and generation
-and preprocessor configs."""
+and preprocessor configs; with ``mtp=True`` they also hold the multi-token-prediction block
+(``references/qwen3_5_mtp.py``), which the reference runs beside transformers' model."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Qwen3_5Reference(QwenImagesReference):
         self.model, self.folder = model, Path(folder)
         self.vl = hasattr(model.model, "visual")
         self.has_vision = self.vl
+        self.mtp_block = None   # the checkpoint's MTP block once loaded (``mtp``); a test may set its own
 
     def _lm(self):
         return self.model.model.language_model if self.vl else self.model.model
@@ -73,6 +75,98 @@ class Qwen3_5Reference(QwenImagesReference):
         with torch.no_grad():
             r = self.model(input_ids=torch.tensor([[int(token)]]), cache=state, use_cache=True)
         return r.logits[0, -1].float().numpy(), r.cache if hasattr(r, "cache") else r.past_key_values
+
+    # ---- multi-token prediction ---------------------------------------------------------------
+
+    def mtp(self):
+        """The checkpoint's MTP block (``qwen3_5_mtp.Qwen3_5Mtp``), loaded on first use."""
+        if self.mtp_block is None:
+            from ..references import qwen3_5_mtp
+
+            self.mtp_block = qwen3_5_mtp.load_mtp(self.folder, self._lm().config, dtype=self.model.dtype)
+        return self.mtp_block
+
+    def _main_rows(self, ids, images=None):
+        """The main model over ``ids``: (inputs_embeds [n, H] with the images' merged rows, last
+        hidden states after the final norm [n, H], M-RoPE positions [3, n]), the embeddings and
+        positions taken where its decoder layers receive them (its text rotary embedding)."""
+        import torch
+
+        seen = {}
+
+        def grab(_module, args, kwargs):
+            seen["embeds"] = args[0] if args else kwargs["x"]
+            seen["positions"] = args[1] if len(args) > 1 else kwargs["position_ids"]
+
+        hook = self._lm().rotary_emb.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                out = self.model.model(**self._inputs(ids, images))
+        finally:
+            hook.remove()
+        return seen["embeds"][0], out.last_hidden_state[0], seen["positions"][:, 0]
+
+    def mtp_states(self, ids, images=None, drafts: int = 0):
+        """(MTP outputs after ``mtp.norm`` [n-1+drafts, H], their logits [n-1+drafts, V]) as float32
+        numpy: row i (0..n-2) pairs ids[i+1] (its merged embedding) with the main model's hidden state
+        at i and predicts ids[i+2]; ``drafts`` more rows follow recursively (row n-1+j takes the
+        argmax of the row before and that row's output, at the next position)."""
+        import torch
+
+        from ..references import qwen3_5_mtp
+
+        embeds, hidden, pos = self._main_rows(ids, images)
+        n = len(ids)
+        with torch.no_grad():
+            out, logits = self.mtp().recursive(embeds[1:], hidden[:-1],
+                                               qwen3_5_mtp.extend_positions(pos, drafts)[:, :n - 1 + drafts],
+                                               self._lm().embed_tokens, self.model.lm_head, drafts)
+        return out.float().numpy(), logits.float().numpy()
+
+    def _mtp_drafter(self, tokens, images, draft_tokens: int):
+        """``draft(p, m)`` over a known sequence: m tokens drafted from row p-1 (tokens[p] and the
+        main model's hidden state at p-1), recursively after the first."""
+        import torch
+
+        from ..references import qwen3_5_mtp
+
+        embeds, hidden, pos = self._main_rows(tokens, images)
+        e, h = embeds[1:], hidden[:-1]
+        pos = qwen3_5_mtp.extend_positions(pos, draft_tokens)
+        mtp, embed, head = self.mtp(), self._lm().embed_tokens, self.model.lm_head
+        with torch.no_grad():
+            first = mtp.logits(mtp(e, h, pos[:, :len(tokens) - 1]), head).argmax(-1).tolist()
+
+        def draft(p, m):
+            if m == 1:
+                return [first[p - 1]]
+            with torch.no_grad():
+                _, logits = mtp.recursive(e[:p], h[:p], pos[:, :p + m - 1], embed, head, m - 1)
+            return logits[p - 1:].argmax(-1).tolist()
+
+        return draft, first
+
+    def speculative_counts(self, prompt_ids, generated_ids, draft_tokens: int = 1, images=None) -> dict:
+        """``{"drafted": D, "accepted": A}`` of greedy MTP speculative decoding over the main model's
+        known greedy continuation ``generated_ids`` of ``prompt_ids`` (``qwen3_5_mtp.count_speculative``):
+        ``draft_tokens`` drafts per step (recursive after the first), the longest matching prefix
+        accepted."""
+        from ..references import qwen3_5_mtp
+
+        if not prompt_ids:
+            raise ValueError("speculative_counts needs a prompt")
+        tokens = list(prompt_ids) + list(generated_ids)
+        draft, _ = self._mtp_drafter(tokens, images, draft_tokens)
+        return qwen3_5_mtp.count_speculative(tokens, len(prompt_ids), draft, draft_tokens)
+
+    def draft_agreement(self, prompt_ids, generated_ids, images=None) -> float:
+        """The share of the rows that draft inside the continuation (i = L-1 .. n-3 for a prompt of L
+        and n tokens in all: tokens[i+1] and tokens[i+2] generated) whose MTP argmax equals
+        tokens[i+2]: how often one draft would be accepted, wherever it is made."""
+        tokens = list(prompt_ids) + list(generated_ids)
+        _, first = self._mtp_drafter(tokens, images, 1)
+        rows = range(len(prompt_ids) - 1, len(tokens) - 2)
+        return sum(first[i] == tokens[i + 2] for i in rows) / max(1, len(rows))
 
     def state_arrays(self, state):
         """Per linear-attention layer: the conv window's last K-1 columns (the ones the conv
@@ -198,18 +292,71 @@ def _init_gdn(model, seed: int):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
+# one chat turn of the tiny trainers: a user sentence answered by the next, after an empty think block
+CHAT_TURN = "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{answer}<|im_end|>\n"
+
+
 def train_chat(model, tok, steps: int, seed: int = 0):
     """Brief training on chat-formatted CORPUS turns (user: a sentence; assistant: the next one,
     after an empty think block): peaked logits on the prompts the tests render."""
-    ids = chat_ids(tok, "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-                        "{answer}<|im_end|>\n")
+    ids = chat_ids(tok, CHAT_TURN)
     return train_briefly(model, tok, steps, seed, ids=ids, lr=1e-2)
+
+
+def train_mtp(model, block, tok, steps: int, seed: int = 0, lr: float = 1e-2, window: int = 64):
+    """Brief training of the MTP ``block`` alone (the main model frozen) on the chat turns
+    ``train_chat`` uses: row i of a window predicts token i+2 from token i+1 and the main model's
+    final hidden state at i. Seeded and on one torch thread: the same weights every run."""
+    import torch
+    import torch.nn.functional as F
+
+    data = torch.tensor(chat_ids(tok, CHAT_TURN))
+    base, embed, head = model.model, model.get_input_embeddings(), model.lm_head.weight.detach()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed + 3000)
+    opt = torch.optim.AdamW(block.parameters(), lr=lr)
+    block.train()
+    try:
+        for _ in range(steps):
+            starts = torch.randint(0, len(data) - window - 1, (8,), generator=g)
+            x = torch.stack([data[s:s + window + 2] for s in starts])
+            with torch.no_grad():
+                if hasattr(base, "rope_deltas"):
+                    base.rope_deltas = None
+                hidden = base(input_ids=x[:, :window]).last_hidden_state
+                e = embed(x[:, 1:window + 1])
+            pos = torch.arange(window)[None, None].expand(3, x.shape[0], window)
+            logits = F.linear(block(e, hidden, pos), head)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return block.eval()
+
+
+def _add_tensors(folder: Path, tensors: dict):
+    """Write ``tensors`` into the checkpoint's model.safetensors beside the model's own."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no single model.safetensors to add the MTP tensors to")
+    t = load_file(str(path))
+    t.update(tensors)
+    save_file(t, str(path), metadata={"format": "pt"})
 
 
 def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.15, train_steps: int = 0,
               vision: dict | None = None, tie_word_embeddings: bool = True, text_only: bool = False,
-              classes: dict | None = None, **text_overrides) -> Path:
-    """``classes``: the transformers class names (``HF_CLASSES``) of the model to build."""
+              classes: dict | None = None, mtp: bool = False, mtp_train_steps: int = 0, **text_overrides) -> Path:
+    """``classes``: the transformers class names (``HF_CLASSES``) of the model to build. ``mtp``:
+    the checkpoint also holds a multi-token-prediction block (``mtp.*`` in model.safetensors,
+    ``mtp_num_hidden_layers: 1``; transformers ignores it), random, or trained for
+    ``mtp_train_steps`` steps on the main model's hidden states (``train_mtp``; implies ``mtp``).
+    The main model's weights do not depend on ``mtp``."""
     import torch
     import transformers
 
@@ -224,6 +371,9 @@ def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.
     vocab = text_overrides.pop("vocab_size", tok.get_vocab_size())
     tc = tiny_text_config(vocab, tie_word_embeddings=tie_word_embeddings, **text_overrides)
     tc["eos_token_id"] = ids["im_end"]
+    mtp = mtp or mtp_train_steps > 0
+    if mtp:
+        tc["mtp_num_hidden_layers"] = 1
     torch.manual_seed(seed)
     if text_only:
         (folder / "preprocessor_config.json").unlink()
@@ -238,9 +388,21 @@ def make_tiny(folder, seed: int = 0, dtype: str = "fp32", init_scale: float = 0.
     _init_gdn(model, seed)
     if train_steps:
         model = train_chat(model, tok, train_steps, seed)
+    block = None
+    if mtp:
+        from ..references import qwen3_5_mtp
+
+        text_config = getattr(model.config, "text_config", model.config)
+        block = qwen3_5_mtp.init_random(qwen3_5_mtp.Qwen3_5Mtp(text_config, qwen3_5_mtp.is_moe(text_config)),
+                                        seed + 2000, init_scale)
+        if mtp_train_steps:
+            block = train_mtp(model, block, tok, mtp_train_steps, seed)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
+        block = block.to(torch.bfloat16) if block is not None else None
     model.save_pretrained(folder)
+    if block is not None:
+        _add_tensors(folder, block.state_dict_for_checkpoint())
     return folder
 
 
@@ -262,12 +424,14 @@ class Qwen3_5Verification(FamilyVerification):
     def reference(self, ref_dir, dtype="fp32"):
         return load_reference(ref_dir, dtype, HF_CLASSES, TextArgs.text_model_types)
 
-    def make_tiny(self, folder, variant=None, seed=0, dtype="fp32", train_steps=0, **overrides) -> Path:
+    def make_tiny(self, folder, variant=None, seed=0, dtype="fp32", train_steps=0, mtp=False, mtp_train_steps=0,
+                  **overrides) -> Path:
         """A random (or briefly trained) Qwen3_5ForConditionalGeneration with the real chat template;
         overrides are text_config kwargs (plus ``full_attention_interval``, ``vision`` for the
-        vision_config, ``text_only`` for a Qwen3_5ForCausalLM checkpoint)."""
-        return make_tiny(folder, seed, dtype, train_steps=train_steps, classes=HF_CLASSES,
-                         **{**self.variant(variant), **overrides})
+        vision_config, ``text_only`` for a Qwen3_5ForCausalLM checkpoint); ``mtp``/``mtp_train_steps``
+        add the multi-token-prediction block (``make_tiny``)."""
+        return make_tiny(folder, seed, dtype, train_steps=train_steps, classes=HF_CLASSES, mtp=mtp,
+                         mtp_train_steps=mtp_train_steps, **{**self.variant(variant), **overrides})
 
 
 VERIFY = Qwen3_5Verification()

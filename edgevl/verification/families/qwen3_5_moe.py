@@ -1,5 +1,6 @@
 """Qwen3.5-MoE's verification: transformers' ``Qwen3_5MoeForConditionalGeneration`` (or
-``ForCausalLM``) is the reference; tiny checkpoints are built as Qwen3.5's with the MoE sizes."""
+``ForCausalLM``) is the reference (Qwen3.5's reference class, its MTP block included); tiny
+checkpoints are built as Qwen3.5's with the MoE sizes."""
 
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ class Qwen3_5MoeVerification(FamilyVerification):
     def reference(self, ref_dir, dtype="fp32"):
         return qwen3_5.load_reference(ref_dir, dtype, HF_CLASSES, MoeTextArgs.text_model_types)
 
-    def make_tiny(self, folder, variant=None, seed=0, dtype="fp32", train_steps=0, **overrides) -> Path:
+    def make_tiny(self, folder, variant=None, seed=0, dtype="fp32", train_steps=0, mtp=False, mtp_train_steps=0,
+                  **overrides) -> Path:
         """A random (or briefly trained) Qwen3_5MoeForConditionalGeneration; overrides as for
         Qwen3.5 plus the MoE sizes (num_experts, num_experts_per_tok, moe_intermediate_size,
-        shared_expert_intermediate_size)."""
+        shared_expert_intermediate_size); ``mtp``/``mtp_train_steps`` add the multi-token-prediction
+        block, whose layer has the sparse MoE block of the main layers (``qwen3_5.make_tiny``)."""
         over = {**MOE_TINY, **self.variant(variant), **overrides}
-        return qwen3_5.make_tiny(folder, seed, dtype, train_steps=train_steps, classes=HF_CLASSES, **over)
+        return qwen3_5.make_tiny(folder, seed, dtype, train_steps=train_steps, classes=HF_CLASSES, mtp=mtp,
+                                 mtp_train_steps=mtp_train_steps, **over)
 
 
 VERIFY = Qwen3_5MoeVerification()

@@ -1,0 +1,212 @@
+"""Speculative decoding with the MTP block: decode speed with and without it, against llama.cpp.
+
+    python benchmarks/speculative.py PKG [PKG ...] --hf HF_DIR [--llama-server BIN]
+        [--threads 2] [--prompt-tokens 64] [--gen-tokens 48] [--repeats 5]
+        [--accept 0,0.6,0.8,0.9,1] [--draft-tokens 1,2] [--draft-vocab N] [--json OUT] [--markdown OUT]
+
+Every system runs in its own process, one after another, round after round (interleaved, so the
+shared machine's drift hits them alike); the table gives the median (min-max) of each.
+
+- ``edgevl``: a package without drafting (``speculative="none"``), and with the MTP block
+  (``natural``: its own drafts, as decoding goes).
+- ``edgevl forced p``: the verifier accepts each draft with probability p whatever the model says
+  (else it takes another token): the speed at a given acceptance, on any checkpoint. Benchmark
+  only — the output is then not the model's.
+- ``llama.cpp``: ``llama-server`` built from llama-cpp-python's vendored source (see
+  docs/benchmarks.md), plain and with ``--spec-type draft-mtp --spec-draft-n-max K``, on the GGUF
+  of ``--hf`` converted with its MTP block; greedy, the same prompt token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+
+def worker(a: dict) -> dict:
+    """One edgevl run (``edgevl.bench``'s worker), with the forced acceptance if asked."""
+    from edgevl import bench
+    from edgevl.sample import Sampler
+
+    p = a.pop("forced", None)
+    if p is not None:
+        rng = np.random.default_rng(1234)
+        real = Sampler.check
+
+        def check(self, logits, history, draft):
+            if rng.random() < p:
+                return int(draft)
+            t = real(self, logits, history, draft)
+            return t if t != draft else (t + 1) % len(logits)
+        Sampler.check = check
+    out = bench.worker_edgevl(a)
+    out["speculative"] = (out.get("runtime") or {}).get("speculative")
+    return out
+
+
+def run_edgevl(args: dict) -> dict:
+    r = subprocess.run([sys.executable, __file__, "worker", json.dumps(args)], capture_output=True, text=True,
+                       timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"edgevl worker failed: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_llamacpp(server: str, gguf: Path, ids: list, gen: int, threads: int, draft: int = 0) -> dict:
+    """llama-server on a free port: one greedy completion of ``gen`` tokens after ``ids``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
+           "-c", str(len(ids) + gen + 64), "-np", "1", "--no-webui"]
+    if draft:
+        cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit("llama-server did not start")
+        body = {"prompt": ids, "n_predict": gen, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                "ignore_eos": True}
+        req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            res = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    t = res["timings"]
+    out = {"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t["prompt_per_second"],
+           "tokens": res.get("tokens") or []}
+    if "draft_n" in t:
+        out["speculative"] = {"drafted": t["draft_n"], "accepted": t["draft_n_accepted"]}
+    return out
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list:
+    from edgevl.bench import _prompt_ids
+
+    return _prompt_ids(n, vocab, seed)
+
+
+def median_range(xs) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("packages", nargs="+")
+    ap.add_argument("--hf", help="the checkpoint the packages come from (llama.cpp's GGUF is converted from it)")
+    ap.add_argument("--llama-server", help="llama-server binary (built from llama-cpp-python's vendored source)")
+    ap.add_argument("--gguf-types", default="bf16", help="comma-separated GGUF types, one per package (bf16, q8_0)")
+    ap.add_argument("--work", default="bench-work", help="where GGUF files are kept")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--accept", default="0,0.6,0.8,0.9,1", help="forced acceptance rates (empty: none)")
+    ap.add_argument("--draft-tokens", default="1,2")
+    ap.add_argument("--llama-drafts", default="1,2,3", help="llama.cpp's --spec-draft-n-max values")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="also run edgevl drafting among N rows")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    a = ap.parse_args(argv)
+
+    from edgevl.progress import Progress
+
+    systems = {}
+    ks = [int(k) for k in a.draft_tokens.split(",") if k]
+    accepts = [float(x) for x in a.accept.split(",") if x]
+    types = a.gguf_types.split(",")
+    base = {"threads": a.threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens}
+    for i, pkg in enumerate(a.packages):
+        dtype = json.loads((Path(pkg) / "manifest.json").read_text())["dtype"]
+        tag = f"edgevl {dtype}"
+        systems[f"{tag}"] = ("edgevl", dict(base, model=pkg, options={"speculative": "none"}))
+        for k in ks:
+            systems[f"{tag} MTP k={k}"] = ("edgevl", dict(base, model=pkg, options={"draft_tokens": k}))
+            for p in accepts:
+                systems[f"{tag} MTP k={k} forced {p:g}"] = (
+                    "edgevl", dict(base, model=pkg, options={"draft_tokens": k}, forced=p))
+        if a.draft_vocab:
+            systems[f"{tag} MTP k=1 vocab {a.draft_vocab}"] = (
+                "edgevl", dict(base, model=pkg, options={"draft_vocab": a.draft_vocab}))
+            for p in accepts:
+                systems[f"{tag} MTP k=1 vocab {a.draft_vocab} forced {p:g}"] = (
+                    "edgevl", dict(base, model=pkg, options={"draft_vocab": a.draft_vocab}, forced=p))
+        if a.llama_server and a.hf:
+            from edgevl import models
+            from edgevl.bench import gguf_for
+            from edgevl.weights import Checkpoint
+
+            t = types[min(i, len(types) - 1)]
+            work = Path(a.work)
+            work.mkdir(parents=True, exist_ok=True)
+            profile = models.resolve(Checkpoint(a.hf).config).bench
+            gguf = gguf_for(Path(a.hf), work, t, profile)
+            vocab = int(json.loads((Path(pkg) / "manifest.json").read_text())["embedding"]["rows"])
+            ids = prompt_ids(a.prompt_tokens, vocab)
+            systems[f"llama.cpp {t}"] = ("llamacpp", dict(gguf=str(gguf), ids=ids, draft=0))
+            for d in [int(x) for x in a.llama_drafts.split(",") if x]:
+                systems[f"llama.cpp {t} MTP n={d}"] = ("llamacpp", dict(gguf=str(gguf), ids=ids, draft=d))
+
+    runs = {name: [] for name in systems}
+    bar = Progress(a.repeats * len(systems), desc="speculative bench", unit="runs")
+    for _ in range(a.repeats):
+        for name, (kind, args) in systems.items():
+            bar.update(0, name)
+            if kind == "edgevl":
+                r = run_edgevl(dict(args))
+            else:
+                r = run_llamacpp(a.llama_server, Path(args["gguf"]), args["ids"], a.gen_tokens, a.threads,
+                                 args["draft"])
+            runs[name].append(r)
+            bar.update(1, name)
+    bar.close()
+
+    lines = ["| system | decode tok/s | vs edgevl without MTP | drafts accepted |", "|---|---|---|---|"]
+    plain = {}
+    for name, rs in runs.items():
+        d = [r["decode_tok_s"] for r in rs]
+        ref = next((v for k, v in plain.items() if name.startswith(k)), None)
+        if " MTP" not in name and "forced" not in name and "vocab" not in name:
+            plain[name] = statistics.median(d)
+        spec = [r.get("speculative") for r in rs if r.get("speculative")]
+        acc = (f"{sum(s['accepted'] for s in spec)} / {sum(s['drafted'] for s in spec)}" if spec else "—")
+        ratio = f"{statistics.median(d) / ref:.2f}×" if ref else "—"
+        lines.append(f"| {name} | {median_range(d)} | {ratio} | {acc} |")
+    table = "\n".join(lines)
+    print(table)
+    if a.markdown:
+        Path(a.markdown).write_text(
+            f"# Speculative decoding ({a.threads} threads, {a.prompt_tokens}-token prompt, {a.gen_tokens} greedy "
+            f"tokens, {a.repeats} interleaved rounds; median (min–max))\n\n{table}\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"settings": vars(a), "runs": runs}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Speculative decoding with a package's own multi-token-prediction (MTP) block.
+
+Decoding reads every weight once per token, so it runs at the memory-bandwidth ceiling; a
+forward of a few rows reads them once too. A cycle here: the MTP block drafts k tokens after the
+pending token (its argmax; k > 1 by feeding the block its own output), the decoder runs the
+pending token and the drafts in one forward, the sampler checks the drafts in order
+(``Sampler.check``: the argmax when greedy, the rejection rule when sampling — either way the
+output is what plain decoding gives, or has its distribution) and the decoder takes back the
+rows after the first rejection (``runtime.Decoder.undo``). A cycle yields the accepted drafts
+and one token of the decoder's own.
+
+The block's row j pairs the embedding of token j+1 with the decoder's final hidden state at j,
+at j's rotary position, and attends over its own KV cache of the rows before. Its rows follow the
+decoder's: a prompt's rows are fed once its next token is known, a cycle's kept rows before the
+next draft, and the rows a recursive draft adds are taken back after it. docs/speculative.md
+describes the state handling and the measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from .errors import EdgevlError
+from .runtime import Decoder, layer_outputs
+
+MODES = ("none", "mtp")
+# Acceptance below which drafting costs more than it saves; checked after AUTO_OFF_AFTER drafts
+# of a generation, which then decodes plainly (a block that drafts at chance costs ~nothing).
+AUTO_OFF_RATE = 0.3
+AUTO_OFF_AFTER = 8
+
+
+def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: int) -> tuple[str, int, int | None]:
+    """(mode, draft tokens, draft vocabulary) checked; mode None means "mtp" where the package
+    has the block."""
+    if mode is None:
+        mode = "mtp" if has_block and undo_rows >= 2 else "none"
+    if mode not in MODES:
+        raise EdgevlError(f"speculative must be one of {', '.join(MODES)}, got {mode!r:.40}")
+    if mode == "mtp" and not has_block:
+        raise EdgevlError("speculative='mtp' needs a multi-token-prediction block, which this package lacks "
+                          "(the checkpoint has none, or it was converted with --no-mtp); use speculative='none'")
+    limit = max(1, undo_rows - 1)
+    k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= limit:
+        raise EdgevlError(f"draft_tokens must be an integer from 1 to {limit} for this model, got {k!r:.40}")
+    if mode == "mtp" and undo_rows < 2:
+        raise EdgevlError("speculative decoding needs the KV cache to be cut back, which this ncnn build does not "
+                          "do; use speculative='none'")
+    v = DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise EdgevlError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r:.40}")
+    return mode, int(k), int(v) or None
+
+
+DEFAULT_DRAFT_TOKENS = 1
+# Drafts among the first 64k vocabulary rows: the head's other rows cost a decoder step's worth of
+# reading for little (docs/speculative.md, "The draft head").
+DEFAULT_DRAFT_VOCAB = 65536
+
+
+class DraftHead:
+    """The argmax of the lm_head over its first ``rows`` vocabulary rows: the lm_head graph's
+    row shards are separate Gemms, so extracting only the first shards' outputs computes only
+    those (no second copy of the head). BPE vocabularies put frequent tokens first."""
+
+    def __init__(self, head, rows: int | None = None):
+        self.head = head
+        shards = (head.info.get("extra") or {}).get("shards") or []
+        self.blobs = None
+        if rows is not None and len(shards) > 1 and rows < shards[-1]["rows"][1]:
+            n = next(i for i, s in enumerate(shards) if s["rows"][1] >= rows) + 1
+            outs = layer_outputs(head.net.where)
+            self.blobs = [outs[f"lm_head.{i}"][0] for i in range(n)]
+            self.rows = shards[n - 1]["rows"][1]
+
+    def __call__(self, hidden: np.ndarray) -> int:
+        if self.blobs is None:
+            return int(np.argmax(self.head(hidden)[-1]))
+        name = self.head.info["inputs"]["hidden"]
+        res = self.head.net.run({name: np.atleast_2d(hidden)[-1:]}, self.blobs)
+        return int(np.argmax(np.concatenate([r.reshape(-1) for r in res])))
+
+
+class Mtp:
+    """A package's MTP block: its decoder driver (sharing the main decoder's rope tables and host
+    hooks, e.g. the expert store), its KV cache and the rows waiting to be fed."""
+
+    def __init__(self, model, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_vocab: int | None = None):
+        info = model.manifest["graphs"]["mtp"]
+        self.model, self.k = model, int(draft_tokens)
+        self.decoder = Decoder(model.open_net("mtp"), info, model.decoder.rope, model.decoder.hooks)
+        self.head = DraftHead(model.head, draft_vocab)
+        self.drafted = self.accepted = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.decoder.new_cache()
+        self.rows: list[int] = []        # the decoder position of each cached row
+        self._clear()
+
+    def _clear(self) -> None:
+        # rows waiting to be fed: row j needs the embedding of token j+1, so the last one waits
+        # for the next token (embeds has one row fewer than hidden)
+        self.embeds, self.hidden, self.positions, self.js = [], [], [], []
+
+    @property
+    def stats(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted}
+
+    def keep_before(self, j: int) -> None:
+        """Keep only the rows before decoder position ``j`` (what a prompt that shares the
+        first ``j + 1`` tokens with the cache leaves unchanged) and drop those waiting."""
+        self._clear()
+        n = bisect.bisect_left(self.rows, j)
+        if n == 0:
+            self.cache = self.decoder.new_cache()
+            self.rows = []
+        elif n < len(self.rows):
+            self.cache.rollback(n)
+            del self.rows[n:]
+
+    def add(self, embeds, hidden, positions, first: int) -> None:
+        """Rows ``first``, ``first + 1`` ... waiting: the decoder's hidden states [n, H] at those
+        positions ([axes, n]) and the embeddings of the tokens after each but the last ([n - 1, H];
+        the last row's comes with the next token)."""
+        if self.js and self.js[-1] + 1 != first:
+            self._clear()        # not contiguous (a plain step in between): start again here
+        if not self.js and self.rows and self.rows[-1] >= first:
+            return
+        self.embeds += list(np.asarray(embeds, np.float32).reshape(-1, hidden.shape[1]))
+        self.hidden += list(hidden)
+        positions = np.asarray(positions)
+        self.positions += [positions[:, i] for i in range(positions.shape[1])]
+        self.js += range(first, first + len(hidden))
+
+    def draft(self, token: int, m: int) -> list[int]:
+        """Feed the waiting rows (the last one with ``token``, the decoder's pending token) and
+        draft ``m`` tokens after it."""
+        model = self.model
+        if not self.js:
+            return []
+        self.embeds.append(model.embedding([token])[0])
+        axes = max(len(p) for p in self.positions)
+        pos = np.stack([np.broadcast_to(p, (axes,)) for p in self.positions], 1)
+        x = np.concatenate([np.stack(self.embeds), np.stack(self.hidden)], 1)
+        out, _ = self.decoder.forward(x, self.cache, pos)
+        self.rows += self.js
+        nxt = int(pos[:, -1].max()) + 1
+        self._clear()
+        drafts = [self.head(out[-1:])]
+        last = out[-1:]
+        for i in range(1, m):   # recursive: the block's own output and draft as the next row
+            x = np.concatenate([model.embedding([drafts[-1]]), last], 1)
+            last, _ = self.decoder.forward(x, self.cache, np.full((1, 1), nxt + i - 1, np.int64))
+            drafts.append(self.head(last))
+        if m > 1:
+            self.cache.rollback(len(self.rows))
+        return drafts
+
+
+def block_outputs(mtp: Mtp, embeds_next, hidden, positions) -> np.ndarray:
+    """The block's outputs [n, H] for rows given at once (row j: the embedding of token j+1,
+    the decoder's hidden state at j, j's position), in a cache of their own (verification)."""
+    out, _ = mtp.decoder.forward(np.concatenate([embeds_next, hidden], 1), mtp.decoder.new_cache(), positions)
+    return out
+
+
+def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_new_tokens: int):
+    """``Model.generate_tokens``'s loop with drafting: yields the same tokens as plain decoding
+    (greedy), or tokens of the same distribution (sampling)."""
+    mtp.drafted = mtp.accepted = 0
+    active = True
+    left = int(max_new_tokens)
+    tok = sampler(logits, history)
+    yield tok
+    left -= 1
+    if tok in stops or len(model.cache_keys) + 1 >= model.max_context or left <= 0:
+        return
+    history.append(tok)
+    while True:
+        fed = len(model.cache_keys)
+        m = min(mtp.k, left, model.max_context - fed - 1) if active else 0
+        drafts = mtp.draft(tok, m) if m > 0 else []
+        rows = [tok, *drafts]
+        start = model.cache.next_position
+        pos = np.arange(start, start + len(rows), dtype=np.int64)[None]
+        with model._whole_or_nothing():
+            hidden, _ = model.decoder.forward(model.embedding(rows), model.cache, pos, undoable=bool(drafts))
+            lg = model.logits(hidden)
+            out = []
+            for i, d in enumerate(drafts):
+                out.append(sampler.check(lg[i], history + out, d))
+                if out[-1] != d:
+                    break
+            else:
+                out.append(sampler(lg[len(drafts)], history + out))
+            accepted = len(out) - 1
+            # where the answer ends inside this cycle (a stop token, the context, the budget)
+            end = next((i + 1 for i, t in enumerate(out)
+                        if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
+            emit = out[:end] if end else out
+            keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
+            model.decoder.undo(model.cache, len(rows), len(rows) - keep)
+            model.cache_keys.extend(rows[:keep])
+        model.note_hidden(hidden[keep - 1])
+        # a draft counts where its target is part of the answer (not past its end)
+        mtp.drafted += min(len(drafts), len(emit)) if end else len(drafts)
+        mtp.accepted += min(accepted, len(emit)) if end else accepted
+        if active and mtp.drafted >= AUTO_OFF_AFTER and mtp.accepted < AUTO_OFF_RATE * mtp.drafted:
+            active = False
+        if active:
+            mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed)
+        yield from emit
+        history += emit
+        left -= len(emit)
+        if end:
+            return
+        tok = emit[-1]

@@ -1,0 +1,256 @@
+"""Speculative decoding with the MTP block (edgevl/speculative.py) on tiny Qwen3.5 and Qwen3.5-MoE
+checkpoints whose block was briefly trained (so drafts are accepted and rejected): fp32 greedy output
+identical to plain decoding (text, image and chunked prompts, chats that reuse the cache, 1 and 2
+draft tokens), the block's logits against the PyTorch reference, the draft counts the reference
+predicts, the rejection rule, seeded sampling, undo, and the options around it."""
+
+import numpy as np
+import pytest
+
+import edgevl
+from edgevl import speculative, verification
+from edgevl.errors import EdgevlError
+from edgevl.generate import generate, prepare
+from edgevl.sample import Sampler
+from support.common import CORPUS, cosine, smooth_image
+
+# (family, variant): Hv = 2Hk tied; Hv = Hk untied head 128; the MoE block
+CASES = [("qwen3_5", list(verification.get("qwen3_5").tiny_variants)[0]),
+         ("qwen3_5", list(verification.get("qwen3_5").tiny_variants)[1]),
+         ("qwen3_5_moe", list(verification.get("qwen3_5_moe").tiny_variants)[0])]
+IDS = [f"{f}-{v}" for f, v in CASES]
+N_NEW = 40
+PROMPTS = {
+    "short": ("Describe a cat.", None),
+    "long": (" ".join(CORPUS[:6]), None),                  # several prefill chunks (prefill_chunk=16)
+    "image": ("What is this?", [smooth_image(64, 90, 4)]),
+}
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for i, (family, variant) in enumerate(CASES):
+        v = verification.get(family)
+        ck = v.make_tiny(root / f"ck{i}", variant=variant, seed=70 + i, train_steps=20, mtp_train_steps=40)
+        out[IDS[i]] = (ck, edgevl.convert(ck, root / f"pk{i}", dtype="fp32", progress=False), v)
+    return out
+
+
+_models = {}
+
+
+def _model(packages, case, **options):
+    key = (case, tuple(sorted(options.items())))
+    if key not in _models:
+        _models[key] = edgevl.load(packages[case][1], prefill_chunk=16, **options)
+    return _models[key]
+
+
+@pytest.fixture(autouse=True)
+def _always_draft(monkeypatch):
+    """Drafting stays on whatever the acceptance, so every generation accepts and rejects."""
+    monkeypatch.setattr(speculative, "AUTO_OFF_RATE", 0.0)
+
+
+def spoil_every(n: int):
+    """A draft head whose every n-th draft is wrong (its argmax + 1): rejections, whatever the
+    model's text."""
+    calls = [0]
+    real = speculative.DraftHead.__call__
+
+    def head(self, hidden):
+        calls[0] += 1
+        t = real(self, hidden)
+        return (t + 1) % self.head.info["extra"]["shards"][-1]["rows"][1] if calls[0] % n == 0 else t
+    return head
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("case", IDS)
+def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, monkeypatch):
+    plain = _model(packages, case, speculative="none")
+    spec = _model(packages, case, draft_tokens=k)
+    assert plain.speculative == "none" and spec.speculative == "mtp"
+    text, images = PROMPTS[prompt]
+    prep = prepare(plain, text, image=images)
+    want = list(plain.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
+    got = list(spec.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
+    assert got == want
+    stats = spec.runtime_stats()["speculative"]
+    assert stats["accepted"] > 0 and stats["drafted"] >= N_NEW // (k + 1), stats
+    # with some drafts wrong: rows taken back at every place in a cycle, the same output
+    monkeypatch.setattr(speculative.DraftHead, "__call__", spoil_every(3))
+    got = list(spec.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
+    assert got == want
+    stats = spec.runtime_stats()["speculative"]
+    assert 0 < stats["accepted"] < stats["drafted"], stats
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_counts_are_what_the_reference_predicts(packages, case):
+    ck, _, v = packages[case]
+    ref = v.reference(ck)
+    for k in (1, 2):
+        spec = _model(packages, case, draft_tokens=k)
+        ids = prepare(spec, "Count from one to ten please.").input_ids
+        out = list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
+        assert spec.runtime_stats()["speculative"] == {**ref.speculative_counts(ids, out, k),
+                                                       "summary": spec.runtime_stats()["speculative"]["summary"]}
+
+
+@pytest.mark.parametrize("prompt", ["long", "image"])
+@pytest.mark.parametrize("case", IDS)
+def test_block_logits_match_the_reference(packages, case, prompt):
+    """Row i: token i+1's embedding (an image row's merged embedding) and the decoder's hidden
+    state at i, at i's M-RoPE position: top-1 equal everywhere, cosine >= 0.9999 (fp32)."""
+    ck, _, v = packages[case]
+    model = _model(packages, case)
+    text, images = PROMPTS[prompt]
+    prep = prepare(model, text, image=images)
+    ids = prep.input_ids
+    x = model.embed(ids, prep.image_rows)
+    hidden, _ = model.decoder.forward(x, model.decoder.new_cache(), model.positions(ids, prep.images))
+    out = speculative.block_outputs(model.mtp, x[1:], hidden[:-1], model.positions(ids, prep.images)[:, :-1])
+    ours = model.logits(out)
+    ref = v.reference(ck)
+    _, theirs = ref.mtp_states(ids, ref.prepare_images(images, prep.images) if images else None)
+    assert ours.shape == theirs.shape
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    assert min(cosine(a, b) for a, b in zip(ours, theirs)) >= 0.9999
+
+
+@pytest.mark.parametrize("case", [IDS[0], IDS[2]])
+def test_chat_turns_reuse_the_cache_and_match_plain_decoding(packages, case):
+    plain = _model(packages, case, speculative="none")
+    spec = _model(packages, case, draft_tokens=2)
+    for m in (plain, spec):
+        m.reset()
+    msgs_p, msgs_s = [], []
+    for turn, question in enumerate(["Tell me about rivers.", "And mountains?", "Which is older?"]):
+        msgs_p.append({"role": "user", "content": question})
+        msgs_s.append({"role": "user", "content": question})
+        a = generate(plain, msgs_p, max_new_tokens=24, temperature=0)
+        b = generate(spec, msgs_s, max_new_tokens=24, temperature=0)
+        assert a == b
+        if turn:   # the previous turn's state was reused
+            assert spec.last_prefill_tokens < len(prepare(spec, msgs_s).input_ids)
+        msgs_p.append({"role": "assistant", "content": a})
+        msgs_s.append({"role": "assistant", "content": b})
+
+
+def test_seeded_sampling_is_reproducible(packages):
+    spec = _model(packages, IDS[0], draft_tokens=2)
+    ids = prepare(spec, "Describe a cat.").input_ids
+    runs = [list(spec.generate_tokens(ids, 30, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True))
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+    assert spec.runtime_stats()["speculative"]["drafted"] > 0
+
+
+def test_rejection_rule_keeps_the_distribution():
+    """Sampler.check over many draws: the token it returns is distributed as the sampler's own
+    distribution, for a likely and an unlikely draft."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=12).astype(np.float32) * 2
+    s = Sampler(temperature=0.8, top_k=8, seed=1)
+    p = s.distribution(logits)
+    for draft in (int(np.argmax(p)), int(np.argsort(p)[-6])):
+        n = 20000
+        counts = np.bincount([s.check(logits, (), draft) for _ in range(n)], minlength=len(p)) / n
+        assert np.abs(counts - p).max() < 0.015, (draft, counts, p)
+    greedy = Sampler(temperature=0)
+    assert greedy.check(logits, (), 3) == int(np.argmax(logits))
+
+
+def test_undo_leaves_the_state_of_the_kept_rows(packages):
+    """Three rows fed undoably and two taken back: KV length, conv windows and delta-rule states
+    equal a cache fed the first row only."""
+    model = _model(packages, IDS[0], speculative="none")
+    ids = prepare(model, "Describe a cat.").input_ids
+    dec = model.decoder
+    assert dec.undo_rows >= 3
+
+    def prefilled():
+        c = dec.new_cache()
+        dec.forward(model.embed(ids), c, model.positions(ids))
+        return c
+
+    a, b = prefilled(), prefilled()
+    n = a.length
+    rows = [11, 12, 13]
+    dec.forward(model.embedding(rows), a, np.arange(n, n + 3)[None], undoable=True)
+    dec.undo(a, 3, 2)
+    dec.forward(model.embedding(rows[:1]), b, np.arange(n, n + 1)[None])
+    assert a.length == b.length == n + 1 and a.next_positions == b.next_positions
+    sa, sb = a.state_arrays(), b.state_arrays()
+    assert sa.keys() == sb.keys() and sa
+    for key in sa:
+        np.testing.assert_allclose(sa[key], sb[key], atol=1e-5, err_msg=str(key))
+    for x, y in zip(a.layers, b.layers):
+        if x.truncatable:     # KV: the same length (values: ncnn's own layout; the next token checks them)
+            assert [m.h for m in x.mats] == [m.h for m in y.mats] == [n + 1, n + 1]
+    # and the next token's logits agree
+    la = model.logits(dec.forward(model.embedding([5]), a, np.array([[n + 1]]))[0])
+    lb = model.logits(dec.forward(model.embedding([5]), b, np.array([[n + 1]]))[0])
+    assert cosine(la, lb) > 0.99999
+
+
+def test_draft_vocab_subset_keeps_the_output(packages):
+    """Drafting among the first 128 vocabulary rows (the head's first shard in these tests):
+    the same output, drafts from those rows only."""
+    plain = _model(packages, IDS[0], speculative="none")
+    sub = _model(packages, IDS[0], draft_vocab=100)
+    assert sub.mtp.head.blobs is not None and sub.mtp.head.rows == 128 < sub.vocab_size
+    ids = prepare(plain, "Count from one to ten please.").input_ids
+    want = list(plain.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
+    assert list(sub.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False)) == want
+    h = np.random.default_rng(1).normal(size=(1, sub.config["text_config"]["hidden_size"])).astype(np.float32)
+    assert sub.mtp.head(h) == int(np.argmax(sub.logits(h)[0, :128]))
+
+
+def test_no_mtp_conversion_and_options(packages, tmp_path):
+    ck, pk, _ = packages[IDS[0]]
+    assert edgevl.load(pk).manifest["mtp"] == {"converted": True}
+    bare = edgevl.convert(ck, tmp_path / "bare", dtype="fp32", mtp="drop", progress=False)
+    m = edgevl.load(bare)
+    assert "mtp" not in m.manifest["graphs"] and m.manifest["mtp"] == {"converted": False}
+    assert m.speculative == "none" and not (bare / "mtp.bin").exists()
+    with pytest.raises(EdgevlError, match="lacks.*--no-mtp"):
+        edgevl.load(bare, speculative="mtp")
+    for bad, msg in ((dict(speculative="fast"), "speculative must be"), (dict(draft_tokens=3), "from 1 to 2"),
+                     (dict(draft_tokens=0), "from 1 to 2"), (dict(draft_vocab=-1), "draft_vocab")):
+        with pytest.raises(EdgevlError, match=msg):
+            edgevl.load(pk, **bad)
+
+
+def test_verify_covers_the_block(packages):
+    from edgevl.verification.verify import compare
+
+    ck, pk, _ = packages[IDS[2]]
+    rep = compare(pk, ck, "Describe a cat.", max_new_tokens=8)
+    assert {name for sec, name, _, _ in rep.rows if sec == "mtp"} == {"block output", "logits"}
+    assert rep.mtp_top1[0] == rep.mtp_top1[1] > 0 and rep.ok
+
+
+def test_command_line(packages, tmp_path, capsys):
+    """``convert --no-mtp``; ``run --verbose`` reports the acceptance; ``--speculative mtp`` on a
+    package without the block is one error line."""
+    from support.cli import cli, one_line_error
+
+    ck, pk, _ = packages[IDS[0]]
+    code, _, err = cli(capsys, "convert", ck, tmp_path / "bare", "--dtype", "fp32", "--no-mtp", "--quiet")
+    assert code == 0, err
+    assert "mtp" not in edgevl.load(tmp_path / "bare").manifest["graphs"]
+    code, out, err = cli(capsys, "run", pk, "--prompt", "Count to ten.", "--max-new-tokens", "12", "--verbose",
+                         "--draft-tokens", "2")
+    assert code == 0 and out.strip(), err
+    assert "speculative decoding (MTP, 2 draft tokens):" in err and "drafts accepted" in err
+    code, _, err = cli(capsys, "run", pk, "--prompt", "Count to ten.", "--max-new-tokens", "4", "--verbose",
+                       "--speculative", "none")
+    assert code == 0 and "speculative decoding" not in err
+    one_line_error(*cli(capsys, "run", tmp_path / "bare", "--prompt", "Hi", "--speculative", "mtp")[::2],
+                   "--no-mtp")
+    one_line_error(*cli(capsys, "run", pk, "--prompt", "Hi", "--draft-tokens", "5")[::2], "draft_tokens")
