@@ -17,10 +17,13 @@ benchmarks/run.sh builds its checkpoints with it, e.g.
 ``make_random.py qwen3_5_moe OUT --shape a3b --layers 16 --experts 32``.
 
 ``--mtp`` (Qwen3.5 families) adds the multi-token-prediction block: ``random`` drafts at chance;
-``echo`` is derived from the model itself so that it drafts the token the model just predicted
-(fc passes the hidden half, the layer adds nothing, norms without gain: the block's output is the
-decoder's hidden state rescaled, whose head argmax is that token). A random model's greedy text
-repeats itself, so echo drafts are mostly accepted — by any runtime (llama.cpp's too).
+``echo`` makes drafts that any runtime (llama.cpp's too) accepts: the block is derived from the
+model so that it drafts the token the model just predicted (fc passes the hidden half, the layer
+adds nothing, norms without gain: its output is the decoder's hidden state rescaled, whose head
+argmax is that token), and the embedding table is scaled up (x300) so that the residual stream is
+dominated by the current token's row and the (tied-head) model repeats its last token. Speed does
+not depend on the values; the acceptance is then ~100 % (``benchmarks/speculative.py`` forces lower
+ones).
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ def overrides(family: str, shape: str, layers: int | None = None, experts: int |
 
 
 def echo_mtp(folder: Path) -> None:
-    """Rewrite the checkpoint's MTP block so that it drafts the token the model just predicted:
+    """Rewrite the checkpoint's MTP block so that it drafts the token the model just predicted, and
+    scale the embedding so that the model repeats its last token:
     x = fc([e | h]) = h (fc = [0 | I]), the layer's residual branches zero (o_proj, down_proj and
     the experts' down projections), every norm's gain 1 (zero-centred weights 0): the output is
     h rescaled, so the head's argmax over it is the decoder's own prediction."""
@@ -143,7 +147,12 @@ def echo_mtp(folder: Path) -> None:
                 t[k] = torch.cat([torch.zeros(h, h), torch.eye(h)], 1).to(v.dtype)
             elif "norm" in k or k.endswith(("o_proj.weight", "down_proj.weight", "shared_expert_gate.weight")):
                 t[k] = torch.zeros_like(v)
+        for k in [k for k in t if k.endswith("embed_tokens.weight")]:
+            t[k] = (t[k].float() * ECHO_EMBED_SCALE).to(t[k].dtype)
         save_file(t, str(f), metadata={"format": "pt"})
+
+
+ECHO_EMBED_SCALE = 300   # at init scale 0.02: 6 per element against ~1.5 that 24 layers add
 
 
 def parameters(folder: Path) -> int:

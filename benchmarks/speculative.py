@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py PKG [PKG ...] --hf HF_DIR [--llama-server BIN]
         [--threads 2] [--prompt-tokens 64] [--gen-tokens 48] [--repeats 5]
-        [--accept 0,0.6,0.8,0.9,1] [--draft-tokens 1,2] [--draft-vocab N] [--json OUT] [--markdown OUT]
+        [--accept 0,0.6,0.8,0.9] [--draft-tokens 1,2] [--draft-vocab N] [--json OUT] [--markdown OUT]
 
 Every system runs in its own process, one after another, round after round (interleaved, so the
 shared machine's drift hits them alike); the table gives the median (min-max) of each.
@@ -125,10 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--accept", default="0,0.6,0.8,0.9,1", help="forced acceptance rates (empty: none)")
+    ap.add_argument("--accept", default="0,0.6,0.8,0.9", help="forced acceptance rates (empty: none)")
     ap.add_argument("--draft-tokens", default="1,2")
+    ap.add_argument("--forced-draft-tokens", default="1", help="the --draft-tokens values run at forced acceptance")
     ap.add_argument("--llama-drafts", default="1,2,3", help="llama.cpp's --spec-draft-n-max values")
-    ap.add_argument("--draft-vocab", type=int, default=None, help="also run edgevl drafting among N rows")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="also run edgevl drafting among the first N vocabulary rows (0: all)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     a = ap.parse_args(argv)
@@ -146,15 +148,13 @@ def main(argv=None) -> int:
         systems[f"{tag}"] = ("edgevl", dict(base, model=pkg, options={"speculative": "none"}))
         for k in ks:
             systems[f"{tag} MTP k={k}"] = ("edgevl", dict(base, model=pkg, options={"draft_tokens": k}))
+        for k in [int(x) for x in a.forced_draft_tokens.split(",") if x]:
             for p in accepts:
                 systems[f"{tag} MTP k={k} forced {p:g}"] = (
                     "edgevl", dict(base, model=pkg, options={"draft_tokens": k}, forced=p))
-        if a.draft_vocab:
-            systems[f"{tag} MTP k=1 vocab {a.draft_vocab}"] = (
-                "edgevl", dict(base, model=pkg, options={"draft_vocab": a.draft_vocab}))
-            for p in accepts:
-                systems[f"{tag} MTP k=1 vocab {a.draft_vocab} forced {p:g}"] = (
-                    "edgevl", dict(base, model=pkg, options={"draft_vocab": a.draft_vocab}, forced=p))
+        if a.draft_vocab is not None:
+            systems[f"{tag} MTP k={ks[0]} draft vocab {a.draft_vocab or 'all'}"] = (
+                "edgevl", dict(base, model=pkg, options={"draft_tokens": ks[0], "draft_vocab": a.draft_vocab}))
         if a.llama_server and a.hf:
             from edgevl import models
             from edgevl.bench import gguf_for

@@ -26,10 +26,14 @@ from .errors import EdgevlError
 from .runtime import Decoder, layer_outputs
 
 MODES = ("none", "mtp")
-# Acceptance below which drafting costs more than it saves; checked after AUTO_OFF_AFTER drafts
-# of a generation, which then decodes plainly (a block that drafts at chance costs ~nothing).
+# When drafting stops paying (docs/speculative.md, "When it turns itself off"): after
+# AUTO_OFF_CYCLES steps in a row without an accepted draft, or when fewer than AUTO_OFF_RATE of
+# the drafts were accepted once AUTO_OFF_AFTER were made, decoding goes on plainly, and tries
+# drafting again after RETRY_AFTER plain tokens (text changes: a list, then prose, then code).
+AUTO_OFF_CYCLES = 4
 AUTO_OFF_RATE = 0.3
-AUTO_OFF_AFTER = 8
+AUTO_OFF_AFTER = 16
+RETRY_AFTER = 64
 
 
 def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: int) -> tuple[str, int, int | None]:
@@ -161,6 +165,30 @@ class Mtp:
         return drafts
 
 
+class Trial:
+    """Whether to draft in the next step: on until drafting stops paying, then off for
+    ``RETRY_AFTER`` tokens, then on again with a fresh count."""
+
+    def __init__(self):
+        self.active, self.drafted, self.accepted, self.dry, self.plain = True, 0, 0, 0, 0
+
+    def update(self, drafted: int, accepted: int, tokens: int) -> bool:
+        """Count a step (its drafts, the accepted ones, the tokens it gave); returns whether the
+        block follows the decoder for the next step (drafting is on)."""
+        if not self.active:
+            self.plain += tokens
+            if self.plain >= RETRY_AFTER:
+                self.__init__()
+            return self.active
+        self.drafted += drafted
+        self.accepted += accepted
+        self.dry = 0 if accepted else self.dry + 1
+        if (self.dry >= AUTO_OFF_CYCLES and not self.accepted) or (
+                self.drafted >= AUTO_OFF_AFTER and self.accepted < AUTO_OFF_RATE * self.drafted):
+            self.active, self.plain = False, 0
+        return self.active
+
+
 def block_outputs(mtp: Mtp, embeds_next, hidden, positions) -> np.ndarray:
     """The block's outputs [n, H] for rows given at once (row j: the embedding of token j+1,
     the decoder's hidden state at j, j's position), in a cache of their own (verification)."""
@@ -172,7 +200,7 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
     """``Model.generate_tokens``'s loop with drafting: yields the same tokens as plain decoding
     (greedy), or tokens of the same distribution (sampling)."""
     mtp.drafted = mtp.accepted = 0
-    active = True
+    trial = Trial()
     left = int(max_new_tokens)
     tok = sampler(logits, history)
     yield tok
@@ -182,7 +210,7 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
     history.append(tok)
     while True:
         fed = len(model.cache_keys)
-        m = min(mtp.k, left, model.max_context - fed - 1) if active else 0
+        m = min(mtp.k, left, model.max_context - fed - 1) if trial.active else 0
         drafts = mtp.draft(tok, m) if m > 0 else []
         rows = [tok, *drafts]
         start = model.cache.next_position
@@ -207,11 +235,10 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
             model.cache_keys.extend(rows[:keep])
         model.note_hidden(hidden[keep - 1])
         # a draft counts where its target is part of the answer (not past its end)
-        mtp.drafted += min(len(drafts), len(emit)) if end else len(drafts)
-        mtp.accepted += min(accepted, len(emit)) if end else accepted
-        if active and mtp.drafted >= AUTO_OFF_AFTER and mtp.accepted < AUTO_OFF_RATE * mtp.drafted:
-            active = False
-        if active:
+        d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
+        mtp.drafted += d
+        mtp.accepted += a
+        if trial.update(d, a, len(emit)):
             mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed)
         yield from emit
         history += emit

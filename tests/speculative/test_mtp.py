@@ -52,6 +52,7 @@ def _model(packages, case, **options):
 def _always_draft(monkeypatch):
     """Drafting stays on whatever the acceptance, so every generation accepts and rejects."""
     monkeypatch.setattr(speculative, "AUTO_OFF_RATE", 0.0)
+    monkeypatch.setattr(speculative, "AUTO_OFF_CYCLES", 1 << 30)
 
 
 def spoil_every(n: int):
@@ -254,3 +255,26 @@ def test_command_line(packages, tmp_path, capsys):
     one_line_error(*cli(capsys, "run", tmp_path / "bare", "--prompt", "Hi", "--speculative", "mtp")[::2],
                    "--no-mtp")
     one_line_error(*cli(capsys, "run", pk, "--prompt", "Hi", "--draft-tokens", "5")[::2], "draft_tokens")
+
+
+def test_drafting_turns_off_when_it_does_not_pay_and_tries_again(monkeypatch):
+    """The rule on its own: off after AUTO_OFF_CYCLES steps without an accepted draft (at the
+    start) or a low rate once AUTO_OFF_AFTER drafts were made; on again after RETRY_AFTER tokens."""
+    monkeypatch.setattr(speculative, "AUTO_OFF_CYCLES", 4)
+    monkeypatch.setattr(speculative, "AUTO_OFF_RATE", 0.3)
+    t = speculative.Trial()
+    assert [t.update(1, 0, 1) for _ in range(4)] == [True, True, True, False]
+    for _ in range(speculative.RETRY_AFTER - 1):
+        assert not t.update(0, 0, 1)
+    assert t.update(0, 0, 1) and t.drafted == 0
+    t = speculative.Trial()
+    for _ in range(3):          # one accepted draft in the first steps: keeps drafting
+        t.update(1, 0, 1)
+    assert t.update(1, 1, 2)
+    for _ in range(12):
+        t.update(1, 0, 1)
+    assert t.drafted == 16 and not t.active   # 1 of 16 < 30 %
+    t = speculative.Trial()
+    for _ in range(40):       # 50 % accepted: stays on
+        assert t.update(2, 1, 2)
+
