@@ -110,10 +110,6 @@ class Mtp:
         # for the next token (embeds has one row fewer than hidden)
         self.embeds, self.hidden, self.positions, self.js = [], [], [], []
 
-    @property
-    def stats(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted}
-
     def keep_before(self, j: int) -> None:
         """Keep only the rows before decoder position ``j`` (what a prompt that shares the
         first ``j + 1`` tokens with the cache leaves unchanged) and drop those waiting."""
@@ -122,7 +118,7 @@ class Mtp:
         if n == 0:
             self.cache = self.decoder.new_cache()
             self.rows = []
-        elif n < len(self.rows):
+        elif n < self.cache.length:      # (a recursive draft that failed may have left its row)
             self.cache.rollback(n)
             del self.rows[n:]
 
