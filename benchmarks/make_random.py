@@ -42,6 +42,7 @@ class Shape:
     about: str
     overrides: dict = field(default_factory=dict)   # make_tiny's keyword arguments
     preprocessor: dict = field(default_factory=dict)  # values replaced in preprocessor_config.json
+    video_preprocessor: dict = field(default_factory=dict)  # ... and in video_preprocessor_config.json
 
 
 # Qwen3.5's rotary setting at head size 256 (rotary dim 64: 32 frequencies as T/H/W 11/11/10)
@@ -90,7 +91,9 @@ SHAPES = {
             vision=dict(depth=12, hidden_size=768, num_heads=12, intermediate_size=3072, num_position_embeddings=2304,
                         patch_size=16, spatial_merge_size=2, temporal_patch_size=2)),
             preprocessor={"image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-                          "size": {"shortest_edge": 65536, "longest_edge": 16777216}}),
+                          "size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+            # the real video processor's budget: 24 M pixels over all sampled frames
+            video_preprocessor={"size": {"shortest_edge": 4096, "longest_edge": 25165824}}),
         "tiny": Shape("the family's tiny test checkpoint"),
     },
     "qwen3_5_moe": {
@@ -199,10 +202,11 @@ def main(argv=None) -> int:
     verification.get(a.family).make_tiny(out, None, seed=a.seed, dtype=a.dtype, mtp=bool(a.mtp), **over)
     if a.mtp == "echo":
         echo_mtp(out)
-    pre = SHAPES[a.family][shape].preprocessor
-    if pre:
-        p = out / "preprocessor_config.json"
-        p.write_text(json.dumps({**json.loads(p.read_text()), **pre}, indent=1))
+    for name, pre in (("preprocessor_config.json", SHAPES[a.family][shape].preprocessor),
+                      ("video_preprocessor_config.json", SHAPES[a.family][shape].video_preprocessor)):
+        p = out / name
+        if pre and p.is_file():
+            p.write_text(json.dumps({**json.loads(p.read_text()), **pre}, indent=1))
     n = parameters(out)
     count = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     print(f"{count} parameters written in {time.time() - t0:.0f} s", file=sys.stderr)

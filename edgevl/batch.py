@@ -61,8 +61,9 @@ from .errors import EdgevlError
 # one of these is not a batch output (an input file, someone else's table) and is never touched.
 RESULT_FIELDS = ("id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
                  "seconds", "error")
-FIELDS = ("id", "image", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out", "finish_reason",
-          "seconds", "error")
+FIELDS = ("id", "image", "video", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out",
+          "finish_reason", "seconds", "error")
+VIDEO_COLUMN = "video"   # a table's video path column (models that take video)
 THOUGHT_CUT = ("the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or pass "
                "--no-thinking, then --retry-errors")
 WORKER_MARGIN = 512 << 20  # a worker beyond its weights: interpreter, ncnn, image and KV buffers
@@ -87,7 +88,8 @@ def extract_boxes(event) -> list[dict]:
 
 def empty_row(item: dict) -> dict:
     row = dict.fromkeys(FIELDS)
-    row.update(id=item["id"], image=item.get("image"), prompt=item.get("prompt"), error=item.get("error"))
+    row.update(id=item["id"], image=item.get("image"), video=item.get("video"), prompt=item.get("prompt"),
+               error=item.get("error"))
     return row
 
 
@@ -101,7 +103,8 @@ def process_row(model, item: dict, options: dict) -> dict:
         try:
             text, thought, last = [], [], None
             # reuse_cache=False: an answer must not depend on which row the worker ran before
-            for ev in stream_events(model, item["prompt"], image=item["source"], reuse_cache=False, **options):
+            for ev in stream_events(model, item["prompt"], image=item["source"], video=item.get("video_source"),
+                                    reuse_cache=False, **options):
                 text.append(ev.text)
                 thought.append(ev.reasoning)
                 last = ev
@@ -152,7 +155,7 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
             raise EdgevlError(f"--input {src}: unknown kind of file; use a folder of images or a "
                               f"{', '.join(TABLE_EXTS)} file")
         records = {".csv": _csv_records, ".parquet": _parquet_records}.get(ext, _jsonl_records)(
-            path, (image_column, prompt_column, id_column))
+            path, (image_column, prompt_column, id_column, VIDEO_COLUMN))
         where = "row" if ext in (".csv", ".parquet") else "line"
         return _table_rows(records, path.parent, str(src), where, prompt, image_column, prompt_column, id_column)
     from PIL import Image
@@ -245,10 +248,11 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
                 id_column) -> list[dict]:
     if not records:
         raise EdgevlError(f"{name} has no rows")
-    if not any(image_column in r for _, r in records):
+    if not any(image_column in r or VIDEO_COLUMN in r for _, r in records):
         cols = sorted({k for _, r in records for k in r})
-        raise EdgevlError(f"{name} has no {image_column!r} column (columns: {', '.join(map(str, cols))}); "
-                          "name it so or pass --image-column")
+        raise EdgevlError(f"{name} has no {image_column!r} column, nor a {VIDEO_COLUMN!r} one (columns: "
+                          f"{', '.join(map(str, cols))}); name it so or pass --image-column")
+    with_video = any(VIDEO_COLUMN in r for _, r in records)
     if not prompt and not any(prompt_column in r for _, r in records):
         raise EdgevlError(f"--prompt is required: {name} has no {prompt_column!r} column")
     from PIL import Image
@@ -265,12 +269,27 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
             else:
                 p = Path(shown).expanduser()
                 source = str(p if p.is_absolute() or base is None else base / p)
-        elif img is None or isinstance(img, str):  # missing or blank
+        elif (img is None or isinstance(img, str)) and not with_video:  # missing or blank
             err = f"no image in the {image_column!r} column"
-        else:
+        elif img is not None and not isinstance(img, str):
             err = f"the {image_column!r} value is a {type(img).__name__}, not an image path"
+        video, vsource = r.get(VIDEO_COLUMN), None
+        if isinstance(video, (str, os.PathLike)) and str(video).strip():
+            video = str(video).strip()
+            if video.startswith(("http://", "https://")):
+                err = err or "remote video URLs are not fetched; download the videos and give local paths"
+            else:
+                v = Path(video).expanduser()
+                vsource = str(v if v.is_absolute() or base is None else base / v)
+        elif video is not None and not isinstance(video, str):
+            err = err or f"the {VIDEO_COLUMN!r} value is a {type(video).__name__}, not a video path"
+            video = None
+        else:
+            video = None
+        if source is None and vsource is None and err is None:
+            err = f"no image or video in the {image_column!r} and {VIDEO_COLUMN!r} columns"
         rid = r.get(id_column)
-        rid = _text(str(rid) if rid is not None and str(rid) != "" else shown if shown else f"{where} {n}")
+        rid = _text(str(rid) if rid is not None and str(rid) != "" else shown or video or f"{where} {n}")
         p = r.get(prompt_column)
         p = str(p) if p is not None and str(p).strip() else prompt
         if p is None and err is None:
@@ -279,7 +298,8 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
             raise EdgevlError(f"id {rid!r} appears twice in {name} ({where}s {seen[rid]} and {n}); ids must be "
                               f"unique — add an {id_column!r} column")
         seen[rid] = n
-        rows.append({"id": rid, "image": shown, "source": source, "prompt": p, "error": err})
+        rows.append({"id": rid, "image": shown, "source": source, "prompt": p, "error": err}
+                    | ({"video": video, "video_source": vsource} if with_video else {}))
     return rows
 
 
@@ -389,7 +409,7 @@ def _write_atomic(path: Path, write) -> None:
 
 def _row_schema(pa):
     box = pa.struct([("box", pa.list_(pa.int64())), ("label", pa.string())])
-    return pa.schema([("id", pa.string()), ("image", pa.string()), ("prompt", pa.string()),
+    return pa.schema([("id", pa.string()), ("image", pa.string()), ("video", pa.string()), ("prompt", pa.string()),
                       ("answer", pa.string()), ("reasoning", pa.string()), ("boxes", pa.list_(box)),
                       ("tokens_in", pa.int64()), ("tokens_out", pa.int64()), ("finish_reason", pa.string()),
                       ("seconds", pa.float64()), ("error", pa.string())])

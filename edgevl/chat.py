@@ -12,6 +12,7 @@ next prefill then recomputes the cache once. A message that does not fit even al
 with a message, and the chat goes on.
 
     /image PATH   attach an image to the next message      /reset       forget the conversation
+    /video PATH   attach a video to the next message
     /save FILE    write the transcript as JSON              /help, /quit (or Ctrl-D)
 
 Ctrl-C stops an answer, or clears the line at the prompt; a second Ctrl-C at the prompt within
@@ -46,6 +47,7 @@ def no_image_note(model, how: str) -> str | None:
 
 HELP = """commands:
   /image PATH   attach an image to your next message ('demo': a random demo scene)
+  /video PATH   attach a video (file, animated GIF/WebP, folder of frames) to your next message
   /reset        forget the conversation (and the KV cache); attached images stay
   /save FILE    write the transcript as JSON
   /help         this list
@@ -71,6 +73,14 @@ class _ImageMemo:
             self.rows[key] = self._model.encode_image(image, max_image_patches)
         return self.rows[key]
 
+    def encode_video(self, video, **options):
+        if not isinstance(video, str):
+            return self._model.encode_video(video, **options)
+        key = ("video", video, tuple(sorted(options.items())))
+        if key not in self.rows:
+            self.rows[key] = self._model.encode_video(video, **options)
+        return self.rows[key]
+
 
 class ChatSession:
     """A conversation: ``send(text)`` fits the context and returns an iterator of answer pieces.
@@ -84,7 +94,7 @@ class ChatSession:
                  max_image_patches: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
                  stop=None, allow_special_in_content: bool = False, chat_template_kwargs=None,
-                 show_reasoning: bool = False, thinking: bool | None = None):
+                 show_reasoning: bool = False, thinking: bool | None = None, video_options: dict | None = None):
         # unset values come from the model's generation_config.json; bad ones fail now, not per turn
         resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty)
         # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
@@ -100,6 +110,7 @@ class ChatSession:
         self.system = system
         self.max_new_tokens = int(max_new_tokens)
         self.max_image_patches = max_image_patches
+        self.video_options = {k: v for k, v in (video_options or {}).items() if v is not None}
         # one sampler seed for the whole chat would repeat the same draws every turn: advance it
         self.seed = seed
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -110,6 +121,7 @@ class ChatSession:
         """Forget the conversation; ``keep_attached`` keeps images attached for the next message."""
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         self.pending_images: list[str] = list(self.pending_images) if keep_attached else []
+        self.pending_videos: list[str] = list(self.pending_videos) if keep_attached else []
         self.dropped = 0
         self.turns = 0
         self.last_tokens: list[int] = []
@@ -126,17 +138,26 @@ class ChatSession:
         self.model.encode_image(path, self.max_image_patches)
         self.pending_images.append(path)
 
+    def attach_video(self, path) -> None:
+        """Queue a video for the next message; it is decoded and encoded now so a bad file fails here."""
+        path = str(Path(path).expanduser())
+        self.model.rows.pop(("video", path, tuple(sorted(self.video_options.items()))), None)
+        self.model.encode_video(path, **self.video_options)
+        self.pending_videos.append(path)
+
     def _count(self, messages) -> int:
         return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
+                           video_options=self.video_options,
                            allow_special_in_content=self.allow_special_in_content,
                            chat_template_kwargs=self.chat_template_kwargs).input_ids)
 
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
         the history gets the message and its answer (partial if interrupted) once streaming ends."""
-        content = ([{"type": "image", "image": p} for p in self.pending_images] + [{"type": "text", "text": text}]
-                   if self.pending_images else text)
-        self.pending_images = []
+        media = ([{"type": "image", "image": p} for p in self.pending_images]
+                 + [{"type": "video", "video": p} for p in self.pending_videos])
+        content = media + [{"type": "text", "text": text}] if media else text
+        self.pending_images, self.pending_videos = [], []
         msgs = self.messages + [{"role": "user", "content": content}]
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
@@ -162,7 +183,7 @@ class ChatSession:
 
         try:
             events = stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
-                                   max_image_patches=self.max_image_patches,
+                                   max_image_patches=self.max_image_patches, video_options=self.video_options,
                                    allow_special_in_content=self.allow_special_in_content,
                                    chat_template_kwargs=self.chat_template_kwargs, **self.sampling)
             for shown, ev in (with_reasoning(events, self.model.arch.reasoning_tokens) if self.show_reasoning
@@ -195,7 +216,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
               top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
               stop=None, system: str | None = None, input_fn=input, out=None,
               allow_special_in_content: bool = False, chat_template_kwargs=None, show_reasoning: bool = False,
-              thinking: bool | None = None) -> int:
+              thinking: bool | None = None, video=None, video_options: dict | None = None) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -211,7 +232,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
     session = ChatSession(model, system=system, max_new_tokens=max_new_tokens, max_image_patches=max_image_patches,
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seed=seed, stop=stop, allow_special_in_content=allow_special_in_content,
-                          chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning, thinking=thinking)
+                          chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning, thinking=thinking,
+                          video_options=video_options)
     demo_scenes = attached = 0
     noted = False  # the no-image note, once per conversation
 
@@ -235,6 +257,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
 
     if image:
         image = attach(image)
+    if video:
+        session.attach_video(video)
     if input_fn is input and sys.stdin.isatty():
         try:
             import readline  # noqa: F401 - line editing and history for input()
@@ -248,6 +272,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
         "/quit, Ctrl-D or Ctrl-C twice leaves.")
     if image:
         say(f"[image attached to your first message: {image}]")
+    if video:
+        say(f"[video attached to your first message: {video}]")
     last_interrupt = None
     while True:
         try:
@@ -282,13 +308,19 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                 elif cmd == "/reset":
                     session.reset(keep_attached=True)
                     noted = False
-                    n = len(session.pending_images)
-                    say("[conversation cleared" + (f"; the {n} attached image(s) stay for your next message]"
+                    n = len(session.pending_images) + len(session.pending_videos)
+                    what = "image(s)/video(s)" if session.pending_videos else "image(s)"
+                    say("[conversation cleared" + (f"; the {n} attached {what} stay for your next message]"
                                                    if n else "]"))
                 elif cmd == "/image":
                     if not arg:
                         raise EdgevlError("usage: /image PATH (or /image demo)")
                     say(f"[image attached to your next message: {attach(arg)}]")
+                elif cmd == "/video":
+                    if not arg:
+                        raise EdgevlError("usage: /video PATH (a video file, animated GIF/WebP or folder of frames)")
+                    session.attach_video(arg)
+                    say(f"[video attached to your next message: {arg}]")
                 elif cmd == "/save":
                     if not arg:
                         raise EdgevlError("usage: /save FILE")

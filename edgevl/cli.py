@@ -42,6 +42,18 @@ def _positive_int(name):
     return _int_at_least(name, 0)
 
 
+def _positive_float(name):
+    def parse(v):
+        try:
+            x = float(v)
+        except ValueError:
+            raise EdgevlError(f"{name} must be a number, got {v!r}") from None
+        if not 0 < x < float("inf"):
+            raise EdgevlError(f"{name} must be a positive number, got {v}")
+        return x
+    return parse
+
+
 def _threads(name):
     """An argparse type: a thread count under the one rule of ``runtime.check_threads`` (0 and
     negatives are mistakes, not "the default"), in every command."""
@@ -134,6 +146,28 @@ def runtime_option_values(a) -> dict:
 
     names = [*SPECULATIVE_OPTIONS, *_runtime_options()]
     return {name: getattr(a, name) for name in names if getattr(a, name, None) is not None}
+
+
+def add_video_args(p: argparse.ArgumentParser, many: bool = True) -> None:
+    """--video and how clips are sampled (models whose vision encoder takes video)."""
+    if many:
+        p.add_argument("--video", action="append", default=None,
+                       help="video: a file (MP4/WebM/MOV... need PyAV: pip install 'edgevl[video]'), an animated "
+                            "GIF/WebP or a folder of frames; repeat for several (default: none)")
+    else:
+        p.add_argument("--video", default=None, help="video for your first message (a file, animated GIF/WebP or "
+                                                      "folder of frames; default: none)")
+    p.add_argument("--fps", type=_positive_float("--fps"), default=None,
+                   help="frames sampled per second of video (default: the checkpoint's video processor, 2)")
+    p.add_argument("--max-frames", type=_int_at_least("--max-frames", 2), default=None,
+                   help="most frames sampled from one video (default: the checkpoint's, 768)")
+    p.add_argument("--video-max-pixels", type=_int_at_least("--video-max-pixels", 1), default=None,
+                   help="pixel budget of one video over all its sampled frames (default: the checkpoint's "
+                        "size.longest_edge)")
+
+
+def video_options(a) -> dict:
+    return {"fps": a.fps, "max_frames": a.max_frames, "max_pixels": a.video_max_pixels}
 
 
 def add_content_args(p: argparse.ArgumentParser, show: bool = True) -> None:
@@ -235,12 +269,12 @@ def cmd_run(a) -> int:
     check_image_out(a.demo_out, "--demo-out")
     check_image_out(a.draw_boxes, "--draw-boxes")
     images = list(a.image or [])
-    if a.raw and images:
-        raise EdgevlError("--raw cannot be combined with --image: images need the chat template")
+    if a.raw and (images or a.video):
+        raise EdgevlError("--raw cannot be combined with --image or --video: they need the chat template")
     model_path = resolve_model(a.model)
     images = resolve_images(a)
     model = load(model_path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
-    if not images and (note := no_image_note(model, "--image")):
+    if not images and not a.video and (note := no_image_note(model, "--image")):
         print(note, file=sys.stderr)
     kwargs = sampling_kwargs(a)
     if a.verbose:
@@ -253,6 +287,7 @@ def cmd_run(a) -> int:
               + "]", file=sys.stderr)
     text, boxes = [], []
     events = stream_events(model, a.prompt, image=images or None, raw=a.raw, max_image_patches=a.max_image_patches,
+                           video=a.video, video_options=video_options(a),
                            allow_special_in_content=a.allow_special_in_content,
                            thinking=a.thinking, **kwargs)
     for shown, ev in (with_reasoning(events, model.arch.reasoning_tokens) if a.show_thinking
@@ -301,6 +336,7 @@ def cmd_chat(a) -> int:
     check_model_args(a)
     model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
+                     video=a.video, video_options=video_options(a),
                      allow_special_in_content=a.allow_special_in_content, thinking=a.thinking,
                      show_reasoning=a.show_thinking, **sampling_kwargs(a))
 
@@ -418,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--demo-out", help="where --image demo saves the scene (default: demo_scene.png)")
     r.add_argument("--draw-boxes", metavar="OUT_PNG",
                    help="draw the answer's boxes on the image(s) (OUT-1.png, OUT-2.png ... for several)")
+    add_video_args(r)
     r.add_argument("--raw", action="store_true", help="do not apply the chat template (text only)")
     r.add_argument("-v", "--verbose", action="store_true",
                    help="print the model, the sampling settings in effect, token counts and speed")
@@ -445,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch = command("chat", "interactive chat in the terminal")
     ch.add_argument("model", nargs="?", help=MODEL_HELP)
     ch.add_argument("--image", help="image for your first message, or 'demo' for a random demo scene (default: none)")
+    add_video_args(ch, many=False)
     add_sampling_args(ch)
     add_model_args(ch)
     add_content_args(ch)

@@ -89,7 +89,7 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
         source_hashes = {}
         for p in ckpt.files:
             source_hashes[p.name] = sha256_file(p, lambda n, p=p: bar.update(n, f"hashing {p.name}"))
-        for name in TOKENIZER_FILES + ("config.json", "preprocessor_config.json"):
+        for name in TOKENIZER_FILES + ("config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
             if (ckpt.folder / name).is_file():
                 shutil.copy2(ckpt.folder / name, tmp / name)
         manifest = {

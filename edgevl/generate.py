@@ -112,13 +112,45 @@ class ReasoningSplitter:
         return "", body
 
 
-def _image_parts(messages) -> list:
+def _image_parts(messages, kinds=("image", "image_url")) -> list:
     parts = []
     for m in messages:
         c = m.get("content")
         if isinstance(c, list):
-            parts += [p for p in c if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
+            parts += [p for p in c if isinstance(p, dict) and p.get("type") in kinds]
     return parts
+
+
+def _video_groups(tok, model, infos):
+    """A rewrite of the rendered prompt: each video's ``<|vision_start|><|video_pad|><|vision_end|>``
+    (or a bare ``<|video_pad|>``) becomes, per temporal patch, ``<T seconds>`` and its own
+    start/pad/end group with one pad, which ``prepare`` then expands to the patch's tokens."""
+    def text(key, default):
+        i = model.manifest.get(key)
+        return (tok.id_to_token(i) if i is not None else None) or default
+
+    start, end = text("vision_start_token_id", "<|vision_start|>"), text("vision_end_token_id", "<|vision_end|>")
+    pad = tok.id_to_token(model.video_token_id) if infos else None
+
+    def rewrite(rendered: str) -> str:
+        out, at = [], 0
+        for k, info in enumerate(infos):
+            groups = "".join(f"<{t:.1f} seconds>{start}{pad}{end}" for t in info["timestamps"])
+            span = start + pad + end
+            i = rendered.find(span, at)
+            j = rendered.find(pad, at)
+            if j < 0:
+                raise EdgevlError(f"the prompt has {k} video placeholders but {len(infos)} videos were given")
+            if i < 0 or i + len(start) != j:
+                i, span = j, pad       # a template that writes the bare pad
+            out += [rendered[at:i], groups]
+            at = i + len(span)
+        rest = rendered[at:]
+        if pad is not None and pad in rest:
+            raise EdgevlError(f"the prompt has more video placeholders than the {len(infos)} videos given")
+        return "".join(out) + rest
+
+    return rewrite
 
 
 def _validate_messages(messages) -> None:
@@ -129,9 +161,6 @@ def _validate_messages(messages) -> None:
             raise EdgevlError("each message needs 'role' and 'content' keys")
         if m["role"] not in ("system", "user", "assistant"):
             raise EdgevlError(f"unknown message role {m['role']!r}; use system, user or assistant")
-        if isinstance(m["content"], list) and any(isinstance(p, dict) and p.get("type") in ("video", "video_url")
-                                                   for p in m["content"]):
-            raise EdgevlError("video input is not supported; send frames as images")
 
 
 def template_kwargs(kwargs, switches=()) -> dict:
@@ -191,13 +220,16 @@ def _masked(messages, marks) -> list[dict]:
     return out
 
 
-def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_template_kwargs=None) -> list[int]:
+def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_template_kwargs=None,
+                    rewrite=None) -> list[int]:
     """Render the chat template and tokenize it. Control tokens come only from the template:
     special-token text inside a message (``<|end_of_text|><|begin_of_text|>system``...) is
     tokenized as plain text, so a client cannot forge turns, unless ``allow_special_in_content``.
-    ``chat_template_kwargs``: as ``template_kwargs`` checks them."""
+    ``chat_template_kwargs``: as ``template_kwargs`` checks them. ``rewrite``: a change of the
+    rendered text before tokenization (videos' per-patch groups)."""
     kw = template_kwargs(chat_template_kwargs)
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
+    rewrite = rewrite or (lambda t: t)
+    text = rewrite(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
     contents = _contents(messages)
     specials = tok.special_tokens
     if allow_special_in_content or not any(sp in c for c in contents for sp in specials):
@@ -206,8 +238,8 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
     # template's own (control tokens allowed), the contents are encoded as plain text.
     if any("\ue000" in c for c in contents):
         raise EdgevlError("message contents may not contain U+E000 together with control-token text")
-    masked = tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
-                                     add_generation_prompt=True, **kw)
+    masked = rewrite(tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
+                                             add_generation_prompt=True, **kw))
     ids, rebuilt = [], []
     for k, piece in enumerate(_MARK.split(masked)):
         if k % 2:
@@ -223,58 +255,81 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
     return ids
 
 
+def _as_videos(video) -> list:
+    """``video=``: one clip (a path, or ``{"frames": ..., "fps": ...}``) or a list of clips."""
+    if video is None:
+        return []
+    return list(video) if isinstance(video, (list, tuple)) else [video]
+
+
 def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
             allow_special_in_content: bool = False, chat_template_kwargs=None,
-            thinking: bool | None = None) -> Prepared:
-    """Render the chat template, tokenize, encode images and expand each image placeholder.
+            thinking: bool | None = None, video=None, video_options: dict | None = None) -> Prepared:
+    """Render the chat template, tokenize, encode images and videos and expand each placeholder.
 
     Message contents are plain text (see ``encode_messages``); ``raw=True`` tokenizes the prompt
     as it is, special-token text included. ``thinking``: ask a model that can think first to do
-    so or not (its chat template's switch; None: the template's default)."""
+    so or not (its chat template's switch; None: the template's default). ``video``: one clip or
+    a list (``Model.encode_video`` says what a clip may be); ``video_options``: its ``fps``,
+    ``max_frames`` and ``max_pixels``."""
     tok = model.tokenizer
     chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    videos = _as_videos(video)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise EdgevlError("the prompt is empty; pass some text")
         if raw or not tok.chat_template:
-            if images:
-                raise EdgevlError("images need the chat template; do not combine image= with raw=True")
+            if images or videos:
+                raise EdgevlError("images and videos need the chat template; do not combine them with raw=True")
             text = prompt
         else:
-            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}] if images else prompt
+            media = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+            content = media + [{"type": "text", "text": prompt}] if media else prompt
             messages = [{"role": "user", "content": content}]
             text = None
     else:
         _validate_messages(prompt)
-        parts = _image_parts(prompt)
-        payloads = [p.get("image") for p in parts]
-        if images and any(x is not None for x in payloads):
-            raise EdgevlError("give images either inside the messages or with image=, not both")
-        if not images:
-            images = [x for x in payloads if x is not None]
-        if len(images) != len(parts):
-            raise EdgevlError(f"the messages have {len(parts)} image parts but {len(images)} images were given")
+        for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
+            parts = _image_parts(prompt, (kind, kind + "_url"))
+            payloads = [p.get(kind) for p in parts]
+            if given and any(x is not None for x in payloads):
+                raise EdgevlError(f"give {what} either inside the messages or with {kind}=, not both")
+            if not given:
+                given += [x for x in payloads if x is not None]
+            if len(given) != len(parts):
+                raise EdgevlError(f"the messages have {len(parts)} {kind} parts but {len(given)} {what} were given")
         messages, text = prompt, None
     if images and model.vision is None:
         raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
 
+    vids = [model.encode_video(v, **(video_options or {})) for v in videos]   # timestamps go in the prompt
     ids = (tok.encode(text) if text is not None
-           else encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs))
+           else encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs,
+                                _video_groups(tok, model, [info for _, info in vids]) if vids else None))
     prep = Prepared(input_ids=[])
-    pad = model.image_token_id
+    pad, vpad = model.image_token_id, model.video_token_id if vids else None
     n_pads = sum(1 for t in ids if t == pad) if pad is not None else 0
     if n_pads != len(images):
         raise EdgevlError(f"the prompt has {n_pads} image placeholders but {len(images)} images were given")
-    for im in images:
-        rows, info = model.encode_image(im, max_image_patches)
-        prep.image_rows.append(rows)
-        prep.images.append(info)
-    k = 0
+    encoded = [model.encode_image(im, max_image_patches) for im in images]
+    k = v = patch = 0
     for t in ids:
         if pad is not None and t == pad:
-            prep.input_ids += [pad] * int(prep.image_rows[k].shape[0])
+            rows, info = encoded[k]
+            prep.image_rows.append(rows)
+            prep.images.append(info)
+            prep.input_ids += [pad] * int(rows.shape[0])
             k += 1
+        elif vpad is not None and t == vpad:
+            rows, info = vids[v]
+            if patch == 0:
+                prep.image_rows.append(rows)
+                prep.images.append(info)
+            prep.input_ids += [vpad] * info["tokens_per_frame"]
+            patch += 1
+            if patch == info["grid_thw"][0]:
+                v, patch = v + 1, 0
         else:
             prep.input_ids.append(t)
     return prep
@@ -291,7 +346,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
                   reuse_cache: bool = True, postprocess: bool = True,
                   allow_special_in_content: bool = False, chat_template_kwargs=None,
-                  thinking: bool | None = None) -> Iterator[Event]:
+                  thinking: bool | None = None, video=None, video_options: dict | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer."""
@@ -302,9 +357,10 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     t0 = time.perf_counter()
     prep = prepare(model, prompt, image=image, raw=raw, max_image_patches=max_image_patches,
                    allow_special_in_content=allow_special_in_content, chat_template_kwargs=chat_template_kwargs,
-                   thinking=thinking)
+                   thinking=thinking, video=video, video_options=video_options)
     # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
-    post = model.arch.output_processor(prep.images) if postprocess else None
+    images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
+    post = model.arch.output_processor(images) if postprocess else None
     split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
     gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
                                 reuse_cache=reuse_cache, **settings.kwargs())

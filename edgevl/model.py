@@ -109,6 +109,7 @@ class Model:
                 self.eos_ids.add(tid)
 
         self.image_token_id = m.get("image_token_id")
+        self.video_token_id = m.get("video_token_id")
         self.vision = (self.arch.make_vision(self.package, self._net("vision", light_mode)) if "vision" in graphs
                        else None)
 
@@ -190,17 +191,25 @@ class Model:
         return 2 if self.dtype in ("bf16", "q8") else 4
 
     # -- inputs -------------------------------------------------------------------------------
+    def _vision_mask(self, ids: np.ndarray) -> np.ndarray:
+        """Where the prompt holds image or video placeholders (the rows the vision tower fills)."""
+        pads = [t for t in (self.image_token_id, self.video_token_id) if t is not None]
+        return np.isin(ids, pads) if pads else np.zeros(ids.shape, bool)
+
     def embed(self, input_ids: list[int], image_rows: list[np.ndarray] = ()) -> np.ndarray:
-        """Token embeddings with image-token rows replaced in order by the images' rows."""
+        """Token embeddings with image- and video-token rows replaced in prompt order by the
+        rows of the images and videos."""
         x = self.embedding(input_ids)
-        ids = np.asarray(input_ids)
-        n_pad = int((ids == self.image_token_id).sum()) if self.image_token_id is not None else 0
+        mask = self._vision_mask(np.asarray(input_ids))
+        n_pad = int(mask.sum())
         n_rows = sum(int(r.shape[0]) for r in image_rows)
         if n_pad != n_rows:
-            raise EdgevlError(f"the prompt has {n_pad} image tokens but the image(s) produce {n_rows} "
-                              "embedding rows; expand each image placeholder to the image's token count")
+            what = ("image/video tokens but the image(s) and video(s)" if self.video_token_id in input_ids
+                    else "image tokens but the image(s)")
+            raise EdgevlError(f"the prompt has {n_pad} {what} produce {n_rows} embedding rows; expand each "
+                              "placeholder to its token count")
         if n_rows:
-            x[ids == self.image_token_id] = np.concatenate(image_rows, 0)
+            x[mask] = np.concatenate(image_rows, 0)
         return x
 
     def encode_image(self, image, max_image_patches: int | None = None):
@@ -209,9 +218,33 @@ class Model:
             raise EdgevlError("this model has no vision tower; it cannot take images")
         return self.vision(image, max_image_patches)
 
+    @property
+    def takes_video(self) -> bool:
+        return self.video_token_id is not None and hasattr(self.vision, "encode_video")
+
+    def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None):
+        """(rows [tokens, hidden], processor info) for one clip: a file, a folder of frames, a
+        list of frames, or ``{"frames": [...], "fps": N}`` (docs/video.md)."""
+        if not self.takes_video:
+            raise EdgevlError(f"this model ({self.arch.name}) takes no video"
+                              + ("" if self.vision is None else "; send a few frames as images"))
+        return self.vision.encode_video(video, fps, max_frames, max_pixels)
+
     def positions(self, input_ids, images=()) -> np.ndarray:
-        """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos)."""
-        return np.asarray(self.arch.positions(list(input_ids), list(images), self.image_token_id), np.int64)
+        """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos of
+        its images and videos in prompt order). A video's temporal patches are laid out as
+        images of one frame each, its video tokens as image tokens (timestamps separate them)."""
+        ids, infos = list(input_ids), []
+        if self.video_token_id is not None and self.image_token_id is not None:
+            ids = [self.image_token_id if t == self.video_token_id else t for t in ids]
+        for info in images:
+            if isinstance(info, dict) and info.get("kind") == "video":
+                t, h, w = info["grid_thw"]
+                infos += [{**info, "grid_thw": (1, h, w)}] * int(t)
+            else:
+                infos.append(info)
+        return np.asarray(self.arch.positions(ids, infos, self.image_token_id), np.int64)
 
     # -- the decoding loop --------------------------------------------------------------------
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -236,8 +269,9 @@ class Model:
     def _keys(self, input_ids, image_rows) -> list:
         keys, img, k = [], 0, 0
         digests = [hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest() for r in image_rows]
+        vision = set(np.asarray(list(input_ids))[self._vision_mask(np.asarray(list(input_ids)))].tolist())
         for t in input_ids:
-            if t == self.image_token_id and image_rows:
+            if t in vision and image_rows:
                 while img < len(image_rows) and k >= image_rows[img].shape[0]:
                     img, k = img + 1, 0
                 keys.append(("img", digests[img] if img < len(digests) else "", k))

@@ -498,7 +498,8 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
 
 # files beside the graphs that the runtime reads when present (tokenizer, templates, configs)
 RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
-                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json")
+                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json",
+                 "video_preprocessor_config.json")
 
 
 def check_listed(path, manifest: dict, names=RUNTIME_FILES) -> None:

@@ -247,6 +247,66 @@ def _image(url: str, server: EdgevlServer, param: str) -> PendingImage:
     return PendingImage(opener, param)
 
 
+VIDEO_SUFFIX = {"video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov", "video/x-matroska": ".mkv",
+                "video/x-msvideo": ".avi", "image/gif": ".gif", "image/webp": ".webp", "image/png": ".png",
+                "image/apng": ".png", "video/mpeg": ".mpg"}
+
+
+class PendingVideo:
+    """A video_url's clip in a temporary file (data: URLs) or an allowed local file, checked from
+    its header (frames, size: the tokens it will take); decoded once the request holds the model.
+    A temporary file is removed when the request is done with it."""
+
+    def __init__(self, path: Path, param: str, temporary: bool, server):
+        import weakref
+
+        self.path, self.param = path, param
+        if temporary:
+            weakref.finalize(self, Path(path).unlink, missing_ok=True)
+        try:
+            self.tokens = server.model.vision.video_tokens(str(path))
+        except EdgevlError as e:
+            raise HTTPError(400, str(e).replace(str(path), "the video"), param, "invalid_video") from None
+
+    def decode(self) -> str:
+        return str(self.path)
+
+
+def _video(url: str, server, param: str) -> PendingVideo:
+    """A pending video from a video_url: a base64 data: URL (data:video/mp4;base64,...), or an
+    allowed local path as for images."""
+    import tempfile
+
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        head, sep, data = url[5:].partition(",")
+        if not sep or not head.lower().endswith(";base64"):
+            raise HTTPError(400, "video data: URLs must be base64 (data:video/mp4;base64,...)", param, "invalid_video")
+        try:
+            raw = base64.b64decode("".join(data.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise HTTPError(400, "the video data: URL is not valid base64", param, "invalid_video") from None
+        fd, name = tempfile.mkstemp(prefix="edgevl-video-", suffix=VIDEO_SUFFIX.get(head[:-7].lower(), ""))
+        with open(fd, "wb") as f:
+            f.write(raw)
+        return PendingVideo(Path(name), param, True, server)
+    if scheme in ("http", "https", "ftp"):
+        raise HTTPError(400, "remote video URLs are not fetched; send the video inline as a data: URL "
+                        "(data:video/mp4;base64,...)", param, "remote_image_url")
+    path = unquote(urlsplit(url).path) if scheme == "file" else url
+    root = server.image_dir
+    if root is None or len(scheme) > 1 and scheme != "file":
+        raise HTTPError(403 if root is None else 400, "send the video as a data: URL (local paths need the server "
+                        "started with --allow-image-dir DIR)", param, "image_path_forbidden")
+    try:
+        full = (root / path).resolve()
+    except (OSError, ValueError) as e:
+        raise HTTPError(400, f"bad video path {path!r} ({e})", param, "invalid_video") from None
+    if not full.is_relative_to(root):
+        raise HTTPError(403, f"video path {path!r} is outside the allowed folder", param, "image_path_forbidden")
+    return PendingVideo(full, param, False, server)
+
+
 def _check_text(obj, where: str = "") -> None:
     """Every string in the request must be valid Unicode: JSON allows lone surrogates
     ("\\ud800"), which no tokenizer can take."""
@@ -316,8 +376,23 @@ def _messages(raw, server) -> list[dict]:
                                     f"is {server.model.max_context}; send fewer or smaller images", param,
                                     "context_length_exceeded")
                 parts.append({"type": "image", "image": im})
+            elif kind == "video_url":
+                url = p.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise HTTPError(400, f"{param}.video_url.url must be a string", param)
+                if not server.model.takes_video:
+                    raise HTTPError(400, f"this model ({server.model.arch.name}) takes no video", param,
+                                    "invalid_video")
+                v = _video(url, server, param)
+                image_tokens += v.tokens
+                if image_tokens >= server.model.max_context:
+                    raise HTTPError(400, f"the request's images and videos need {image_tokens} tokens but the "
+                                    f"model's context is {server.model.max_context}; send a shorter video", param,
+                                    "context_length_exceeded")
+                parts.append({"type": "video", "video": v})
             else:
-                raise HTTPError(400, f"{param} must be a text or image_url part", param)
+                raise HTTPError(400, f"{param} must be a text, image_url or video_url part", param)
         out.append({"role": role, "content": parts})
     return out
 
@@ -416,6 +491,10 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
               if p["type"] == "image"]
     image_tokens = sum(model.vision.image_tokens(im.height, im.width, server.max_image_patches) for im in images)
+    videos = [p["video"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "video"]
+    image_tokens += sum(v.tokens for v in videos)
+    images += videos    # one placeholder token each in the rendered text
     try:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
     except EdgevlError as e:
@@ -438,7 +517,8 @@ def decode_images(messages: list) -> list:
     out = []
     for m in messages:
         if isinstance(m["content"], list):
-            m = dict(m, content=[dict(p, image=p["image"].decode()) if p["type"] == "image" else p
+            m = dict(m, content=[dict(p, image=p["image"].decode()) if p["type"] == "image" else
+                                 dict(p, video=p["video"].decode()) if p["type"] == "video" else p
                                  for p in m["content"]])
         out.append(m)
     return out

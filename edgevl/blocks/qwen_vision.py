@@ -17,6 +17,7 @@ import numpy as np
 from .. import ncnn_graph as G
 from ..errors import EdgevlError
 from ..processing import qwen_vl
+from ..processing import video as vid
 from ..tokenizer import read_json_object
 from .base import Ctx, GraphInfo, RowStack, config_args, heads_first, save_graph, storage_dtype
 from .vision import GELU_TANH, emit_vit_mlp, rope_attention
@@ -141,7 +142,8 @@ def open_vision(pkg, net) -> VisionEncoder:
     """The vision encoder of a loaded package (its vision graph and position table)."""
     info = pkg.manifest["graphs"]["vision"]
     table = pkg.file(info["extra"]["pos_embed"]["file"], "vision table")
-    return VisionEncoder(net, info, table, qwen_vl.ProcessorConfig.from_folder(pkg.path))
+    return VisionEncoder(net, info, table, qwen_vl.ProcessorConfig.from_folder(pkg.path),
+                         vid.VideoConfig.from_folder(pkg.path))
 
 
 def checked_vision_args(ckpt, hidden_size: int, prefix: str, what: str):
@@ -238,7 +240,7 @@ class VisionEncoder:
     """One image -> merger rows [N/4, hidden] in prompt order, plus its processor info (with
     ``grid_thw`` and ``merge_size`` for M-RoPE)."""
 
-    def __init__(self, net, info: dict, pos_table_path, processor_config=None):
+    def __init__(self, net, info: dict, pos_table_path, processor_config=None, video_config=None):
         self.net, self.info = net, info
         self.v = config_args(VisionArgs, info["extra"]["vision_args"], where="manifest.json vision_args")
         pe = info["extra"]["pos_embed"]
@@ -251,6 +253,11 @@ class VisionEncoder:
         if (self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size) != (
                 self.v.patch_size, self.v.spatial_merge_size, self.v.temporal_patch_size):
             raise EdgevlError("preprocessor_config.json's patch/merge/temporal sizes differ from the vision "
+                              "tower's; the checkpoint files do not belong together")
+        self.video_cfg = video_config or vid.VideoConfig()
+        if (self.video_cfg.patch_size, self.video_cfg.merge_size, self.video_cfg.temporal_patch_size) != (
+                self.v.patch_size, self.v.spatial_merge_size, self.v.temporal_patch_size):
+            raise EdgevlError("video_preprocessor_config.json's patch/merge/temporal sizes differ from the vision "
                               "tower's; the checkpoint files do not belong together")
         self.default_max_patches = max(self.cfg.merge_size ** 2,
                                        min(DEFAULT_MAX_PATCHES, self.cfg.max_pixels // self.cfg.patch_size ** 2))
@@ -299,3 +306,36 @@ class VisionEncoder:
             info["layer_names"] = [f"layer {i}" for i in range(len(res) - 1)]
             info["pixel_values"] = pre["pixel_values"]
         return res[-1], info
+
+    def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None) -> int:
+        """Prompt tokens a clip will take (its pads, timestamps and start/end tokens at most), from
+        its header alone (nothing decoded); bad files fail here in one line."""
+        clip = vid.open_clip(video)
+        cfg = self.video_cfg
+        n = len(vid.sample_indices(clip.total, clip.fps, cfg, fps, max_frames))
+        th, tw = vid.video_smart_resize(max(n, cfg.temporal_patch_size), clip.height, clip.width, cfg, max_pixels)
+        per = (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
+        return -(-n // cfg.temporal_patch_size) * (per + 2 + 12)    # "<12345.6 seconds>" is at most 12
+
+    def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None):
+        """One clip -> merger rows [temporal patches * tokens per patch, hidden] and its info
+        (``kind`` "video", ``grid_thw``, ``timestamps`` ...). The tower attends within one temporal
+        patch only, so it runs once per patch: memory stays that of one pair of frames."""
+        s = vid.load_video(video, self.video_cfg, fps, max_frames, max_pixels)
+        gt, gh, gw = s.grid_thw
+        v, tp = self.v, self.video_cfg.temporal_patch_size
+        tables = self.inputs({"pixel_values": None, "grid_thw": (1, gh, gw)})
+        pv_name, out = self.info["inputs"]["pixel_values"], self.info["outputs"]["merged"]
+        rows = []
+        for k in range(gt):
+            pv = vid.patch_rows(np.stack(s.frames[k * tp:(k + 1) * tp]), self.video_cfg)
+            s.frames[k * tp:(k + 1) * tp] = [None] * tp      # each pair is let go once encoded
+            rows.append(self.net.run({**tables, pv_name: pv}, [out])[0])
+        info = {"kind": "video", "grid_thw": s.grid_thw, "merge_size": v.spatial_merge_size,
+                "timestamps": s.timestamps, "frame_indices": s.indices, "source_fps": s.source_fps,
+                "video_size": s.video_size, "resized_size": s.resized_size,
+                "tokens_per_frame": gh * gw // v.spatial_merge_size ** 2}
+        info["num_video_tokens"] = gt * info["tokens_per_frame"]
+        return np.concatenate(rows, 0), info

@@ -201,6 +201,10 @@ class Architecture:
         return np.arange(len(input_ids), dtype=np.int64)[None]
 
     def make_vision(self, pkg: PackageView, net):
+        """The vision encoder (None: no images): called with an image, it returns (rows, processor
+        info). An encoder that also has ``encode_video(clip, fps, max_frames, max_pixels)`` and
+        ``video_tokens(clip)`` takes video, when the manifest has a ``video_token_id``; its video
+        info has ``kind: "video"``, ``grid_thw``, ``timestamps`` and ``tokens_per_frame``."""
         return None
 
     def snapshot_points(self, tokenizer, input_ids: list) -> list[int]:

@@ -243,13 +243,6 @@ def test_conversion_of_mtp_blocks_and_bad_configs(models, tmp_path):
             qm.TextArgs.from_config(c)
 
 
-def test_video_parts_are_refused(models):
-    model = _load(models, CONFIGS[0])[0]
-    with pytest.raises(EdgevlError, match="video input is not supported"):
-        edgevl.generate(model, [{"role": "user", "content": [{"type": "video", "video": "x.mp4"},
-                                                             {"type": "text", "text": "hi"}]}])
-
-
 def test_positions_errors():
     with pytest.raises(EdgevlError, match="image tokens but the image gives"):
         rope.rope_positions([1, 5, 5, 5, 2], [(1, 4, 4)], 5, 2)

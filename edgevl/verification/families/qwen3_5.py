@@ -209,6 +209,14 @@ TINY_PREPROCESSOR = {
     "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
     "size": {"shortest_edge": 4096, "longest_edge": 131072},
 }
+# the real file's keys (Qwen3VLVideoProcessor) with a small pixel budget over all sampled frames
+TINY_VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+    "resample": 3, "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 4, "max_frames": 768,
+    "size": {"shortest_edge": 4096, "longest_edge": 16 * 64 * 64},
+}
 TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                    hidden_act="gelu_pytorch_tanh")
@@ -250,6 +258,7 @@ def save_qwen_tokenizer(tok, folder) -> dict:
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [ids["im_end"], ids["endoftext"]], "pad_token_id": ids["endoftext"]}))
     (folder / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=1))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PREPROCESSOR, indent=1))
     return ids
 
 

@@ -1,0 +1,128 @@
+"""Video through every surface: ``run --video``, ``chat`` (``--video`` and ``/video``), the server's
+``video_url`` parts (base64 data: URLs) and a batch table's ``video`` column each give the answer
+``edgevl.generate`` gives for that clip; bad clips, options and models without video are refused
+in one line (HTTP 400 in the server, a row error in batch)."""
+
+import base64
+import json
+
+import pytest
+
+import edgevl
+from edgevl.chat import chat_loop
+from edgevl.demo import demo_package
+from edgevl.errors import EdgevlError
+from edgevl.server import make_server
+from support.cli import cli, one_line_error
+from support.common import smooth_image
+from support.qwen import make_qwen3_5
+from support.server import post
+
+PROMPT = "What happens in the video?"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video-surfaces")
+    ck = make_qwen3_5(root / "ck", seed=81)
+    pk = edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
+    frames = [smooth_image(120, 60, 8).crop((4 * i, 0, 4 * i + 92, 60)) for i in range(9)]
+    gif = root / "clip.gif"
+    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=200, loop=0)
+    model = edgevl.load(pk)
+    want = edgevl.generate(model, PROMPT, video=str(gif), max_new_tokens=12, temperature=0, thinking=False)
+    assert want.strip()       # an answer to compare (no thinking: the tiny model's reasoning is all of it)
+    return pk, model, str(gif), want
+
+
+def test_run_and_its_options(setup, capsys):
+    pk, model, gif, want = setup
+    code, out, _ = cli(capsys, "run", pk, "--prompt", PROMPT, "--video", gif, "--max-new-tokens", 12,
+                       "--temperature", 0, "--no-thinking")
+    assert code == 0 and out == want + "\n"
+    code, out, _ = cli(capsys, "run", pk, "--prompt", PROMPT, "--video", gif, "--max-new-tokens", 12,
+                       "--temperature", 0, "--fps", 1, "--max-frames", 2, "--no-thinking")
+    other = edgevl.generate(model, PROMPT, video=gif, max_new_tokens=12, temperature=0, thinking=False,
+                            video_options={"fps": 1, "max_frames": 2})
+    assert code == 0 and out == other + "\n" and other != want
+    for args, needle in ((["--video", "missing.mp4"], "video not found"), (["--video", gif, "--fps", "0"], "--fps"),
+                         (["--video", gif, "--max-frames", "1"], "--max-frames must be >= 2"),
+                         (["--video", gif, "--raw"], "--raw cannot be combined")):
+        one_line_error(*cli(capsys, "run", pk, "--prompt", PROMPT, *args)[::2], needle)
+
+
+def test_models_without_video_say_so(capsys, tmp_path):
+    code, _, err = cli(capsys, "run", demo_package(), "--prompt", PROMPT, "--video", str(tmp_path))
+    one_line_error(code, err, "takes no video")
+
+
+def test_chat_video_first_and_by_command(setup):
+    pk, model, gif, want = setup
+    for kwargs, lines in (({"video": gif}, [PROMPT, "/quit"]), ({}, [f"/video {gif}", PROMPT, "/quit"])):
+        said = []
+        feed = iter(lines)
+        model.reset()
+        chat_loop(model, input_fn=lambda _, feed=feed: next(feed), out=_Out(said), max_new_tokens=12, temperature=0,
+                  thinking=False, **kwargs)
+        text = "".join(said)
+        assert "video attached" in text and want in text, text
+    said, feed = [], iter(["/video nowhere.gif", "/quit"])
+    chat_loop(model, input_fn=lambda _: next(feed), out=_Out(said))
+    assert "error: video not found" in "".join(said)
+
+
+class _Out:
+    def __init__(self, said):
+        self.said = said
+
+    def write(self, s):
+        self.said.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_server_video_url(setup):
+    pk, model, gif, want = setup
+    srv, _ = make_server(model)
+    try:
+        port = srv.server_address[1]
+        data = base64.b64encode(open(gif, "rb").read()).decode()
+
+        def ask(url):
+            return post(port, {"messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]}],
+                "max_tokens": 12, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+
+        status, reply, _ = ask(f"data:image/gif;base64,{data}")
+        assert status == 200 and reply["choices"][0]["message"]["content"] == want, reply
+        for url, needle in (("data:video/mp4;base64,AAAA", "the video"), ("data:video/mp4,abc", "base64"),
+                            ("https://example.com/a.mp4", "not fetched"), ("/etc/passwd", "data: URL")):
+            status, reply, _ = ask(url)
+            assert status in (400, 403) and needle in reply["error"]["message"], reply
+            assert "\n" not in reply["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_batch_video_column(setup, tmp_path, capsys):
+    pk, model, gif, want = setup
+    table = tmp_path / "jobs.jsonl"
+    table.write_text("\n".join(json.dumps(r) for r in (
+        {"id": "a", "video": gif}, {"id": "b", "video": "missing.gif"}, {"id": "c"})) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, _, err = cli(capsys, "batch", pk, "--input", table, "--prompt", PROMPT, "--output", out,
+                       "--max-new-tokens", 12, "--temperature", 0, "--threads", 1, "--quiet", "--no-thinking")
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["a"]["answer"] == want and rows["a"]["video"] == gif and rows["a"]["error"] is None
+    assert "video not found" in rows["b"]["error"] and "no image or video" in rows["c"]["error"]
+
+
+def test_api_refusals(setup):
+    pk, model, gif, _ = setup
+    with pytest.raises(EdgevlError, match="1 video parts but 0 videos"):
+        edgevl.generate(model, [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "hi"}]}])
+    with pytest.raises(EdgevlError, match="either inside the messages or with video="):
+        edgevl.generate(model, [{"role": "user", "content": [{"type": "video", "video": gif}]}], video=gif)
+    with pytest.raises(EdgevlError, match="need the chat template"):
+        edgevl.generate(model, PROMPT, video=gif, raw=True)
