@@ -74,7 +74,10 @@ SHAPES = {
                                 qk_rope_head_dim=32, v_head_dim=32,
                                 vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                                                    num_attention_heads=16, fullatt_block_indexes=[7, 15, 23, 26],
-                                                   window_size=256, out_hidden_size=2560))),
+                                                   window_size=256, out_hidden_size=2560)),
+                           # the real file's processor keys (llama.cpp's converter reads them)
+                           preprocessor={"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "patch_size": 16,
+                                         "merge_size": 2, "max_num_patches": 256}),
         "tiny": Shape("the family's tiny test checkpoint"),
     },
     "youtu_moe": {
@@ -205,8 +208,8 @@ def main(argv=None) -> int:
     for name, pre in (("preprocessor_config.json", SHAPES[a.family][shape].preprocessor),
                       ("video_preprocessor_config.json", SHAPES[a.family][shape].video_preprocessor)):
         p = out / name
-        if pre and p.is_file():
-            p.write_text(json.dumps({**json.loads(p.read_text()), **pre}, indent=1))
+        if pre:
+            p.write_text(json.dumps({**(json.loads(p.read_text()) if p.is_file() else {}), **pre}, indent=1))
     n = parameters(out)
     count = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     print(f"{count} parameters written in {time.time() - t0:.0f} s", file=sys.stderr)

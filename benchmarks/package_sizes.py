@@ -72,8 +72,10 @@ def package_bytes(shapes: dict, tied: bool, dtype: str) -> int:
                 total += fb * n                          # a table of its own
             if tied:                                     # ... and the head Gemm on the same weights
                 total += _gemm_bytes(shape, dtype, fb)
-        elif vision or (dtype == "q8" and q8_keeps_bf16(name)):
-            total += fb * n                              # float (bf16 in q8 packages)
+        elif (vision and (dtype != "q8" or "patch_embedding" in name)) or (
+                not vision and dtype == "q8" and q8_keeps_bf16(name)):
+            total += fb * n                              # float (bf16 in q8 packages; their tower is int8
+            #                                              but for the patch embedding)
         else:
             total += _gemm_bytes(shape, dtype, fb)
     return total

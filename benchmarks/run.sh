@@ -33,6 +33,7 @@ convert "$ck" "$WORK/pk2b-q8" q8
 vl=$WORK/vl4b
 [ -f "$vl/config.json" ] || python "$here/make_random.py" youtu_vl "$vl" --shape 4b-vision
 convert "$vl" "$WORK/pk-vl4b" bf16
+convert "$vl" "$WORK/pk-vl4b-q8" q8
 qw=$WORK/qwen35-0.8b
 [ -f "$qw/config.json" ] || python "$here/make_random.py" qwen3_5 "$qw" --shape 0.8b
 convert "$qw" "$WORK/q35-bf16" bf16
@@ -76,8 +77,11 @@ for t in ${THREADS:-2 1}; do
       --json "$here/results/qwen3_5-0.8b-t$t.json" --plot "$here/results/qwen3_5-0.8b-t$t.png" \
       --markdown "$here/results/qwen3_5-0.8b-t$t.md"
 done
-for size in 640x480 1024x768; do
-  edgevl bench "$WORK/pk-vl4b" --images "$size" --compare llamacpp --threads 2 --repeats "${REPEATS:-3}" \
-      --json "$here/results/vl4b-images-$size-t2.json" --markdown "$here/results/vl4b-images-$size-t2.md"
-done
+# the vision towers, bf16 and int8 (q8 packages), against llama.cpp's mtmd (f16 and q8_0 projectors)
+edgevl bench "$WORK/pk-vl4b" --extra-model "$WORK/pk-vl4b-q8" --images 640x480,1024x768 --compare llamacpp \
+    --gguf-types f16 --threads 2 --repeats "${REPEATS:-3}" \
+    --json "$here/results/vl4b-tower-images-t2.json" --markdown "$here/results/vl4b-tower-images-t2.md"
+edgevl bench "$WORK/q35-bf16" --extra-model "$WORK/q35-q8" --images 384x384,448x448,640x480,1024x768 \
+    --compare llamacpp --gguf-types f16,q8_0 --threads 2 --repeats "${REPEATS:-3}" \
+    --json "$here/results/qwen3_5-0.8b-tower-images-t2.json" --markdown "$here/results/qwen3_5-0.8b-tower-images-t2.md"
 python "$here/bench_qwen3_5.py" "$WORK/q35-bf16" --threads 1 --repeat "${REPEATS:-3}"

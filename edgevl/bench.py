@@ -275,7 +275,11 @@ def gguf_for(hf_dir: Path, work: Path, outtype: str = "bf16", profile=None, mmpr
     from .models.protocol import BenchProfile
 
     profile = profile or BenchProfile()
-    extra_args = profile.convert_args
+    extra_args = tuple(profile.convert_args)
+    if profile.convert_args_of is not None and not mmproj:     # they are the language model's
+        from .weights import Checkpoint
+
+        extra_args += tuple(profile.convert_args_of(Checkpoint(hf_dir).config))
     base, forced = parse_gguf_type(outtype, {**GGUF_HEAD, **profile.parts})
     out = work / f"{hf_dir.name}{'-mmproj' if mmproj else ''}-{outtype}.gguf"
     if out.exists():
@@ -489,7 +493,7 @@ def bench_cli(a) -> int:
     def label(m):  # every conversion option (e.g. the KV cache layout) is named
         opts = models.get(m["architecture"]).options
         extra = [opts[k].label.format(value=v, name=k.replace("_", "-")) for k, v in (m.get("options") or {}).items()
-                 if k in opts]
+                 if k in opts and not (opts[k].quiet_default and v == opts[k].default)]
         return " ".join([f"edgevl {m['dtype']}"] + extra)
 
     opts = dict(getattr(a, "model_options", None) or {})   # load-time options (e.g. --expert-cache-mb)
@@ -586,10 +590,15 @@ def _bench_images_cli(a, systems: dict, compare: list, ref: Path, threads: int) 
             raise EdgevlError("--images --compare llamacpp needs llama-cpp-python built with its multimodal "
                               "library: CMAKE_ARGS=\"-DLLAVA_BUILD=ON\" pip install --no-binary :all: "
                               "llama-cpp-python") from None
+        from . import models
+        from .weights import Checkpoint
+
         work = ref.resolve().parent
+        profile = models.resolve(Checkpoint(ref).config).bench
         for outtype in (a.gguf_types or "bf16").split(","):
             systems[f"llama.cpp mtmd {outtype}"] = ("llamacpp-image", {
-                "gguf": str(gguf_for(ref, work, outtype)), "mmproj": str(gguf_for(ref, work, outtype, mmproj=True))})
+                "gguf": str(gguf_for(ref, work, outtype, profile)),
+                "mmproj": str(gguf_for(ref, work, outtype, profile, mmproj=True))})
     res = bench_images(systems, sizes, threads, a.repeats)
     res["config"] = {"images": [f"{w}x{h}" for w, h in sizes], "threads": threads, "repeats": a.repeats,
                      "cpu_count": os.cpu_count()}

@@ -410,21 +410,32 @@ def gemm(g: Graph, x: str, w, dtype: str = "fp32", bias=None, quant=None,
     return g.layer("Gemm", [x], params, weights, outputs=[out] if out else 1, name=name)
 
 
+class _ScaledBias(Tagged):
+    """A bias as the int8 Gemm's constant C, in the units of its output before the row scales are
+    taken out (bias x row scale): written after the weight, whose scales it needs."""
+
+    def __init__(self, bias, rows: Int8Rows):
+        super().__init__(None, "fp32")
+        self.bias, self.rows = np.asarray(bias, np.float32), rows
+
+    def write(self, f) -> int:
+        self.src = self.bias * self.rows.scales
+        return super().write(f)
+
+
 def _gemm_int8_rows(g: Graph, x: str, w, n: int, k: int, bias, name, out, fp32_output) -> str:
-    params = {10: -1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 7: 0, 8: n, 9: k, 18: 2}  # 18=2: int8, B scale given
+    # 18=2: int8, one B scale given (1.0); a bias rides along as C (10=4: one value per column),
+    # which ncnn reads between B and the scale
+    params = {10: -1 if bias is None else 4, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0 if bias is None else 1, 7: 0, 8: n,
+              9: k, 18: 2}
     if fp32_output:
         params[13] = 1
     q = Int8Rows(w)
-    y = g.layer("Gemm", [x], params, [q, Raw(np.ones(1, np.float32))], name=name)  # the row scales come next
+    weights = [q] + ([] if bias is None else [_ScaledBias(bias, q)]) + [Raw(np.ones(1, np.float32))]
+    y = g.layer("Gemm", [x], params, weights, name=name)                    # the row scales come next
     base = name or y
     inv = (1.0 / q.scales).astype(np.float32)[None, :]                       # (h=1, w=N): per column
-    last = bias is None
-    y = binary(g, y, memory_data(g, inv, name=f"{base}.row_scales"), "mul", name=f"{base}.scale",
-               out=out if last else None)
-    if not last:
-        b = np.asarray(bias, np.float32)[None, :]
-        y = binary(g, y, memory_data(g, b, name=f"{base}.bias"), "add", name=f"{base}.bias_add", out=out)
-    return y
+    return binary(g, y, memory_data(g, inv, name=f"{base}.row_scales"), "mul", name=f"{base}.scale", out=out)
 
 
 def rms_norm(g: Graph, x: str, gamma, eps: float, name: str | None = None, out: str | None = None) -> str:

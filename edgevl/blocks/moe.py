@@ -787,8 +787,9 @@ def llamacpp_type(manifest: dict) -> str | None:
     return base + "".join(f"+{t}-{'-'.join(parts)}" for t, parts in apart.items())
 
 
-def bench_profile(convert_args: tuple = ()) -> BenchProfile:
-    return BenchProfile(convert_args=convert_args, parts=LLAMACPP_PARTS, type_of=llamacpp_type)
+def bench_profile(convert_args: tuple = (), convert_args_of=None) -> BenchProfile:
+    return BenchProfile(convert_args=convert_args, convert_args_of=convert_args_of, parts=LLAMACPP_PARTS,
+                        type_of=llamacpp_type)
 
 
 def runtime_stats(pkg) -> dict:

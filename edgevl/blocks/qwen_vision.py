@@ -19,6 +19,7 @@ from ..errors import EdgevlError
 from ..processing import qwen_vl
 from ..processing import video as vid
 from ..tokenizer import read_json_object
+from .base import Q8_QUANT as INT8
 from .base import Ctx, GraphInfo, RowStack, config_args, heads_first, save_graph, storage_dtype
 from .vision import GELU_TANH, emit_vit_mlp, rope_attention
 
@@ -117,11 +118,13 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     )
 
 
-def write_vision(ckpt, out: Path, dtype: str, on_tensor, v: VisionArgs, prefix: str) -> dict:
-    """vision.param/.bin (a float tower, bf16 in q8 packages: small next to the language model,
-    large M per image) and the position table ``vision_pos_embed.bin``; the manifest entry."""
+def write_vision(ckpt, out: Path, dtype: str, on_tensor, v: VisionArgs, prefix: str, quantize: bool = False) -> dict:
+    """vision.param/.bin and the position table ``vision_pos_embed.bin``; the manifest entry.
+    ``quantize``: the blocks' and merger's Gemms in int8 (the patch embedding stays float: one
+    Gemm over raw pixels), else the package's float type (bf16 in q8 packages)."""
     g = G.Graph(out / "vision.bin")
-    info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v, prefix)
+    info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), INT8 if quantize else None, on_tensor), v, prefix)
+    info.extra["quantized"] = bool(quantize)
     side = int(round(v.num_position_embeddings ** 0.5))
     table = ckpt.get(f"{prefix}.pos_embed.weight", (v.num_position_embeddings, v.hidden_size))
     on_tensor(table)

@@ -47,6 +47,8 @@ class Option:
     label: str = "{value} {name}"   # how benchmark tables name a non-default value
     # a two-choice option offered as one switch instead (``--no-mtp``): it sets the other choice
     flag: str = ""
+    # benchmark tables leave the default value unnamed
+    quiet_default: bool = False
 
     @property
     def flag_value(self) -> str:
@@ -62,6 +64,19 @@ class RuntimeOption:
     help: str = ""
     metavar: str = "N"
     minimum: float | None = None
+
+
+# the vision tower's precision, a conversion option of every architecture with a tower
+VISION_OPTION = Option(
+    ("auto", "q8", "float"), "auto",
+    "the vision tower's matrix products: q8 = int8 weights, activations quantized per row at run time "
+    "(ncnn's int8 Gemm; faster, see docs/benchmarks.md); float = the package's float type (bf16 in q8 "
+    "packages); auto = q8 in q8 packages, float in the others", label="vision {value}", quiet_default=True)
+
+
+def vision_quantized(dtype: str, choice: str) -> bool:
+    """Whether a package of ``dtype`` converted with ``--vision choice`` has an int8 tower."""
+    return choice == "q8" or (choice == "auto" and dtype == "q8")
 
 
 # load-time options of every architecture (the runtime, not a model family, acts on them)
@@ -101,6 +116,8 @@ class BenchProfile:
     """What ``edgevl bench --compare llamacpp`` needs of an architecture."""
     # extra arguments for llama.cpp's convert_hf_to_gguf.py (e.g. leaving out parts edgevl does not run)
     convert_args: tuple = ()
+    # config.json -> more such arguments where they depend on the checkpoint (None: none)
+    convert_args_of: Callable | None = None
     # GGUF tensor-name patterns of parts a package stores apart from the rest, which llama.cpp's
     # counterpart may quantize apart too (``bench.gguf_for``): part -> regex
     parts: dict = field(default_factory=dict)

@@ -191,3 +191,13 @@ def test_bench_reference_failure_says_what_could_not_run(tmp_path):
     log = re.search(r"its full output: (\S+)\)", msg).group(1)
     assert "Traceback" in Path(log).read_text()
     os.unlink(log)
+
+
+def test_llamacpp_converter_is_told_when_a_qwen_checkpoint_has_no_mtp_block():
+    """llama.cpp's converter stops on a Qwen3.5 checkpoint without an MTP block unless told."""
+    from edgevl import models
+
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        of = models.get(name).bench.convert_args_of
+        assert of({"text_config": {"num_hidden_layers": 2}}) == ("--no-mtp",)
+        assert of({"text_config": {"mtp_num_hidden_layers": 1}}) == ()

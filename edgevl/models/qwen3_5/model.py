@@ -48,7 +48,7 @@ from ...blocks.base import (
 )
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import Architecture, BenchProfile, Option, answer_header_points
+from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, answer_header_points, vision_quantized
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -280,6 +280,11 @@ def build_mtp(ctx: Ctx, a: TextArgs, mlp=emit_dense_mlp) -> GraphInfo:
         extra={"layer": n, "hidden_size": H})
 
 
+def mtp_layers(cfg: dict) -> int:
+    """The MTP layers config.json declares (0: none)."""
+    return int((cfg.get("text_config") or cfg).get("mtp_num_hidden_layers") or 0)
+
+
 def mtp_present(ckpt, a: TextArgs, keep: bool = True) -> bool:
     """Whether the package gets the MTP block: the checkpoint has it (``mtp.*`` tensors) and
     ``keep``. One layer is supported (every released checkpoint has one)."""
@@ -309,7 +314,7 @@ MTP_OPTION = Option(("keep", "drop"), "keep",
 
 
 def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emit_dense_mlp,
-            float_layers=None, mtp: str = "keep") -> dict:
+            float_layers=None, mtp: str = "keep", vision: str = "auto") -> dict:
     """Decoder, lm_head, the delta-rule chunk net, the vision tower, the embedding table and,
     when the checkpoint has one and ``mtp`` is "keep", the multi-token-prediction block.
 
@@ -335,7 +340,8 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
     parts["graphs"]["lm_head"] = head
 
     if v is not None:
-        parts["graphs"]["vision"] = qwen_vision.write_vision(ckpt, out, dtype, on_tensor, v, VISION_PREFIX)
+        parts["graphs"]["vision"] = qwen_vision.write_vision(ckpt, out, dtype, on_tensor, v, VISION_PREFIX,
+                                                             vision_quantized(dtype, vision))
     parts.update(qwen_vision.vision_token_ids(cfg, tower=v is not None))
     if with_mtp:
         g = G.Graph(out / "mtp.bin")
@@ -383,14 +389,16 @@ class Qwen3_5(Architecture):
     chat_template = CHAT_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
     template_switches = ("enable_thinking", "add_vision_id")
-    options = {"mtp": MTP_OPTION}
-    bench = BenchProfile()
+    options = {"mtp": MTP_OPTION, "vision": VISION_OPTION}
+    # llama.cpp's converter expects the MTP block unless told it is not there
+    bench = BenchProfile(convert_args_of=lambda cfg: () if mtp_layers(cfg) else ("--no-mtp",))
 
     def __init__(self):
         self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
-        return convert(ckpt, out, dtype, on_tensor, mtp=options.get("mtp", "keep"))
+        return convert(ckpt, out, dtype, on_tensor, mtp=options.get("mtp", "keep"),
+                       vision=options.get("vision", "auto"))
 
     def thinking_args(self, thinking):
         return {} if thinking is None else {"enable_thinking": bool(thinking)}

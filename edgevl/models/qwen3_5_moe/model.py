@@ -27,7 +27,7 @@ from typing import ClassVar
 from ...blocks import moe, qwen_vision
 from ...blocks.rope import mrope, mrope_positions_of
 from ...errors import EdgevlError
-from ..protocol import Architecture
+from ..protocol import VISION_OPTION, Architecture
 from ..qwen3_5 import model as qwen3_5
 
 
@@ -85,7 +85,8 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     experts = w.finish({"kind": "softmax", "top_k": a.num_experts_per_tok, "renormalize": True})
     # q8: the routed experts (most of the weights) and the head in int8, the dense path as
     # ``dense`` says (moe.dense_float_layers)
-    parts = qwen3_5.convert(ckpt, out, dtype, on_tensor, a, emit_moe_mlp, float_layers=keep, mtp=mtp)
+    parts = qwen3_5.convert(ckpt, out, dtype, on_tensor, a, emit_moe_mlp, float_layers=keep, mtp=mtp,
+                            vision=options.get("vision", "auto"))
     parts["experts"] = experts
     return parts
 
@@ -98,9 +99,9 @@ class Qwen3_5Moe(Architecture):
     chat_template = qwen3_5.CHAT_TEMPLATE
     reasoning_tokens = qwen3_5.ARCH.reasoning_tokens
     template_switches = qwen3_5.ARCH.template_switches
-    options = {**moe.OPTIONS, "mtp": qwen3_5.MTP_OPTION}
+    options = {**moe.OPTIONS, "mtp": qwen3_5.MTP_OPTION, "vision": VISION_OPTION}
     runtime_options = moe.RUNTIME_OPTIONS
-    bench = moe.bench_profile(qwen3_5.ARCH.bench.convert_args)
+    bench = moe.bench_profile(qwen3_5.ARCH.bench.convert_args, qwen3_5.ARCH.bench.convert_args_of)
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)

@@ -56,7 +56,7 @@ from ...blocks.base import (
 from ...blocks.mla import MlaArgs, emit_mla_core
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import Architecture, answer_header_points
+from ..protocol import VISION_OPTION, Architecture, answer_header_points, vision_quantized
 from ..youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
 from .layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
@@ -344,7 +344,8 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
     parts["graphs"]["lm_head"] = head
 
     if v is not None:
-        parts["graphs"]["vision"] = qwen_vision.write_vision(view, out, dtype, on_tensor, v, VISION_PREFIX)
+        parts["graphs"]["vision"] = qwen_vision.write_vision(view, out, dtype, on_tensor, v, VISION_PREFIX,
+                                                             vision_quantized(dtype, options.get("vision", "auto")))
     parts.update(qwen_vision.vision_token_ids(cfg, tower=v is not None))
     return parts
 
@@ -363,7 +364,7 @@ class YoutuMoe(Architecture):
     # <|vision_start|>...<|vision_end|>); a checkpoint's own template wins
     chat_template = YOUTU_VL_TEMPLATE
     reasoning_tokens = ("<think>", "</think>")
-    options = moe.OPTIONS
+    options = {**moe.OPTIONS, "vision": VISION_OPTION}
     runtime_options = moe.RUNTIME_OPTIONS
     bench = moe.bench_profile()
 

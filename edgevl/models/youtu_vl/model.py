@@ -26,12 +26,12 @@ import json
 from pathlib import Path
 
 from ... import ncnn_graph as G
-from ...blocks.base import Ctx, GraphInfo, heads_first, heads_last, save_graph, storage_dtype
+from ...blocks.base import Q8_QUANT, Ctx, GraphInfo, heads_first, heads_last, save_graph, storage_dtype
 from ...blocks.rope import rope_1d
 from ...blocks.vision import GELU_TANH, emit_vit_mlp, rope_attention
 from ...errors import EdgevlError
 from .. import youtu  # its language model: the converter and options (youtu.model)
-from ..protocol import Architecture
+from ..protocol import VISION_OPTION, Architecture, vision_quantized
 from . import processing
 from .config import WINDOW_SLOTS, VisionArgs
 from .runtime import GroundingProcessor, VisionEncoder
@@ -108,7 +108,9 @@ def build_vision(ctx: Ctx, v: VisionArgs, prefix: str) -> GraphInfo:
     cos, sin = g.input("vision_cos"), g.input("vision_sin")
     slots = [(g.input(f"window_shape{i}"), g.input(f"window_start{i}")) for i in range(WINDOW_SLOTS)]
     g.section("embed")
-    x = ctx.linear(pv, f"{prefix}.embeddings.patch_embedding", v.hidden_size, v.patch_dim, bias=True)
+    # the patch embedding stays float in an int8 tower: one Gemm over raw pixels
+    x = ctx.linear(pv, f"{prefix}.embeddings.patch_embedding", v.hidden_size, v.patch_dim, bias=True,
+                   quantize=False)
     for i in range(v.num_hidden_layers):
         g.section(f"layer{i}")
         x = emit_encoder_layer(ctx, x, f"{prefix}.encoder.layers.{i}", v, i, cos, sin, slots)
@@ -140,10 +142,10 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor) -> dict:
     if cfg.get("image_token_id") is None:
         raise EdgevlError("config.json of a youtu_vl model needs image_token_id")
     parts = youtu.model.write_language_model(ckpt, out, a, dtype, options["kv_cache"], "model", on_tensor)
-    # The vision tower stays in float (bf16 for q8 packages): it is small next to the LM and
-    # runs once per image with large M, where activation quantization costs accuracy.
     g = G.Graph(out / "vision.bin")
-    info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), None, on_tensor), v, vision_prefix(ckpt))
+    quant = Q8_QUANT if vision_quantized(dtype, options.get("vision", "auto")) else None
+    info = build_vision(Ctx(ckpt, g, storage_dtype(dtype), quant, on_tensor), v, vision_prefix(ckpt))
+    info.extra["quantized"] = quant is not None
     info.extra["max_image_patches"] = configured_max_patches(ckpt.folder)
     parts["graphs"]["vision"] = save_graph(g, out / "vision.param", info)
     parts["image_token_id"] = int(cfg["image_token_id"])
@@ -182,7 +184,7 @@ class YoutuVL(Architecture):
     """Youtu-VL: Youtu-LLM's language model (its converter and rotary tables) plus the vision tower."""
 
     name = "youtu_vl"
-    options = {"kv_cache": youtu.model.KV_CACHE}
+    options = {"kv_cache": youtu.model.KV_CACHE, "vision": VISION_OPTION}
     chat_template = CHAT_TEMPLATE
     has_vision = True
 
