@@ -301,6 +301,12 @@ def cmd_run(a) -> int:
             if a.verbose:
                 print(f"\n[{ev.prompt_tokens} prompt tokens, {ev.prompt_tps:.1f} tok/s; {ev.generation_tokens} "
                       f"generated, {ev.generation_tps:.1f} tok/s; finish: {ev.finish_reason}]", file=sys.stderr)
+                for k, v in enumerate(ev.videos):
+                    h, w = v["resized_size"]
+                    fps = f"{v['source_fps']:g} fps" if v.get("source_fps") else "frame rate unknown"
+                    print(f"[video {k + 1}: {len(v['frame_indices'])} frames sampled ({fps} source), {w}x{h}, "
+                          f"{v['grid_thw'][0]} temporal patches, {v['num_video_tokens']} tokens, encoded in "
+                          f"{v['seconds']:.1f} s]", file=sys.stderr)
                 for stat in model.runtime_stats().values():
                     print(f"[{stat['summary']}]", file=sys.stderr)
     sys.stdout.write("\n")

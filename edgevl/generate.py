@@ -51,6 +51,7 @@ class Event:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     boxes: list = field(default_factory=list)    # last event only: Box tuples the answer names
+    videos: list = field(default_factory=list)   # last event only: each video's processor info
     reasoning: str = ""                           # thinking text (models with reasoning markers)
 
 
@@ -359,6 +360,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                    allow_special_in_content=allow_special_in_content, chat_template_kwargs=chat_template_kwargs,
                    thinking=thinking, video=video, video_options=video_options)
     # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
+    videos = [i for i in prep.images if isinstance(i, dict) and i.get("kind") == "video"]
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
     post = model.arch.output_processor(images) if postprocess else None
     split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
@@ -380,7 +382,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         return Event(text, token, reason, n_prompt, n_gen, model.last_prefill_tokens,
                      model.last_prefill_tokens / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
-                     post.boxes(shown) if post and reason else [], reasoning)
+                     post.boxes(shown) if post and reason else [], reasoning=reasoning,
+                     videos=videos if reason else [])
 
     for token in gen:
         if t_first is None:

@@ -9,6 +9,7 @@ Hold it next to transformers' ``Qwen3_5VisionModel``. The image processor is
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -326,6 +327,7 @@ class VisionEncoder:
         """One clip -> merger rows [temporal patches * tokens per patch, hidden] and its info
         (``kind`` "video", ``grid_thw``, ``timestamps`` ...). The tower attends within one temporal
         patch only, so it runs once per patch: memory stays that of one pair of frames."""
+        t0 = time.perf_counter()
         s = vid.load_video(video, self.video_cfg, fps, max_frames, max_pixels)
         gt, gh, gw = s.grid_thw
         v, tp = self.v, self.video_cfg.temporal_patch_size
@@ -341,4 +343,5 @@ class VisionEncoder:
                 "video_size": s.video_size, "resized_size": s.resized_size,
                 "tokens_per_frame": gh * gw // v.spatial_merge_size ** 2}
         info["num_video_tokens"] = gt * info["tokens_per_frame"]
+        info["seconds"] = time.perf_counter() - t0       # decoding and encoding
         return np.concatenate(rows, 0), info

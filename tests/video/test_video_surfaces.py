@@ -45,6 +45,8 @@ def test_run_and_its_options(setup, capsys):
     other = edgevl.generate(model, PROMPT, video=gif, max_new_tokens=12, temperature=0, thinking=False,
                             video_options={"fps": 1, "max_frames": 2})
     assert code == 0 and out == other + "\n" and other != want
+    code, _, err = cli(capsys, "run", pk, "--prompt", PROMPT, "--video", gif, "--max-new-tokens", 2, "-v")
+    assert code == 0 and "[video 1: 4 frames sampled (5 fps source), " in err and " temporal patches, " in err
     for args, needle in ((["--video", "missing.mp4"], "video not found"), (["--video", gif, "--fps", "0"], "--fps"),
                          (["--video", gif, "--max-frames", "1"], "--max-frames must be >= 2"),
                          (["--video", gif, "--raw"], "--raw cannot be combined")):
