@@ -191,10 +191,13 @@ class Model:
         return 2 if self.dtype in ("bf16", "q8") else 4
 
     # -- inputs -------------------------------------------------------------------------------
+    @property
+    def _vision_pads(self) -> list:
+        """The image and video placeholder ids (the rows the vision tower fills)."""
+        return [t for t in (self.image_token_id, self.video_token_id) if t is not None]
+
     def _vision_mask(self, ids: np.ndarray) -> np.ndarray:
-        """Where the prompt holds image or video placeholders (the rows the vision tower fills)."""
-        pads = [t for t in (self.image_token_id, self.video_token_id) if t is not None]
-        return np.isin(ids, pads) if pads else np.zeros(ids.shape, bool)
+        return np.isin(ids, self._vision_pads)
 
     def embed(self, input_ids: list[int], image_rows: list[np.ndarray] = ()) -> np.ndarray:
         """Token embeddings with image- and video-token rows replaced in prompt order by the
@@ -269,9 +272,9 @@ class Model:
     def _keys(self, input_ids, image_rows) -> list:
         keys, img, k = [], 0, 0
         digests = [hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest() for r in image_rows]
-        vision = set(np.asarray(list(input_ids))[self._vision_mask(np.asarray(list(input_ids)))].tolist())
+        pads = set(self._vision_pads)
         for t in input_ids:
-            if t in vision and image_rows:
+            if t in pads and image_rows:
                 while img < len(image_rows) and k >= image_rows[img].shape[0]:
                     img, k = img + 1, 0
                 keys.append(("img", digests[img] if img < len(digests) else "", k))

@@ -315,12 +315,10 @@ class VisionEncoder:
                      max_pixels: int | None = None) -> int:
         """Prompt tokens a clip will take (its pads, timestamps and start/end tokens at most), from
         its header alone (nothing decoded); bad files fail here in one line."""
-        clip = vid.open_clip(video)
         cfg = self.video_cfg
-        n = len(vid.sample_indices(clip.total, clip.fps, cfg, fps, max_frames))
-        th, tw = vid.video_smart_resize(max(n, cfg.temporal_patch_size), clip.height, clip.width, cfg, max_pixels)
+        indices, (th, tw) = vid.plan(vid.open_clip(video), cfg, fps, max_frames, max_pixels)
         per = (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
-        return -(-n // cfg.temporal_patch_size) * (per + 2 + 12)    # "<12345.6 seconds>" is at most 12
+        return -(-len(indices) // cfg.temporal_patch_size) * (per + 2 + 12)  # "<12345.6 seconds>": at most 12
 
     def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None):

@@ -51,19 +51,8 @@ class ProcessorConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ProcessorConfig:
-        c = cls()
-        for k in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample",
-                  "do_resize", "do_rescale", "do_normalize"):
-            if d.get(k) is not None:
-                setattr(c, k, d[k])
-        for k in ("image_mean", "image_std"):
-            v = d.get(k)
-            if v is not None:
-                setattr(c, k, list(v) if isinstance(v, (list, tuple)) else [v] * 3)
-        size = d.get("size") or {}
-        # transformers: min_pixels / max_pixels override size.shortest_edge / longest_edge
-        c.min_pixels = int(d.get("min_pixels") or size.get("shortest_edge") or c.min_pixels)
-        c.max_pixels = int(d.get("max_pixels") or size.get("longest_edge") or c.max_pixels)
+        c = read_fields(cls(), d, ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample",
+                                   "do_resize", "do_rescale", "do_normalize"))
         if c.min_pixels > c.max_pixels:
             raise EdgevlError(f"preprocessor_config.json: the minimum pixel count {c.min_pixels} exceeds the "
                               f"maximum {c.max_pixels}; fix the file")
@@ -86,6 +75,23 @@ class ProcessorConfig:
     @property
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+def read_fields(c, d: dict, keys, typed: bool = False):
+    """``c`` (a processor config) with the file ``d``'s values: ``keys`` as given (``typed``: cast
+    to the default's type), the mean and std (a number means all three channels), and the pixel
+    budget (transformers: min_pixels / max_pixels override size.shortest_edge / longest_edge)."""
+    for k in keys:
+        if d.get(k) is not None:
+            setattr(c, k, type(getattr(c, k))(d[k]) if typed else d[k])
+    for k in ("image_mean", "image_std"):
+        v = d.get(k)
+        if v is not None:
+            setattr(c, k, list(v) if isinstance(v, (list, tuple)) else [v] * 3)
+    size = d.get("size") or {}
+    c.min_pixels = int(d.get("min_pixels") or size.get("shortest_edge") or c.min_pixels)
+    c.max_pixels = int(d.get("max_pixels") or size.get("longest_edge") or c.max_pixels)
+    return c
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import EdgevlError
 from .image import load_image
+from .qwen_vl import read_fields
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 UNKNOWN_FPS = 24.0            # transformers' assumption for a clip without a frame rate
@@ -62,19 +63,9 @@ class VideoConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> VideoConfig:
-        c = cls()
-        for k in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample", "do_resize",
-                  "do_rescale", "do_normalize", "fps", "min_frames", "max_frames", "cap_pixels_per_frame",
-                  "max_video_tokens"):
-            if d.get(k) is not None:
-                setattr(c, k, type(getattr(c, k))(d[k]))
-        for k in ("image_mean", "image_std"):
-            v = d.get(k)
-            if v is not None:
-                setattr(c, k, list(v) if isinstance(v, (list, tuple)) else [v] * 3)
-        size = d.get("size") or {}
-        c.min_pixels = int(d.get("min_pixels") or size.get("shortest_edge") or c.min_pixels)
-        c.max_pixels = int(d.get("max_pixels") or size.get("longest_edge") or c.max_pixels)
+        c = read_fields(cls(), d, ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample",
+                                   "do_resize", "do_rescale", "do_normalize", "fps", "min_frames", "max_frames",
+                                   "cap_pixels_per_frame", "max_video_tokens"), typed=True)
         if c.min_pixels > c.max_pixels or c.min_frames < 1 or c.max_frames < c.min_frames or not c.fps > 0:
             raise EdgevlError("the video processor config has inconsistent sizes or frame counts (min above max, "
                               "or fps not positive); fix video_preprocessor_config.json")
@@ -342,10 +333,10 @@ class SampledVideo:
     grid_thw: tuple         # (temporal patches, patch rows, patch cols)
 
 
-def load_video(video, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
-               max_pixels: int | None = None) -> SampledVideo:
-    """Decode, sample and resize a clip; only the sampled frames are ever held."""
-    clip = open_clip(video)
+def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
+         max_pixels: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """The frames a clip gives (source indices) and their (height, width), from its header alone;
+    a clip or option outside the limits is a one-line error."""
     if clip.total < cfg.temporal_patch_size:
         raise EdgevlError(f"{clip.name} has {clip.total} frame(s); a video needs at least "
                           f"{cfg.temporal_patch_size} (give a single picture as an image)")
@@ -365,6 +356,14 @@ def load_video(video, cfg: VideoConfig, fps: float | None = None, max_frames: in
               if cfg.do_resize else (clip.height, clip.width))
     if th % cfg.factor or tw % cfg.factor:
         raise EdgevlError(f"without resizing a video's sides must be multiples of {cfg.factor}; enable do_resize")
+    return indices, (th, tw)
+
+
+def load_video(video, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
+               max_pixels: int | None = None) -> SampledVideo:
+    """Decode, sample and resize a clip; only the sampled frames are ever held."""
+    clip = open_clip(video)
+    indices, (th, tw) = plan(clip, cfg, fps, max_frames, max_pixels)
     frames = []
     for _, im in clip.read(sorted(int(i) for i in indices)):
         if im.size != (clip.width, clip.height):

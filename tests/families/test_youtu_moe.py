@@ -12,13 +12,13 @@ import torch
 
 import edgevl
 from edgevl.blocks import gated_delta as gd_block
-from edgevl.blocks import moe
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
 from edgevl.models.youtu_moe import model as Y
 from edgevl.verification.families.youtu_moe import VERIFY as ARCH
 from edgevl.verification.references import youtu_moe as R
 from support.common import CORPUS, first_diff, smooth_image
+from support.moe import record_routes
 
 CONFIGS = list(ARCH.tiny_variants)
 N_NEW = 48
@@ -81,16 +81,7 @@ def test_image_rows_route_with_the_image_row_of_qb_beta_end_to_end(built, monkey
     ck, pk = built[name]
     model = edgevl.load(pk)
     first_moe = min(int(x["layer"]) for x in model.manifest["experts"]["layers"])
-    seen = []
-    real = moe.Router.__call__
-
-    def record(self, layer, logits, modality=None):
-        idx, w = real(self, layer, logits, modality)
-        if layer == first_moe:
-            seen.append(np.sort(idx, axis=1))
-        return idx, w
-
-    monkeypatch.setattr(moe.Router, "__call__", record)
+    seen = record_routes(monkeypatch, first_moe)
     img = smooth_image(45, 77, seed=1)
     prep = prepare(model, "What is in the picture?", image=img)
     ids = np.asarray(prep.input_ids)

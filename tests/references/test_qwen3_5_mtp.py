@@ -92,16 +92,20 @@ def test_block_is_transformers_layer_in_documented_order(family, tmp_path):
         assert torch.allclose(block.logits(got, main.lm_head), main.lm_head(want), atol=1e-4)
 
 
+def _tiny_checkpoints(tmp_path_factory, name, seed, seed_step, **kwargs):
+    """(family, its verification, a tiny checkpoint of its first variant) for each family."""
+    root = tmp_path_factory.mktemp(name)
+    for i, family in enumerate(FAMILIES):
+        fam = verification.get(family)
+        yield family, fam, fam.make_tiny(root / family, next(iter(fam.tiny_variants)), seed=seed + seed_step * i,
+                                         **kwargs)
+
+
 @pytest.fixture(scope="module")
 def random_mtp(tmp_path_factory):
     """{family: (checkpoint, reference)} with an untrained MTP block."""
-    root = tmp_path_factory.mktemp("mtp-random")
-    out = {}
-    for i, family in enumerate(FAMILIES):
-        fam = verification.get(family)
-        ck = fam.make_tiny(root / family, next(iter(fam.tiny_variants)), seed=21 + i, mtp=True)
-        out[family] = (ck, fam.reference(ck))
-    return out
+    return {family: (ck, fam.reference(ck))
+            for family, fam, ck in _tiny_checkpoints(tmp_path_factory, "mtp-random", 21, 1, mtp=True)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,12 +204,9 @@ def _chat_prompts(ck):
 @pytest.fixture(scope="module")
 def trained_mtp(tmp_path_factory):
     """{family: (reference, [(prompt, greedy continuation)])}: a briefly trained main model and MTP block."""
-    root = tmp_path_factory.mktemp("mtp-trained")
     out = {}
-    for i, family in enumerate(FAMILIES):
-        fam = verification.get(family)
-        ck = fam.make_tiny(root / family, next(iter(fam.tiny_variants)), seed=31 + 2 * i, train_steps=100,
-                           mtp_train_steps=MTP_TRAIN_STEPS)
+    for family, fam, ck in _tiny_checkpoints(tmp_path_factory, "mtp-trained", 31, 2, train_steps=100,
+                                             mtp_train_steps=MTP_TRAIN_STEPS):
         ref = fam.reference(ck)
         out[family] = (ref, [(p, ref.greedy(p, N_NEW)) for p in _chat_prompts(ck)])
     return out

@@ -9,6 +9,22 @@ import numpy as np
 from edgevl.blocks import moe
 
 
+def record_routes(monkeypatch, layer: int) -> list:
+    """The experts the router picks at ``layer`` on every call from now on (each row's ids,
+    sorted), appended to the list returned; routing itself is unchanged."""
+    seen = []
+    real = moe.Router.__call__
+
+    def record(self, at, logits, modality=None):
+        idx, w = real(self, at, logits, modality)
+        if at == layer:
+            seen.append(np.sort(idx, axis=1))
+        return idx, w
+
+    monkeypatch.setattr(moe.Router, "__call__", record)
+    return seen
+
+
 def random_experts(n, hidden, inter, seed):
     rng = np.random.default_rng(seed)
     for _ in range(n):

@@ -9,13 +9,7 @@ from pathlib import Path
 from edgevl.verification.families.youtu import VERIFY as YOUTU
 
 # the random configs of the parity tests (YoutuConfig overrides of the factory's defaults)
-CONFIGS = {
-    "q_lora": dict(),
-    "no_q_lora": dict(q_lora_rank=None, hidden_size=72, num_attention_heads=3),
-    "rope32_v_ne_nope": dict(qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=40, num_hidden_layers=3),
-    "untied": dict(tie_word_embeddings=False, kv_lora_rank=24),
-    "theta10000": dict(rope_theta=10000.0, intermediate_size=80),
-}
+CONFIGS = YOUTU.tiny_variants
 # the smallest Youtu-LLM that still has every block (q_lora off, one layer): converts in ~30 ms
 TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
             qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_hidden_layers=1, max_position_embeddings=64)

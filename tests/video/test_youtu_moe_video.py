@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import edgevl
-from edgevl.blocks import moe
 from edgevl.generate import prepare
 from edgevl.verification.families.youtu_moe import VERIFY as ARCH
 from support.common import smooth_image
+from support.moe import record_routes
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +28,7 @@ def test_video_rows_route_with_the_vision_row_of_qb_beta(built, monkeypatch):
     ck, pk, gif = built
     model = edgevl.load(pk)
     first_moe = min(int(x["layer"]) for x in model.manifest["experts"]["layers"])
-    seen = []
-    real = moe.Router.__call__
-
-    def record(self, layer, logits, modality=None):
-        idx, w = real(self, layer, logits, modality)
-        if layer == first_moe:
-            seen.append(np.sort(idx, axis=1))
-        return idx, w
-
-    monkeypatch.setattr(moe.Router, "__call__", record)
+    seen = record_routes(monkeypatch, first_moe)
     prep = prepare(model, "What happens in the video?", video=gif)
     ids = np.asarray(prep.input_ids)
     is_video = ids == model.video_token_id
