@@ -2,7 +2,8 @@
 
     python benchmarks/speculative.py PKG [PKG ...] --hf HF_DIR [--llama-server BIN]
         [--threads 2] [--prompt-tokens 64] [--gen-tokens 48] [--repeats 5]
-        [--accept 0,0.6,0.8,0.9] [--draft-tokens 1,2] [--draft-vocab N] [--json OUT] [--markdown OUT]
+        [--accept 0,0.6,0.8,0.9] [--draft-tokens 1,auto] [--forced-draft-tokens auto] [--draft-vocab N]
+        [--json OUT] [--markdown OUT]
 
 Every system runs in its own process, one after another, round after round (interleaved, so the
 shared machine's drift hits them alike); the table gives the median (min-max) of each.
@@ -111,6 +112,19 @@ def median_range(xs) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
 
 
+def _parse_k(x: str):
+    return None if x == "auto" else int(x)
+
+
+def _k(k) -> str:
+    return "k=auto" if k is None else f"k={k}"
+
+
+def _k_options(k) -> dict:
+    # auto: the default (up to DEFAULT_DRAFT_TOKENS drafts, as many as pay)
+    return {} if k is None else {"draft_tokens": k}
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
@@ -126,8 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--accept", default="0,0.6,0.8,0.9", help="forced acceptance rates (empty: none)")
-    ap.add_argument("--draft-tokens", default="1,2")
-    ap.add_argument("--forced-draft-tokens", default="1", help="the --draft-tokens values run at forced acceptance")
+    ap.add_argument("--draft-tokens", default="1,auto", help="edgevl's draft tokens per pass (auto: the default)")
+    ap.add_argument("--forced-draft-tokens", default="auto", help="the --draft-tokens values run at forced acceptance")
     ap.add_argument("--llama-drafts", default="1,2,3", help="llama.cpp's --spec-draft-n-max values")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="also run edgevl drafting among the first N vocabulary rows (0: all)")
@@ -138,7 +152,7 @@ def main(argv=None) -> int:
     from edgevl.progress import Progress
 
     systems = {}
-    ks = [int(k) for k in a.draft_tokens.split(",") if k]
+    ks = [_parse_k(k) for k in a.draft_tokens.split(",") if k]
     accepts = [float(x) for x in a.accept.split(",") if x]
     types = a.gguf_types.split(",")
     base = {"threads": a.threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens}
@@ -147,14 +161,14 @@ def main(argv=None) -> int:
         tag = f"edgevl {dtype}"
         systems[f"{tag}"] = ("edgevl", dict(base, model=pkg, options={"speculative": "none"}))
         for k in ks:
-            systems[f"{tag} MTP k={k}"] = ("edgevl", dict(base, model=pkg, options={"draft_tokens": k}))
-        for k in [int(x) for x in a.forced_draft_tokens.split(",") if x]:
+            systems[f"{tag} MTP {_k(k)}"] = ("edgevl", dict(base, model=pkg, options=_k_options(k)))
+        for k in [_parse_k(x) for x in a.forced_draft_tokens.split(",") if x]:
             for p in accepts:
-                systems[f"{tag} MTP k={k} forced {p:g}"] = (
-                    "edgevl", dict(base, model=pkg, options={"draft_tokens": k}, forced=p))
+                systems[f"{tag} MTP {_k(k)} forced {p:g}"] = (
+                    "edgevl", dict(base, model=pkg, options=_k_options(k), forced=p))
         if a.draft_vocab is not None:
-            systems[f"{tag} MTP k={ks[0]} draft vocab {a.draft_vocab or 'all'}"] = (
-                "edgevl", dict(base, model=pkg, options={"draft_tokens": ks[0], "draft_vocab": a.draft_vocab}))
+            systems[f"{tag} MTP {_k(ks[0])} draft vocab {a.draft_vocab or 'all'}"] = (
+                "edgevl", dict(base, model=pkg, options={**_k_options(ks[0]), "draft_vocab": a.draft_vocab}))
         if a.llama_server and a.hf:
             from edgevl import models
             from edgevl.bench import gguf_for
@@ -185,17 +199,25 @@ def main(argv=None) -> int:
             bar.update(1, name)
     bar.close()
 
-    lines = ["| system | decode tok/s | vs edgevl without MTP | drafts accepted |", "|---|---|---|---|"]
+    lines = ["| system | decode tok/s | vs edgevl without MTP | vs llama.cpp without MTP | drafts accepted |",
+             "|---|---|---|---|---|"]
     plain = {}
     for name, rs in runs.items():
-        d = [r["decode_tok_s"] for r in rs]
-        ref = next((v for k, v in plain.items() if name.startswith(k)), None)
         if " MTP" not in name and "forced" not in name and "vocab" not in name:
-            plain[name] = statistics.median(d)
+            plain[name] = statistics.median(r["decode_tok_s"] for r in rs)
+    for name, rs in runs.items():
+        d = [r["decode_tok_s"] for r in rs]
+        ref = next((v for k, v in plain.items() if name.startswith(k) and k != name), None)
+        # the llama.cpp run of the same package (types given in package order)
+        tags = [k for k in plain if k.startswith("edgevl ")]
+        mine = next((i for i, k in enumerate(tags) if name.startswith(k)), None)
+        llama = [k for k in plain if k.startswith("llama.cpp ")]
+        lref = plain[llama[mine]] if mine is not None and mine < len(llama) and name.startswith("edgevl") else None
         spec = [r.get("speculative") for r in rs if r.get("speculative")]
         acc = (f"{sum(s['accepted'] for s in spec)} / {sum(s['drafted'] for s in spec)}" if spec else "—")
         ratio = f"{statistics.median(d) / ref:.2f}×" if ref else "—"
-        lines.append(f"| {name} | {median_range(d)} | {ratio} | {acc} |")
+        lratio = f"{statistics.median(d) / lref:.2f}×" if lref else "—"
+        lines.append(f"| {name} | {median_range(d)} | {ratio} | {lratio} | {acc} |")
     table = "\n".join(lines)
     print(table)
     if a.markdown:

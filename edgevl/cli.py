@@ -129,8 +129,9 @@ def add_runtime_option_args(p: argparse.ArgumentParser) -> None:
                         "turns itself off for a generation whose drafts are mostly rejected); none decodes one "
                         "token per pass (default: mtp where the package has the block)")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                   help="tokens the MTP block drafts per decoder pass (default 1; at most 2 on the models that "
-                        "have the block)")
+                   help="tokens the MTP block drafts per decoder pass, always K (default: up to 3, as many as "
+                        "are being accepted often enough to pay; at most 7, or 2 for a package converted by an "
+                        "older edgevl)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft among the first N vocabulary entries only (BPE vocabularies put the frequent tokens "
                         "first): a cheaper draft, slightly fewer drafts accepted (default 65536; 0: the whole "

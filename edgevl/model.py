@@ -122,10 +122,10 @@ class Model:
         self.mtp = None
         has_mtp = "mtp" in graphs and not self.low_memory
         undo = self.decoder.undo_rows if has_mtp or spec["speculative"] == "mtp" else 0
-        mode, k, vocab = speculative.check_options(spec["speculative"], spec["draft_tokens"], spec["draft_vocab"],
-                                                   has_mtp, undo)
+        mode, k, vocab, adaptive = speculative.check_options(spec["speculative"], spec["draft_tokens"],
+                                                             spec["draft_vocab"], has_mtp, undo)
         if mode == "mtp":
-            self.mtp = speculative.Mtp(self, k, vocab)
+            self.mtp = speculative.Mtp(self, k, vocab, adaptive)
 
     @property
     def family(self) -> str:
@@ -139,8 +139,9 @@ class Model:
         if self.mtp is not None:
             d, a = self.mtp.drafted, self.mtp.accepted
             stats["speculative"] = {"drafted": d, "accepted": a,
-                                    "summary": f"speculative decoding (MTP, {self.mtp.k} draft token"
-                                               f"{'s' if self.mtp.k > 1 else ''}): {a} of {d} drafts accepted"
+                                    "summary": f"speculative decoding (MTP, {'up to ' if self.mtp.adaptive else ''}"
+                                               f"{self.mtp.k} draft token{'s' if self.mtp.k > 1 else ''}): "
+                                               f"{a} of {d} drafts accepted"
                                                + (f" ({a / d:.0%})" if d else "")}
         return stats
 

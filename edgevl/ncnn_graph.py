@@ -577,6 +577,12 @@ def crop_last(g: Graph, x: str, n: int, axis: int, name: str | None = None, out:
                    outputs=[out] if out else 1, name=name)
 
 
+def crop_from(g: Graph, x: str, start: int, axis: int, name: str | None = None, out: str | None = None) -> str:
+    """The entries from ``start`` on along ``axis`` (negative: from the last axis), whatever the size."""
+    return g.layer("Crop", [x], {9: [int(start)], 10: [2 ** 31 - 1], 11: [int(axis)]},
+                   outputs=[out] if out else 1, name=name)
+
+
 def conv_dw1d(g: Graph, x: str, weight: np.ndarray, name: str | None = None, out: str | None = None) -> str:
     """Depthwise 1-D convolution, no padding or bias: x (h=channels, w=time), weight [channels, k]."""
     ch, k = (int(s) for s in weight.shape)

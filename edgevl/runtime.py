@@ -623,7 +623,9 @@ class Cache:
             if s.truncatable or s.mats is None or "layer" not in spec:
                 continue
             for name, m in zip(spec.get("names", range(len(s.mats))), s.mats):
-                out[(int(spec["layer"]), str(name))] = from_mat(m)
+                a = from_mat(m)
+                # a window wider than the columns its layer reads (kept for undo): those columns
+                out[(int(spec["layer"]), str(name))] = a[..., -int(spec["reads"]):] if "reads" in spec else a
         return out
 
 

@@ -22,23 +22,26 @@ import bisect
 
 import numpy as np
 
+from .blocks.base import DRAFT_HEAD_ROWS
 from .errors import EdgevlError
-from .runtime import Decoder, layer_outputs
+from .runtime import Decoder, LMHead, layer_outputs
 
 MODES = ("none", "mtp")
 # When drafting stops paying (docs/speculative.md, "When it turns itself off"): after
 # AUTO_OFF_CYCLES steps in a row without an accepted draft, or when fewer than AUTO_OFF_RATE of
 # the drafts were accepted once AUTO_OFF_AFTER were made, decoding goes on plainly, and tries
 # drafting again after RETRY_AFTER plain tokens (text changes: a list, then prose, then code).
-AUTO_OFF_CYCLES = 4
+AUTO_OFF_CYCLES = 3
 AUTO_OFF_RATE = 0.3
 AUTO_OFF_AFTER = 16
 RETRY_AFTER = 64
 
 
-def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: int) -> tuple[str, int, int | None]:
-    """(mode, draft tokens, draft vocabulary) checked; mode None means "mtp" where the package
-    has the block."""
+def check_options(mode, draft_tokens, draft_vocab, has_block: bool,
+                  undo_rows: int) -> tuple[str, int, int | None, bool]:
+    """(mode, draft tokens, draft vocabulary, adaptive) checked; mode None means "mtp" where the
+    package has the block; draft tokens None means up to DEFAULT_DRAFT_TOKENS (as many as the
+    package allows), as many as pay (adaptive, :meth:`Trial.length`)."""
     if mode is None:
         mode = "mtp" if has_block and undo_rows >= 2 else "none"
     if mode not in MODES:
@@ -47,7 +50,7 @@ def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: i
         raise EdgevlError("speculative='mtp' needs a multi-token-prediction block, which this package lacks "
                           "(the checkpoint has none, or it was converted with --no-mtp); use speculative='none'")
     limit = max(1, undo_rows - 1)
-    k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+    k = min(DEFAULT_DRAFT_TOKENS, limit) if draft_tokens is None else draft_tokens
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= limit:
         raise EdgevlError(f"draft_tokens must be an integer from 1 to {limit} for this model, got {k!r:.40}")
     if mode == "mtp" and undo_rows < 2:
@@ -56,13 +59,23 @@ def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: i
     v = DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
         raise EdgevlError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r:.40}")
-    return mode, int(k), int(v) or None
+    return mode, int(k), int(v) or None, draft_tokens is None
 
 
-DEFAULT_DRAFT_TOKENS = 1
+# By default up to 3 drafts per decoder pass, each further draft only while the ones before it are
+# accepted often enough to pay for it (Trial.length; docs/speculative.md, "How many drafts").
+DEFAULT_DRAFT_TOKENS = 3
+# A further draft is made while the estimated chance that it and every draft before it are
+# accepted is at least MIN_REACH: a draft costs a block pass and a draft head, about a tenth of a
+# step at the 0.8B shape (the verify pass of 4 rows costs what 2 cost), and an accepted one saves
+# a whole token's share of a step. 0.25 with this prior came out at or near the best of fixed 1,
+# fixed 3 and thresholds 0.2-0.3 at every acceptance in a simulation with the measured step costs
+# (docs/speculative.md, "How many drafts").
+MIN_REACH = 0.25
+PRIOR_RATE, PRIOR_STEPS = 2 / 3, 3
 # Drafts among the first 64k vocabulary rows: the head's other rows cost a decoder step's worth of
 # reading for little (docs/speculative.md, "The draft head").
-DEFAULT_DRAFT_VOCAB = 65536
+DEFAULT_DRAFT_VOCAB = DRAFT_HEAD_ROWS
 
 
 class DraftHead:
@@ -92,11 +105,19 @@ class Mtp:
     """A package's MTP block: its decoder driver (sharing the main decoder's rope tables and host
     hooks, e.g. the expert store), its KV cache and the rows waiting to be fed."""
 
-    def __init__(self, model, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_vocab: int | None = None):
+    def __init__(self, model, draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_vocab: int | None = None,
+                 adaptive: bool = False):
         info = model.manifest["graphs"]["mtp"]
-        self.model, self.k = model, int(draft_tokens)
+        # adaptive: up to draft_tokens, as many as pay (Trial.length)
+        self.model, self.k, self.adaptive = model, int(draft_tokens), bool(adaptive)
         self.decoder = Decoder(model.open_net("mtp"), info, model.decoder.rope, model.decoder.hooks)
-        self.head = DraftHead(model.head, draft_vocab)
+        head = model.head
+        small = model.manifest["graphs"].get("draft_head")   # int8 first rows (float packages)
+        vocab = model.head.info["extra"]["shards"][-1]["rows"][1]
+        if small is not None and draft_vocab and min(draft_vocab, vocab) <= small["extra"]["shards"][-1]["rows"][1]:
+            head = LMHead(model.open_net("draft_head"), small)
+        self.head = DraftHead(head, draft_vocab)
+        self.pad = model.decoder.undo_rows >= 4     # a verify pass of 3 rows may take a 4th
         self.drafted = self.accepted = 0
         self.reset()
 
@@ -167,6 +188,24 @@ class Trial:
 
     def __init__(self):
         self.active, self.drafted, self.accepted, self.dry, self.plain = True, 0, 0, 0, 0
+        self.reached, self.kept = [], []    # per draft position: cycles that drafted it, accepted it
+
+    def length(self, k: int) -> int:
+        """How many drafts (1 to ``k``) to make: the longest run whose last draft is estimated to
+        be accepted, every draft before it too, with a chance of at least MIN_REACH. Each
+        position's acceptance rate given the ones before it were accepted is counted since this
+        trial began, starting from PRIOR_STEPS steps at the rate of the position before it (2/3
+        for the first): a position seldom reached goes as the one before it until it has its own
+        count, so one rejection there does not bar it for good."""
+        n, reach, rate = 1, 1.0, PRIOR_RATE
+        for i in range(k):
+            seen, kept = (self.reached[i], self.kept[i]) if i < len(self.reached) else (0, 0)
+            rate = (kept + PRIOR_STEPS * rate) / (seen + PRIOR_STEPS)
+            reach *= rate
+            if reach < MIN_REACH:
+                break
+            n = i + 1
+        return n
 
     def update(self, drafted: int, accepted: int, tokens: int) -> bool:
         """Count a step (its drafts, the accepted ones, the tokens it gave); returns whether the
@@ -176,6 +215,12 @@ class Trial:
             if self.plain >= RETRY_AFTER:
                 self.__init__()
             return self.active
+        for i in range(min(drafted, accepted + 1)):   # positions the verifier looked at
+            if i == len(self.reached):
+                self.reached.append(0)
+                self.kept.append(0)
+            self.reached[i] += 1
+            self.kept[i] += i < accepted
         self.drafted += drafted
         self.accepted += accepted
         self.dry = 0 if accepted else self.dry + 1
@@ -206,13 +251,17 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
     history.append(tok)
     while True:
         fed = len(model.cache_keys)
-        m = min(mtp.k, left, model.max_context - fed - 1) if trial.active else 0
+        k = trial.length(mtp.k) if mtp.adaptive else mtp.k
+        m = min(k, left, model.max_context - fed - 1) if trial.active else 0
         drafts = mtp.draft(tok, m) if m > 0 else []
         rows = [tok, *drafts]
+        # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
+        # 4th row (taken back with the rejected ones) costs less than it saves
+        fed_rows = rows + rows[-1:] if len(rows) == 3 and mtp.pad else rows
         start = model.cache.next_position
-        pos = np.arange(start, start + len(rows), dtype=np.int64)[None]
+        pos = np.arange(start, start + len(fed_rows), dtype=np.int64)[None]
         with model._whole_or_nothing():
-            hidden, _ = model.decoder.forward(model.embedding(rows), model.cache, pos, undoable=bool(drafts))
+            hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=bool(drafts))
             lg = model.logits(hidden)
             out = []
             for i, d in enumerate(drafts):
@@ -227,7 +276,7 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
                         if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
             emit = out[:end] if end else out
             keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
-            model.decoder.undo(model.cache, len(rows), len(rows) - keep)
+            model.decoder.undo(model.cache, len(fed_rows), len(fed_rows) - keep)
             model.cache_keys.extend(rows[:keep])
         model.note_hidden(hidden[keep - 1])
         # a draft counts where its target is part of the answer (not past its end)

@@ -187,18 +187,20 @@ def save_graph(g: G.Graph, param_path, info: GraphInfo) -> dict:
 HEAD_SHARD_ROWS = 16384
 
 
-def build_lm_head(ctx: Ctx, vocab: int, hidden: int, weight_name: str) -> GraphInfo:
-    """Logits = hidden @ W^T, as row shards concatenated; returns each shard's rows and offset."""
+def build_lm_head(ctx: Ctx, vocab: int, hidden: int, weight_name: str, rows: int | None = None) -> GraphInfo:
+    """Logits = hidden @ W^T, as row shards concatenated; returns each shard's rows and offset.
+    ``rows``: only the first rows of the head (a draft head)."""
     g = ctx.g
     x = g.input("hidden")
     w = ctx.tensor(weight_name, (vocab, hidden))
+    rows = vocab if rows is None else min(int(rows), vocab)
     outs, shards = [], []
-    for r0 in range(0, vocab, HEAD_SHARD_ROWS):
-        r1 = min(vocab, r0 + HEAD_SHARD_ROWS)
+    for r0 in range(0, rows, HEAD_SHARD_ROWS):
+        r1 = min(rows, r0 + HEAD_SHARD_ROWS)
         name = f"lm_head.{len(outs)}"
         g.section(f"shard{len(outs)}")
         outs.append(G.gemm(g, x, w.row_slice(r0, r1), ctx.dtype, quant=ctx.quant_for(name), name=name,
-                           out="logits" if r1 - r0 == vocab else None, fp32_output=True))
+                           out="logits" if r1 - r0 == rows else None, fp32_output=True))
         shards.append({"rows": [r0, r1], "offset": g.weight_offsets[name][0]})
     if len(outs) > 1:
         g.section("concat")
@@ -214,6 +216,22 @@ def head_weight_name(ckpt: Checkpoint, tied: bool, embed_name: str, head_name: s
         raise EdgevlError(f"config.json says tie_word_embeddings=false but {head_name} is missing "
                           "from the checkpoint; re-download it")
     return embed_name
+
+
+# Rows of the int8 draft head that float packages with a multi-token-prediction block carry
+# (BPE vocabularies put frequent tokens first; docs/speculative.md, "The draft head").
+DRAFT_HEAD_ROWS = 65536
+
+
+def write_draft_head(ckpt: Checkpoint, out, vocab: int, hidden: int, embed_name: str, tied: bool,
+                     rows: int = DRAFT_HEAD_ROWS) -> dict:
+    """draft_head.param/.bin: the head's first ``rows`` rows as int8 Gemms (one scale per row),
+    for speculative decoding's drafts, which then read half the bytes of bf16 rows; the verifier
+    keeps the package's own head, so the output does not change."""
+    g = G.Graph(out / "draft_head.bin")
+    ctx = weight_ctx(ckpt, g, "q8", lambda t: None)     # a second read of a tensor already counted
+    return save_graph(g, out / "draft_head.param",
+                      build_lm_head(ctx, vocab, hidden, head_weight_name(ckpt, tied, embed_name), rows))
 
 
 def write_head_and_embedding(ckpt: Checkpoint, out, dtype: str, on_tensor, vocab: int, hidden: int,

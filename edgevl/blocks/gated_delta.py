@@ -44,6 +44,9 @@ CHUNK = 32
 WINDOW = 16                 # decoded tokens whose state updates are deferred (folded into S0 together)
 L2NORM_EPS = 1e-6           # transformers' l2norm (FLA's), inside the kernel
 MASKED = -1e30              # additive mask: exp() of it is exactly 0
+# Columns a conv window keeps in packages that take speculative drafts back: K-1 are read, the
+# rest let the runtime drop up to this many rows of a forward (runtime.RecurrentState.undo).
+UNDO_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,11 @@ class DeltaDims:
         # transformers keeps K columns; the conv reads only the last K-1
         return (self.conv_channels, self.conv_kernel - 1)
 
+    @property
+    def undo_conv_state_shape(self) -> tuple[int, int]:
+        """A conv window wide enough to take :data:`UNDO_ROWS` rows of a forward back."""
+        return (self.conv_channels, max(self.conv_kernel - 1, UNDO_ROWS))
+
     def to_dict(self) -> dict:
         return {"key_heads": self.key_heads, "value_heads": self.value_heads, "key_dim": self.key_dim,
                 "value_dim": self.value_dim, "conv_kernel": self.conv_kernel}
@@ -92,15 +100,20 @@ class DeltaDims:
 # decoder-graph emitters
 
 
-def emit_causal_conv(g: G.Graph, x: str, weight: np.ndarray, state_in: str, state_out: str, name: str) -> str:
+def emit_causal_conv(g: G.Graph, x: str, weight: np.ndarray, state_in: str, state_out: str, name: str,
+                     width: int | None = None) -> str:
     """SiLU(causal depthwise conv) over time with a carried window (``causal_conv1d_update``).
 
-    x (h=seq, w=channels); ``state_in`` (h=channels, w=K-1) holds the previous K-1 raw columns
-    (zeros at the start), ``state_out`` gets the last K-1 raw columns after this input."""
+    x (h=seq, w=channels); ``state_in`` (h=channels, w=width, K-1 by default) holds the previous
+    raw columns (zeros at the start), ``state_out`` gets the last ``width`` raw columns after this
+    input; the conv reads the last K-1 of them."""
     k = int(weight.shape[1])
+    width = k - 1 if width is None else int(width)
     xt = G.permute(g, x, 1, name=f"{name}.to_time")                        # (h=channels, w=seq)
-    full = G.concat(g, [state_in, xt], axis=1, name=f"{name}.window")      # (h=channels, w=K-1+seq)
-    G.crop_last(g, full, k - 1, axis=-1, name=f"{name}.state", out=state_out)
+    full = G.concat(g, [state_in, xt], axis=1, name=f"{name}.window")      # (h=channels, w=width+seq)
+    G.crop_last(g, full, width, axis=-1, name=f"{name}.state", out=state_out)
+    if width > k - 1:   # (h=channels, w=K-1+seq)
+        full = G.crop_from(g, full, width - (k - 1), axis=-1, name=f"{name}.reads")
     y = G.conv_dw1d(g, full, weight, name=f"{name}.conv")                   # (h=channels, w=seq)
     y = G.swish(g, y, name=f"{name}.silu")
     return G.permute(g, y, 1, name=f"{name}.to_rows")                      # (h=seq, w=channels)
@@ -124,7 +137,7 @@ HOST_STATE_NAMES = ["recurrent", "window_k", "window_delta", "window_c", "c", "p
 
 
 def declare_recurrent_layer(states: list, i: int, conv_shape, host_shapes, hook: str, args: dict,
-                            inputs: list) -> dict:
+                            inputs: list, reads: int | None = None) -> dict:
     """Appends layer ``i``'s two states to the manifest's ``states`` — the conv window (graph
     input/output ``conv_state{i}``) and the host-held matrix with its window of deferred updates
     (``host_shapes``, named :data:`HOST_STATE_NAMES`) — and returns the layer's host pass: it
@@ -133,8 +146,10 @@ def declare_recurrent_layer(states: list, i: int, conv_shape, host_shapes, hook:
     core's inputs as Mats, and hands ``hook`` the host state."""
     # "window": the state is the last columns of the (channels x time) input, so the runtime can
     # drop a forward's last rows from it (speculative decoding's rejected drafts)
+    # "reads": the columns the conv reads (a wider window only serves ``undo``)
     states.append({"kind": "recurrent", "layer": i, "names": ["conv"], "inputs": [f"conv_state{i}"],
-                   "outputs": [f"out_conv_state{i}"], "shapes": [list(conv_shape)], "window": True})
+                   "outputs": [f"out_conv_state{i}"], "shapes": [list(conv_shape)], "window": True,
+                   "reads": reads or int(conv_shape[1])})
     states.append({"kind": "host", "layer": i, "inputs": [], "outputs": [], "names": list(HOST_STATE_NAMES),
                    "shapes": [list(sh) for sh in host_shapes]})
     return {"extract": [f"out_conv_state{i}", *inputs], "hook": hook, "args": args, "state": len(states) - 1,
@@ -382,8 +397,7 @@ class DeltaRuleCore(WindowedCore):
         if undoable:
             if int(state[5][0]) + seq >= self.window:   # no fold among these rows
                 self.fold(state)
-            o = np.concatenate([self._step(qkv[t], ba[t], gates, state)[0] for t in range(seq)])
-            return o, state
+            return self._steps(qkv, ba, gates, state)[0], state
         s0 = self.fold(state)[0]
         names, outs = self.chunk_info["inputs"], self.chunk_info["outputs"]
         seq, n = qkv.shape[0], self.rows
@@ -453,6 +467,58 @@ class DeltaRuleCore(WindowedCore):
             self.fold(state)
         return o.reshape(1, -1), state
 
+
+    def _steps(self, qkv, ba, gates, state):
+        """Several tokens at once, each as :meth:`_step` would run it, for a speculative verify
+        pass: S0 and the window are read once for all rows, and the rows' dependence on each
+        other (row t sees the updates of the rows before it) is a small unit-lower-triangular
+        system per head, delta = (I + A)^-1 u, solved by forward substitution. The window must
+        have room for the rows (no fold among them)."""
+        d = self.d
+        s0, wk, wd, wc, c, n = state
+        neg_a, qk_scale, sign, offset = gates[2:]
+        hk, dk, hv, dv = d.key_heads, d.key_dim, d.value_heads, d.value_dim
+        x = np.asarray(qkv, np.float32).reshape(len(qkv), -1)
+        m = x.shape[0]
+        qk = x[:, :2 * d.keys].reshape(m * 2 * hk, 1, dk)
+        r = np.matmul(qk, qk.transpose(0, 2, 1)).reshape(m, 2 * hk)      # squared norms
+        r += L2NORM_EPS
+        np.sqrt(r, out=r)
+        np.divide(qk_scale, r, out=r)
+        qk = (qk.reshape(m, 2 * hk, dk) * r[:, :, None]).reshape(m, 2, hk, dk)
+        if hv != hk:
+            qk = qk.repeat(hv // hk, axis=2)
+        qk = np.ascontiguousarray(qk.transpose(2, 0, 1, 3)).reshape(hv, 2 * m, dk)   # rows (t, q|k)
+        keys = qk[:, 1::2]                                                # (Hv, m, Dk)
+        sp = np.asarray(ba, np.float32).reshape(m, -1) * sign
+        sp += offset
+        np.logaddexp(np.float32(0), sp, out=sp)
+        ct = (c.reshape(1, hv) + np.cumsum(neg_a * sp[:, hv:], axis=0)).T   # (Hv, m) log-decay since S0
+        beta = np.exp(-sp[:, :hv]).T[:, :, None]                          # (Hv, m, 1)
+        # what S0 and the pending window give each row (as in _step), all rows in one read
+        base = np.matmul(qk, s0).reshape(hv, m, 2, dv)
+        base *= np.exp(ct)[:, :, None, None]
+        dots = np.matmul(qk, wk.transpose(0, 2, 1)).reshape(hv, m, 2, -1)
+        dots *= np.exp(ct[:, :, None] - wc)[:, :, None, :]
+        base += np.matmul(dots.reshape(hv, 2 * m, -1), wd).reshape(hv, m, 2, dv)
+        # the rows' own updates: decay e^(c_t - c_s) for s <= t (0 above the diagonal)
+        gap = ct[:, :, None] - ct[:, None, :]
+        decay = np.exp(np.where(np.tri(m, dtype=bool), gap, -np.inf))     # (Hv, m, m)
+        inner = np.matmul(qk, keys.transpose(0, 2, 1)).reshape(hv, m, 2, m) * decay[:, :, None]
+        u = x[:, 2 * d.keys:].reshape(m, hv, dv).transpose(1, 0, 2) - base[:, :, 1]
+        u *= beta
+        a = inner[:, :, 1] * beta                                          # k_t.k_s terms, s < t
+        delta = u
+        for t in range(1, m):
+            delta[:, t] -= np.matmul(a[:, t:t + 1, :t], delta[:, :t])[:, 0]
+        o = base[:, :, 0] + np.matmul(inner[:, :, 0], delta)               # q_t.k_s terms, s <= t
+        i = int(n[0])
+        wk[:, i:i + m] = keys
+        wd[:, i:i + m] = delta
+        wc[:, 0, i:i + m] = ct
+        c[...] = ct[:, -1].reshape(c.shape)
+        n[0] = i + m
+        return o.transpose(1, 0, 2).reshape(m, -1), state
 
     def drop_last(self, state, r: int) -> None:
         """Take the last ``r`` rows of an ``undoable`` call back: the state is as if they had

@@ -90,3 +90,26 @@ def test_steps_equal_one_chunk(core):
     _, ref_s = _reference(d, np.concatenate([qkv, qkv[:7]]), np.concatenate([ba, ba[:7]]), a_log, dt, start,
                           recurrent=True)
     assert np.abs(run.matrix(s2) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 8])
+def test_verify_rows_equal_steps(core, rows):
+    """A speculative verify pass (several undoable rows in one call) gives each row what one
+    decode step at a time gives, leaves the same window, and its last rows can be taken back."""
+    run, d = core
+    qkv, ba, a_log, dt = _inputs(d, 5 + rows, seed=rows)
+    gates = run.gate_params(-np.exp(a_log), dt)
+    start = np.random.default_rng(4).standard_normal(d.state_shape).astype(np.float32) * 0.3
+    steps, many = run.new_state(start), run.new_state(start)
+    for t in range(5):   # pending updates in the window before the pass
+        _, steps = run(qkv[t:t + 1], ba[t:t + 1], gates, steps)
+        _, many = run(qkv[t:t + 1], ba[t:t + 1], gates, many)
+    want = [from_mat(run(qkv[t:t + 1], ba[t:t + 1], gates, steps)[0]).reshape(-1) for t in range(5, 5 + rows)]
+    got, many = run(qkv[5:], ba[5:], gates, many, undoable=True)
+    scale = max(1, np.abs(np.stack(want)).max())
+    assert np.abs(np.asarray(got) - np.stack(want)).max() < 1e-5 * scale
+    for a, b in zip(many, steps):
+        assert np.abs(a - b).max() < 1e-5 * max(1, np.abs(b).max())
+    _, ref_s = _reference(d, qkv[:6], ba[:6], a_log, dt, start, recurrent=True)
+    run.drop_last(many, rows - 1)   # only the first row of the pass kept
+    assert np.abs(run.matrix(many) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())

@@ -68,12 +68,13 @@ def spoil_every(n: int):
     return head
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3, None])   # 2: a verify pass of 3 rows takes a 4th; None: adaptive
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 @pytest.mark.parametrize("case", IDS)
 def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, monkeypatch):
     plain = _model(packages, case, speculative="none")
     spec = _model(packages, case, draft_tokens=k)
+    assert (spec.mtp.k, spec.mtp.adaptive, spec.mtp.pad) == (k or speculative.DEFAULT_DRAFT_TOKENS, k is None, True)
     assert plain.speculative == "none" and spec.speculative == "mtp"
     text, images = PROMPTS[prompt]
     prep = prepare(plain, text, image=images)
@@ -81,7 +82,7 @@ def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, mo
     got = list(spec.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
     assert got == want
     stats = spec.runtime_stats()["speculative"]
-    assert stats["accepted"] > 0 and stats["drafted"] >= N_NEW // (k + 1), stats
+    assert stats["accepted"] > 0 and stats["drafted"] >= N_NEW // ((k or 3) + 1), stats
     # with some drafts wrong: rows taken back at every place in a cycle, the same output
     monkeypatch.setattr(speculative.DraftHead, "__call__", spoil_every(3))
     got = list(spec.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
@@ -94,7 +95,7 @@ def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, mo
 def test_counts_are_what_the_reference_predicts(packages, case):
     ck, _, v = packages[case]
     ref = v.reference(ck)
-    for k in (1, 2):
+    for k in (1, 2, 3):
         spec = _model(packages, case, draft_tokens=k)
         ids = prepare(spec, "Count from one to ten please.").input_ids
         out = list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
@@ -166,13 +167,14 @@ def test_rejection_rule_keeps_the_distribution():
     assert greedy.check(logits, (), 3) == int(np.argmax(logits))
 
 
-def test_undo_leaves_the_state_of_the_kept_rows(packages):
-    """Three rows fed undoably and two taken back: KV length, conv windows and delta-rule states
-    equal a cache fed the first row only."""
+@pytest.mark.parametrize("fed,dropped", [(3, 2), (8, 7), (8, 3)])
+def test_undo_leaves_the_state_of_the_kept_rows(packages, fed, dropped):
+    """Rows fed undoably and the last ones taken back: KV length, conv windows (all the columns
+    they keep) and delta-rule states equal a cache fed the kept rows only."""
     model = _model(packages, IDS[0], speculative="none")
     ids = prepare(model, "Describe a cat.").input_ids
     dec = model.decoder
-    assert dec.undo_rows >= 3
+    assert dec.undo_rows == 8
 
     def prefilled():
         c = dec.new_cache()
@@ -181,21 +183,27 @@ def test_undo_leaves_the_state_of_the_kept_rows(packages):
 
     a, b = prefilled(), prefilled()
     n = a.length
-    rows = [11, 12, 13]
-    dec.forward(model.embedding(rows), a, np.arange(n, n + 3)[None], undoable=True)
-    dec.undo(a, 3, 2)
-    dec.forward(model.embedding(rows[:1]), b, np.arange(n, n + 1)[None])
-    assert a.length == b.length == n + 1 and a.next_positions == b.next_positions
+    rows = list(range(11, 11 + fed))
+    kept = fed - dropped
+    dec.forward(model.embedding(rows), a, np.arange(n, n + fed)[None], undoable=True)
+    dec.undo(a, fed, dropped)
+    dec.forward(model.embedding(rows[:kept]), b, np.arange(n, n + kept)[None], undoable=True)
+    assert a.length == b.length == n + kept and a.next_positions == b.next_positions
     sa, sb = a.state_arrays(), b.state_arrays()
     assert sa.keys() == sb.keys() and sa
     for key in sa:
         np.testing.assert_allclose(sa[key], sb[key], atol=1e-5, err_msg=str(key))
+    windows = 0
     for x, y in zip(a.layers, b.layers):
         if x.truncatable:     # KV: the same length (values: ncnn's own layout; the next token checks them)
-            assert [m.h for m in x.mats] == [m.h for m in y.mats] == [n + 1, n + 1]
+            assert [m.h for m in x.mats] == [m.h for m in y.mats] == [n + kept, n + kept]
+        elif getattr(x, "window", False):   # the columns kept for a later undo too
+            windows += 1
+            np.testing.assert_allclose(x.snapshot()[0], y.snapshot()[0], atol=1e-5, rtol=1e-5)
+    assert windows
     # and the next token's logits agree
-    la = model.logits(dec.forward(model.embedding([5]), a, np.array([[n + 1]]))[0])
-    lb = model.logits(dec.forward(model.embedding([5]), b, np.array([[n + 1]]))[0])
+    la = model.logits(dec.forward(model.embedding([5]), a, np.array([[n + kept]]))[0])
+    lb = model.logits(dec.forward(model.embedding([5]), b, np.array([[n + kept]]))[0])
     assert cosine(la, lb) > 0.99999
 
 
@@ -221,8 +229,8 @@ def test_no_mtp_conversion_and_options(packages, tmp_path):
     assert m.speculative == "none" and not (bare / "mtp.bin").exists()
     with pytest.raises(EdgevlError, match="lacks.*--no-mtp"):
         edgevl.load(bare, speculative="mtp")
-    for bad, msg in ((dict(speculative="fast"), "speculative must be"), (dict(draft_tokens=3), "from 1 to 2"),
-                     (dict(draft_tokens=0), "from 1 to 2"), (dict(draft_vocab=-1), "draft_vocab")):
+    for bad, msg in ((dict(speculative="fast"), "speculative must be"), (dict(draft_tokens=8), "from 1 to 7"),
+                     (dict(draft_tokens=0), "from 1 to 7"), (dict(draft_vocab=-1), "draft_vocab")):
         with pytest.raises(EdgevlError, match=msg):
             edgevl.load(pk, **bad)
 
@@ -254,7 +262,54 @@ def test_command_line(packages, tmp_path, capsys):
     assert code == 0 and "speculative decoding" not in err
     one_line_error(*cli(capsys, "run", tmp_path / "bare", "--prompt", "Hi", "--speculative", "mtp")[::2],
                    "--no-mtp")
-    one_line_error(*cli(capsys, "run", pk, "--prompt", "Hi", "--draft-tokens", "5")[::2], "draft_tokens")
+    one_line_error(*cli(capsys, "run", pk, "--prompt", "Hi", "--draft-tokens", "9")[::2], "draft_tokens")
+
+
+def test_draft_length_follows_the_acceptance_at_each_position(monkeypatch):
+    """The adaptive length on its own: three drafts at the start of a trial ((2/3)^3 = 0.296),
+    shorter where drafts are rejected (their chance with every draft before them below
+    MIN_REACH), long again once they are accepted."""
+    monkeypatch.setattr(speculative, "MIN_REACH", 0.25)
+    monkeypatch.setattr(speculative, "PRIOR_RATE", 2 / 3)
+    monkeypatch.setattr(speculative, "PRIOR_STEPS", 3)
+    t = speculative.Trial()
+    assert t.length(3) == 3 and t.length(1) == 1
+    for _ in range(3):          # the first draft rejected: 2 of 6, the second (not reached) as likely
+        t.update(3, 0, 1)
+    assert t.reached == [3] and t.length(3) == 1
+    t = speculative.Trial()
+    for _ in range(10):         # the first draft always accepted, the second never
+        t.update(3, 1, 2)
+    assert t.reached[:2] == [10, 10] and t.kept[:2] == [10, 0] and t.length(3) == 1
+    for _ in range(40):         # every draft accepted
+        t.update(1, 1, 2)
+        t.update(3, 3, 4)
+    assert t.length(3) == 3
+    t = speculative.Trial()
+    for _ in range(20):         # 0, 1, 2, 2 accepted in turn: two drafts reach 0.5, the third is never accepted
+        for a in (0, 1, 2, 2):
+            t.update(3, a, a + 1)
+    assert t.length(3) == 2
+
+
+def test_packages_with_the_narrow_conv_window_draft_two_at_most(packages, tmp_path, monkeypatch):
+    """A package whose conv windows keep only the K-1 columns the conv reads (converted by an
+    older edgevl) takes back at most 3 rows: the default drafts up to 2 and pads nothing, with
+    the same output."""
+    from edgevl.blocks import gated_delta
+
+    ck, _, _ = packages[IDS[0]]
+    monkeypatch.setattr(gated_delta, "UNDO_ROWS", 0)
+    old = edgevl.convert(ck, tmp_path / "old", dtype="fp32", progress=False)
+    monkeypatch.undo()
+    spec = edgevl.load(old, prefill_chunk=16)
+    assert spec.decoder.undo_rows == 3 and (spec.mtp.k, spec.mtp.adaptive, spec.mtp.pad) == (2, True, False)
+    with pytest.raises(EdgevlError, match="from 1 to 2"):
+        edgevl.load(old, draft_tokens=3)
+    plain = _model(packages, IDS[0], speculative="none")
+    ids = prepare(plain, "Describe a cat.").input_ids
+    want = list(plain.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
+    assert list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False)) == want
 
 
 def test_drafting_turns_off_when_it_does_not_pay_and_tries_again(monkeypatch):
@@ -278,3 +333,25 @@ def test_drafting_turns_off_when_it_does_not_pay_and_tries_again(monkeypatch):
     for _ in range(40):       # 50 % accepted: stays on
         assert t.update(2, 1, 2)
 
+
+
+def test_float_packages_draft_with_an_int8_head(packages, tmp_path):
+    """bf16 packages carry the head's first rows as int8 Gemms for drafting (q8 heads are int8
+    already, fp32 packages draft with their own head): its drafts are the bf16 head's argmax
+    over those rows on nearly every row, and the verifier still uses the package's head."""
+    ck, pk, _ = packages[IDS[0]]
+    assert "draft_head" not in edgevl.load(pk).manifest["graphs"]
+    bf = edgevl.convert(ck, tmp_path / "bf16", dtype="bf16", progress=False)
+    spec = edgevl.load(bf, prefill_chunk=16)
+    info = spec.manifest["graphs"]["draft_head"]
+    assert spec.mtp.head.head.info == info and spec.mtp.head.head is not spec.head
+    whole = edgevl.load(bf, draft_vocab=0)      # the whole vocabulary: the package's own head
+    assert whole.mtp.head.head is whole.head
+    ids = prepare(spec, " ".join(CORPUS[:3])).input_ids
+    hidden, _ = spec.decoder.forward(spec.embed(ids), spec.decoder.new_cache(), spec.positions(ids))
+    rows = info["extra"]["shards"][-1]["rows"][1]
+    want = spec.logits(hidden)[:, :rows].argmax(-1)
+    got = np.array([spec.mtp.head(h[None]) for h in hidden])
+    assert (got == want).mean() >= 0.95, (got == want).mean()
+    out = list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
+    assert len(out) == N_NEW and spec.runtime_stats()["speculative"]["accepted"] > 0

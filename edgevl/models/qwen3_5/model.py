@@ -44,6 +44,7 @@ from ...blocks.base import (
     save_graph,
     swiglu_mlp,
     weight_ctx,
+    write_draft_head,
     write_head_and_embedding,
 )
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
@@ -175,7 +176,8 @@ def emit_gated_delta_net(ctx: Ctx, x: str, p: str, a: TextArgs, i: int) -> tuple
                   name=f"{p}.in_proj")
     qkv, z, ba = G.slice_(g, proj, [d.conv_channels, d.values, 2 * d.value_heads], axis=1, name=f"{p}.in_split")
     conv = ctx.array(f"{p}.conv1d.weight", (d.conv_channels, 1, d.conv_kernel)).reshape(d.conv_channels, -1)
-    qkv = gd.emit_causal_conv(g, qkv, conv, f"conv_state{i}", f"out_conv_state{i}", f"{p}.conv")
+    qkv = gd.emit_causal_conv(g, qkv, conv, f"conv_state{i}", f"out_conv_state{i}", f"{p}.conv",
+                              width=d.undo_conv_state_shape[1])
     core = g.input(f"core_out{i}")                                         # the delta rule's output
     y = gd.emit_gated_norm(g, core, z, ctx.array(f"{p}.norm.weight", (d.value_dim,)), d.value_heads,
                            a.rms_norm_eps, f"{p}.norm")
@@ -235,8 +237,10 @@ def build_decoder(ctx: Ctx, a: TextArgs, prefix: str = PREFIX, mlp=emit_dense_ml
             continue
         gates[str(i)] = {"neg_a": core.pop("neg_a"), "dt_bias": core.pop("dt_bias")}
         # the delta-rule matrix and a window of deferred decode updates (gated_delta.DeltaRuleCore)
-        passes.append(gd.declare_recurrent_layer(states, i, d.conv_state_shape, d.host_state_shapes(gd.WINDOW),
-                                                 "gated_delta", core, [core["qkv"], core["ba"]]))
+        # the conv window keeps UNDO_ROWS columns so speculative decoding can verify several drafts
+        passes.append(gd.declare_recurrent_layer(states, i, d.undo_conv_state_shape, d.host_state_shapes(gd.WINDOW),
+                                                 "gated_delta", core, [core["qkv"], core["ba"]],
+                                                 reads=d.conv_kernel - 1))
         passes += [mlp_pass] if mlp_pass else []
     g.section("norm")
     rms_norm(ctx, x, f"{prefix}.norm", a.hidden_size, a.rms_norm_eps, out="hidden")
@@ -347,6 +351,9 @@ def convert(ckpt, out, dtype: str, on_tensor, a: TextArgs | None = None, mlp=emi
         g = G.Graph(out / "mtp.bin")
         ctx = weight_ctx(ckpt, g, dtype, on_tensor, float_layers=float_layers)
         parts["graphs"]["mtp"] = save_graph(g, out / "mtp.param", build_mtp(ctx, a, mlp))
+        if dtype in ("bf16", "fp16"):   # q8 heads are int8 already; fp32 packages draft exactly
+            parts["graphs"]["draft_head"] = write_draft_head(ckpt, out, a.vocab_size, a.hidden_size, embed_name,
+                                                             a.tie_word_embeddings)
     if "mtp.fc.weight" in ckpt:
         parts["mtp"] = {"converted": with_mtp}
     return parts
