@@ -95,12 +95,13 @@ def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, mo
 def test_counts_are_what_the_reference_predicts(packages, case):
     ck, _, v = packages[case]
     ref = v.reference(ck)
-    for k in (1, 2, 3):
+    for k in (1, 2, 3, None):   # None: the default, up to 3 by the draft-length rule
         spec = _model(packages, case, draft_tokens=k)
         ids = prepare(spec, "Count from one to ten please.").input_ids
         out = list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
-        assert spec.runtime_stats()["speculative"] == {**ref.speculative_counts(ids, out, k),
-                                                       "summary": spec.runtime_stats()["speculative"]["summary"]}
+        want = ref.speculative_counts(ids, out, k or speculative.DEFAULT_DRAFT_TOKENS, adaptive=k is None)
+        got = spec.runtime_stats()["speculative"]
+        assert got == {**want, "summary": got["summary"]}, k
 
 
 @pytest.mark.parametrize("prompt", ["long", "image"])

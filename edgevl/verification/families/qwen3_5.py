@@ -146,18 +146,21 @@ class Qwen3_5Reference(QwenImagesReference):
 
         return draft, first
 
-    def speculative_counts(self, prompt_ids, generated_ids, draft_tokens: int = 1, images=None) -> dict:
+    def speculative_counts(self, prompt_ids, generated_ids, draft_tokens: int = 1, images=None,
+                           adaptive: bool = False) -> dict:
         """``{"drafted": D, "accepted": A}`` of greedy MTP speculative decoding over the main model's
         known greedy continuation ``generated_ids`` of ``prompt_ids`` (``qwen3_5_mtp.count_speculative``):
-        ``draft_tokens`` drafts per step (recursive after the first), the longest matching prefix
-        accepted."""
+        ``draft_tokens`` drafts per step (recursive after the first; ``adaptive``: at most that
+        many, by edgevl's draft-length rule), the longest matching prefix accepted."""
+        from ... import speculative
         from ..references import qwen3_5_mtp
 
         if not prompt_ids:
             raise ValueError("speculative_counts needs a prompt")
         tokens = list(prompt_ids) + list(generated_ids)
         draft, _ = self._mtp_drafter(tokens, images, draft_tokens)
-        return qwen3_5_mtp.count_speculative(tokens, len(prompt_ids), draft, draft_tokens)
+        return qwen3_5_mtp.count_speculative(tokens, len(prompt_ids), draft, draft_tokens,
+                                             speculative.Trial() if adaptive else None)
 
     def draft_agreement(self, prompt_ids, generated_ids, images=None) -> float:
         """The share of the rows that draft inside the continuation (i = L-1 .. n-3 for a prompt of L

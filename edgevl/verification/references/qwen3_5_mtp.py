@@ -235,7 +235,7 @@ def init_random(block: Qwen3_5Mtp, seed: int, scale: float = 0.15) -> Qwen3_5Mtp
     return block
 
 
-def count_speculative(tokens, prompt_len: int, draft, draft_tokens: int = 1) -> dict:
+def count_speculative(tokens, prompt_len: int, draft, draft_tokens: int = 1, lengths=None) -> dict:
     """Greedy speculative decoding over a known greedy sequence ``tokens`` (prompt + generated):
     ``{"drafted": D, "accepted": A}``.
 
@@ -243,15 +243,19 @@ def count_speculative(tokens, prompt_len: int, draft, draft_tokens: int = 1) -> 
     main model, ``draft(p, m)`` drafts m tokens for positions p+1 .. p+m (m = ``draft_tokens``, fewer
     where the sequence ends: a draft counts only if its target exists); the longest prefix equal to
     the sequence is accepted and the main model adds one more token, so p advances by accepted + 1.
+    ``lengths``: a rule with ``length(k)`` (drafts for the next step, at most k) and ``update(drafted,
+    accepted, tokens)``, e.g. edgevl's adaptive one, instead of always ``draft_tokens``.
     """
     n, p = len(tokens), prompt_len
     drafted = accepted = 0
     while p + 1 < n:
-        m = min(draft_tokens, n - 1 - p)
+        m = min(lengths.length(draft_tokens) if lengths is not None else draft_tokens, n - 1 - p)
         d = list(draft(p, m))[:m]
         a = 0
         while a < m and int(d[a]) == int(tokens[p + 1 + a]):
             a += 1
+        if lengths is not None:
+            lengths.update(m, a, a + 1)
         drafted, accepted, p = drafted + m, accepted + a, p + a + 1
     return {"drafted": drafted, "accepted": accepted}
 
