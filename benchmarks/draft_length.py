@@ -47,17 +47,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     a = ap.parse_args()
 
-    def adaptive(threshold):
-        def rule(t):
-            old, S.MIN_REACH = S.MIN_REACH, threshold
-            try:
-                return t.length(3)
-            finally:
-                S.MIN_REACH = old
-        return rule
-
     rules = {"always 1": lambda t: 1, "always 3": lambda t: 3,
-             **{f"reach >= {r:g}": adaptive(r) for r in (0.2, 0.25, 0.3)}}
+             **{f"reach >= {r:g}": (lambda t, r=r: t.length(3, r)) for r in (0.2, 0.25, 0.3)}}
     print(f"| acceptance | later drafts | {' | '.join(rules)} |")
     print("|---|---|" + "---|" * len(rules))
     for falloff in (1.0, 0.85):

@@ -205,13 +205,13 @@ def main(argv=None) -> int:
     for name, rs in runs.items():
         if " MTP" not in name and "forced" not in name and "vocab" not in name:
             plain[name] = statistics.median(r["decode_tok_s"] for r in rs)
+    # the llama.cpp run of each package (types given in package order)
+    tags = [k for k in plain if k.startswith("edgevl ")]
+    llama = [k for k in plain if k.startswith("llama.cpp ")]
     for name, rs in runs.items():
         d = [r["decode_tok_s"] for r in rs]
         ref = next((v for k, v in plain.items() if name.startswith(k) and k != name), None)
-        # the llama.cpp run of the same package (types given in package order)
-        tags = [k for k in plain if k.startswith("edgevl ")]
         mine = next((i for i, k in enumerate(tags) if name.startswith(k)), None)
-        llama = [k for k in plain if k.startswith("llama.cpp ")]
         lref = plain[llama[mine]] if mine is not None and mine < len(llama) and name.startswith("edgevl") else None
         spec = [r.get("speculative") for r in rs if r.get("speculative")]
         acc = (f"{sum(s['accepted'] for s in spec)} / {sum(s['drafted'] for s in spec)}" if spec else "—")

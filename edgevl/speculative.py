@@ -190,19 +190,21 @@ class Trial:
         self.active, self.drafted, self.accepted, self.dry, self.plain = True, 0, 0, 0, 0
         self.reached, self.kept = [], []    # per draft position: cycles that drafted it, accepted it
 
-    def length(self, k: int) -> int:
+    def length(self, k: int, min_reach: float | None = None) -> int:
         """How many drafts (1 to ``k``) to make: the longest run whose last draft is estimated to
-        be accepted, every draft before it too, with a chance of at least MIN_REACH. Each
+        be accepted, every draft before it too, with a chance of at least ``min_reach`` (default
+        MIN_REACH). Each
         position's acceptance rate given the ones before it were accepted is counted since this
         trial began, starting from PRIOR_STEPS steps at the rate of the position before it (2/3
         for the first): a position seldom reached goes as the one before it until it has its own
         count, so one rejection there does not bar it for good."""
+        floor = MIN_REACH if min_reach is None else min_reach
         n, reach, rate = 1, 1.0, PRIOR_RATE
         for i in range(k):
             seen, kept = (self.reached[i], self.kept[i]) if i < len(self.reached) else (0, 0)
             rate = (kept + PRIOR_STEPS * rate) / (seen + PRIOR_STEPS)
             reach *= rate
-            if reach < MIN_REACH:
+            if reach < floor:
                 break
             n = i + 1
         return n

@@ -467,7 +467,6 @@ class DeltaRuleCore(WindowedCore):
             self.fold(state)
         return o.reshape(1, -1), state
 
-
     def _steps(self, qkv, ba, gates, state):
         """Several tokens at once, each as :meth:`_step` would run it, for a speculative verify
         pass: S0 and the window are read once for all rows, and the rows' dependence on each
