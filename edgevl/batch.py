@@ -18,7 +18,8 @@ A row whose token limit ran out inside the thinking, before any answer, is not a
 Resume: the output is the job's state. Every finished row is appended with one write and an
 fsync (Parquet: to a JSONL journal beside it, turned into the Parquet file when the job ends), and
 rows whose id is already there are skipped on the next run; a torn last line (a kill during a
-write) is cut off before appending. A SIGKILL therefore loses only the rows in flight. Outputs
+write: one that does not parse) is cut off before appending, and a whole last row that lost only
+its newline is kept. A SIGKILL therefore loses only the rows in flight. Outputs
 written before a field was added (e.g. ``reasoning``) resume as they are.
 
 The output is only ever an edgevl batch output: one that is the input (after symlinks and hard
@@ -366,29 +367,43 @@ def _is_result(r) -> bool:
     return isinstance(r, dict) and all(k in r for k in RESULT_FIELDS)
 
 
+def _parse_row(line: bytes):
+    try:
+        r = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, absurd nesting
+        return None
+    if _is_result(r):
+        r["id"] = str(r["id"])
+        return r
+    return None
+
+
 def _scan_jsonl(data: bytes) -> tuple[list[dict], int, list[tuple[int, bytes]], int]:
     """(result rows, bytes up to the end of the last complete line, bad lines as (line number,
-    bytes), bytes of a torn last row). A last line without its newline is a torn write (a kill
-    during an append) only when it begins as a row line does; anything else there is a bad line."""
+    bytes), bytes of a torn last row). A last line without its newline that is a whole result row
+    is kept (only its newline was lost, and a sampled answer cannot be redone the same); one that
+    does not parse is a torn write (a kill during an append) when it begins as a row line does;
+    anything else there is a bad line."""
     end = data.rfind(b"\n") + 1
     lines = data[:end].split(b"\n")[:-1]
     rows, bad = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            r = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, absurd nesting
-            r = None
-        if _is_result(r):
-            r["id"] = str(r["id"])
+        r = _parse_row(line)
+        if r is not None:
             rows.append(r)
         else:
             bad.append((n, line + b"\n"))
     tail, torn = data[end:], 0
-    if tail.startswith(ROW_START) or ROW_START.startswith(tail):
+    if not tail.strip():
+        pass
+    elif (r := _parse_row(tail)) is not None:
+        rows.append(r)
+        end = len(data)
+    elif tail.startswith(ROW_START) or ROW_START.startswith(tail):
         torn = len(tail)
-    elif tail.strip():
+    else:
         bad.append((len(lines) + 1, tail))
     return rows, end, bad, torn
 
@@ -500,7 +515,7 @@ class Sink:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
             shutil.rmtree(self.shard_dir, ignore_errors=True)
-            old, rows, bad, torn = [], [], [], 0
+            old, rows, bad, torn, data, end = [], [], [], 0, b"", 0
         if bad and not repair:
             raise EdgevlError(f"{name} line {bad[0][0]} is not a batch result row ({len(bad)} such line(s)); "
                               f"--repair moves them to {self.rejected.name} and keeps the {len(rows)} good rows "
@@ -523,6 +538,8 @@ class Sink:
         elif torn:
             os.ftruncate(self.fd, end)  # a kill during a write: drop the partial line
             os.fsync(self.fd)
+        elif data[end - 1:end] not in (b"", b"\n"):  # a whole last row that lost its newline
+            _append(self.fd, b"\n")
         self.recovered = self.merge_shards()
         if retry_errors:
             bad_rows = [k for k, r in self.rows.items() if r.get("error")]

@@ -2,9 +2,10 @@
 
 Each measurement runs in its own subprocess (clean peak RSS, no shared thread pools), and
 repeats are interleaved A/B/C so that machine drift hits every system alike; the report takes
-medians. ``--compare torch`` runs the same Hugging Face checkpoint through transformers (eager,
-bf16); ``--compare llamacpp`` through llama-cpp-python after converting it with the
-``convert_hf_to_gguf.py`` shipped in llama-cpp-python's source distribution.
+medians. ``--compare torch`` runs the same Hugging Face checkpoint through transformers (eager;
+fp32 against an fp32 package, else bf16: ``torch_precision``); ``--compare llamacpp`` through
+llama-cpp-python after converting it with the ``convert_hf_to_gguf.py`` shipped in
+llama-cpp-python's source distribution.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def worker_edgevl(a: dict) -> dict:
 
 def worker_torch(a: dict) -> dict:
     """The checkpoint's PyTorch reference (the architecture's: transformers' class where one
-    exists), eager attention in bf16."""
+    exists) in ``a["dtype"]`` (default bf16); ``dtype`` in the result is what its weights were
+    in, which names the row."""
     import torch
 
     from . import models
@@ -78,8 +80,9 @@ def worker_torch(a: dict) -> dict:
 
     arch = models.resolve(Checkpoint(a["reference"]).config)
     t0 = time.perf_counter()
-    ref = get(arch.name).reference(a["reference"], dtype="bf16")
+    ref = get(arch.name).reference(a["reference"], dtype=a.get("dtype", "bf16"))
     load = time.perf_counter() - t0
+    dtypes = sorted({TORCH_NAMES.get(str(p.dtype), str(p.dtype)) for p in ref.model.parameters()})
     ids = _prompt_ids(a["prompt_tokens"], a["vocab"])
     ref.start(ids[:4])
     t0 = time.perf_counter()
@@ -94,7 +97,16 @@ def worker_torch(a: dict) -> dict:
     n = len(ids) + a["gen_tokens"]
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
             "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
-            "kv_bytes_per_token": ref.state_bytes(state) / n}
+            "kv_bytes_per_token": ref.state_bytes(state) / n, "dtype": "+".join(dtypes)}
+
+
+TORCH_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def torch_precision(package_dtype: str | None) -> str:
+    """The reference's precision against an edgevl package of ``package_dtype``: fp32 for fp32
+    (like for like), else bf16 (how checkpoints ship; torch has no int8 path of q8's kind)."""
+    return "fp32" if package_dtype == "fp32" else "bf16"
 
 
 def worker_llamacpp(a: dict) -> dict:
@@ -479,13 +491,27 @@ def llamacpp_types(packages) -> list[str]:
     return [t for t in dict.fromkeys(types) if t] or ["bf16"]
 
 
+COMPARE = ("torch", "llamacpp")
+
+
+def check_args(a) -> None:
+    """The values of ``edgevl bench`` that need no model, checked before any work (a checkpoint
+    given here is converted first, and the runs take minutes)."""
+    check_counts(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats)
+    for c in (c.strip() for c in (a.compare or "").split(",")):
+        if c and c not in COMPARE and not c.startswith("llamacpp"):
+            raise EdgevlError(f"unknown --compare system {c!r}; choose {' and/or '.join(COMPARE)}")
+    if getattr(a, "images", None):
+        parse_sizes(a.images)
+
+
 def bench_cli(a) -> int:
     from . import models
+    from .model import check_load_options
     from .package import read_manifest
     from .runtime import check_threads, default_threads
 
-    # checked before any work (a checkpoint given here is converted first)
-    check_counts(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats)
+    check_args(a)
     threads = default_threads() if a.threads is None else check_threads(a.threads, "--threads")
     target = Path(a.model)
     systems = {}
@@ -497,10 +523,15 @@ def bench_cli(a) -> int:
         return " ".join([f"edgevl {m['dtype']}"] + extra)
 
     opts = dict(getattr(a, "model_options", None) or {})   # load-time options (e.g. --expert-cache-mb)
+    for p in [target, *(getattr(a, "extra_model", None) or [])]:   # before a checkpoint is converted
+        if (Path(p) / "manifest.json").is_file():
+            check_load_options(p, options=opts)
+    main_dtype = "bf16"   # the first package's, which the torch row matches
     tag = "".join(f" {k.replace('_', '-')} {v:g}" for k, v in opts.items())
     if (target / "manifest.json").is_file():
         m = read_manifest(target)
         ref = Path(a.reference or m["source"]["path"])
+        main_dtype = m["dtype"]
         systems[label(m) + tag] = ("edgevl", {"model": str(target), "options": opts})
     elif (target / "config.json").is_file():
         ref = target
@@ -529,7 +560,9 @@ def bench_cli(a) -> int:
 
             cfg = Checkpoint(ref).config
             vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 30000
-            systems["torch bf16"] = ("torch", {"reference": str(ref), "vocab": int(vocab)})
+            precision = torch_precision(main_dtype)
+            systems[f"torch {precision}"] = ("torch", {"reference": str(ref), "vocab": int(vocab),
+                                                       "dtype": precision})
         elif c.startswith("llamacpp"):
             try:
                 import llama_cpp  # noqa: F401
@@ -546,6 +579,12 @@ def bench_cli(a) -> int:
         else:
             raise EdgevlError(f"unknown --compare system {c!r}; choose torch and/or llamacpp")
     res = bench(systems, a.prompt_tokens, a.gen_tokens, threads, a.repeats)
+    for name, (kind, _) in list(systems.items()):
+        ran = res["results"][name].get("dtype") if kind == "torch" else None
+        if ran and name != f"torch {ran}":   # a model may keep some weights in fp32: say so
+            for part in ("results", "runs"):
+                res[part] = {f"torch {ran}" if k == name else k: v for k, v in res[part].items()}
+            systems[f"torch {ran}"] = systems.pop(name)
     # ``results`` holds one object per system (the first variant of each); ``variants`` all runs
     res["variants"] = res.pop("results")
     res["results"] = {}

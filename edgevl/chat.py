@@ -81,6 +81,14 @@ class _ImageMemo:
             self.rows[key] = self._model.encode_video(video, **options)
         return self.rows[key]
 
+    def video_tokens(self, video, **options):
+        if not isinstance(video, str):
+            return self._model.video_tokens(video, **options)
+        key = ("video tokens", video, tuple(sorted(options.items())))
+        if key not in self.rows:
+            self.rows[key] = self._model.video_tokens(video, **options)
+        return self.rows[key]
+
 
 class ChatSession:
     """A conversation: ``send(text)`` fits the context and returns an iterator of answer pieces.
@@ -110,7 +118,11 @@ class ChatSession:
         self.system = system
         self.max_new_tokens = int(max_new_tokens)
         self.max_image_patches = max_image_patches
-        self.video_options = {k: v for k, v in (video_options or {}).items() if v is not None}
+        self.video_options = {}
+        if video_options is not None:   # bad options fail now, not at the first video
+            from .processing.video import check_options
+
+            self.video_options = check_options(video_options)
         # one sampler seed for the whole chat would repeat the same draws every turn: advance it
         self.seed = seed
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -139,9 +151,18 @@ class ChatSession:
         self.pending_images.append(path)
 
     def attach_video(self, path) -> None:
-        """Queue a video for the next message; it is decoded and encoded now so a bad file fails here."""
+        """Queue a video for the next message; it is decoded and encoded now so a bad file fails
+        here, unless its header already says that it cannot fit (then nothing is decoded)."""
         path = str(Path(path).expanduser())
-        self.model.rows.pop(("video", path, tuple(sorted(self.video_options.items()))), None)
+        opts = tuple(sorted(self.video_options.items()))
+        self.model.rows.pop(("video", path, opts), None)   # the file may have changed
+        self.model.rows.pop(("video tokens", path, opts), None)
+        room = self.model.max_context - self.max_new_tokens
+        need = self.model.video_tokens(path, **self.video_options)
+        if need >= room:
+            raise EdgevlError(f"the video takes {need} tokens but only {room} fit (the {self.model.max_context}-"
+                              f"token context minus {self.max_new_tokens} for the answer); send a shorter video or "
+                              "lower --fps, --max-frames or --video-max-pixels")
         self.model.encode_video(path, **self.video_options)
         self.pending_videos.append(path)
 

@@ -8,6 +8,7 @@
     edgevl bench [MODEL] [--compare torch,llamacpp] [--images 1024x768]
     edgevl cache [list|clear]
     edgevl check MODEL
+    edgevl random-model FAMILY OUT_DIR [--seed N] [--clip CLIP.gif]
     edgevl batch [MODEL] --input SRC --prompt "..." --output OUT.jsonl|.parquet [--workers N] [--ray [ADDRESS]]
 
 MODEL is a package folder; left out (or ``demo``) it is the shipped demo model. Every user
@@ -128,17 +129,30 @@ def add_runtime_option_args(p: argparse.ArgumentParser) -> None:
                         "and checks them in one decoder pass (same output, faster when drafts are accepted; it "
                         "turns itself off for a generation whose drafts are mostly rejected); none decodes one "
                         "token per pass (default: mtp where the package has the block)")
-    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+    p.add_argument("--draft-tokens", type=_int_at_least("--draft-tokens", 1), default=None, metavar="K",
                    help="tokens the MTP block drafts per decoder pass, always K (default: up to 3, as many as "
                         "are being accepted often enough to pay; at most 7, or 2 for a package converted by an "
                         "older edgevl)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    p.add_argument("--draft-vocab", type=_int_at_least("--draft-vocab", 0), default=None, metavar="N",
                    help="draft among the first N vocabulary entries only (BPE vocabularies put the frequent tokens "
                         "first): a cheaper draft, slightly fewer drafts accepted (default 65536; 0: the whole "
                         "vocabulary)")
     for name, (opt, archs) in _runtime_options().items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.type, default=None, metavar=opt.metavar,
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=_runtime_option(name, archs), default=None,
+                       metavar=opt.metavar,
                        help=f"{opt.help} ({', '.join(archs)} models)")
+
+
+def _runtime_option(name: str, archs: list):
+    """An argparse type: the value checked by the architecture's own rule (type, range), so a
+    mistake fails before the demo is converted or anything is read."""
+    def parse(v):
+        from . import models
+
+        own = [x for x in archs if x != "all"]
+        arch = models.get(own[0]) if own else models.all_architectures()[0]
+        return arch.resolve_runtime_options({name: v})[name]
+    return parse
 
 
 def runtime_option_values(a) -> dict:
@@ -147,6 +161,20 @@ def runtime_option_values(a) -> dict:
 
     names = [*SPECULATIVE_OPTIONS, *_runtime_options()]
     return {name: getattr(a, name) for name in names if getattr(a, name, None) is not None}
+
+
+def _video_fps(name):
+    """An argparse type: a sampling rate by the API's own rule for video_options (a positive
+    number, at most 1000: an absurd one overflowed the frame count)."""
+    def parse(v):
+        from .processing.video import check_options
+
+        try:
+            x = float(v)
+        except ValueError:
+            raise EdgevlError(f"{name} must be a number, got {v!r}") from None
+        return check_options({"fps": x}, names={"fps": name})["fps"]
+    return parse
 
 
 def add_video_args(p: argparse.ArgumentParser, many: bool = True) -> None:
@@ -158,7 +186,7 @@ def add_video_args(p: argparse.ArgumentParser, many: bool = True) -> None:
     else:
         p.add_argument("--video", default=None, help="video for your first message (a file, animated GIF/WebP or "
                                                       "folder of frames; default: none)")
-    p.add_argument("--fps", type=_positive_float("--fps"), default=None,
+    p.add_argument("--fps", type=_video_fps("--fps"), default=None,
                    help="frames sampled per second of video (default: the checkpoint's video processor, 2)")
     p.add_argument("--max-frames", type=_int_at_least("--max-frames", 2), default=None,
                    help="most frames sampled from one video (default: the checkpoint's, 768)")
@@ -198,6 +226,38 @@ def check_model_args(a) -> None:
     if n is not None and not 4 <= n <= MAX_IMAGE_PATCHES:
         raise EdgevlError(f"--max-image-patches must be between 4 and {MAX_IMAGE_PATCHES} (a 4096x4096 image), "
                           f"got {n}")
+    if hasattr(a, "temperature"):
+        from .sample import Sampler
+
+        # the sampler's own rules, now rather than at the first token (after the scene and the model)
+        Sampler(0.0 if a.temperature is None else a.temperature, a.top_k or 0, 1.0 if a.top_p is None else a.top_p,
+                1.0 if a.repetition_penalty is None else a.repetition_penalty, a.seed)
+
+
+def check_media(a) -> None:
+    """--image and --video name files that are there (``demo`` draws a scene; a video may also be a
+    folder of frames)."""
+    from .demo.scene_file import is_demo_image
+
+    images = a.image if isinstance(a.image, list) else [a.image] if a.image else []
+    video = getattr(a, "video", None)
+    videos = video if isinstance(video, list) else [video] if video else []
+    for im in images:
+        if not is_demo_image(im) and not Path(im).is_file():
+            raise EdgevlError(f"--image {im} is a folder; give an image file" if Path(im).is_dir() else
+                              f"image not found: {im} (--image); check the path")
+    for v in videos:
+        if not Path(v).exists():
+            raise EdgevlError(f"video not found: {v} (--video); check the path")
+
+
+def check_package(path: str, a, video: bool = False) -> None:
+    """What loading ``path`` with the command's options would refuse, from its manifest alone:
+    before a scene is drawn, an output written or the model loaded."""
+    from .model import check_load_options
+
+    check_load_options(path, low_memory=getattr(a, "low_memory", False), options=runtime_option_values(a),
+                       video=video)
 
 
 def check_image_out(path: str | None, flag: str) -> None:
@@ -207,11 +267,19 @@ def check_image_out(path: str | None, flag: str) -> None:
         return
     from PIL import Image
 
+    check_file_out(path, flag, "out.png")
+    if Path(path).suffix.lower() not in Image.registered_extensions():
+        raise EdgevlError(f"{flag} {path} has no image extension Pillow knows (.png, .jpg, ...); add one")
+
+
+def check_file_out(path, flag: str, example: str) -> None:
+    """An output file name in a folder that exists (checked before the work that fills it)."""
+    if path is None:
+        return
+    path = str(path)
     p = Path(path)
     if p.is_dir() or path.endswith(("/", "\\")):
-        raise EdgevlError(f"{flag} {path} is a folder; give an image file name such as {p / 'out.png'}")
-    if p.suffix.lower() not in Image.registered_extensions():
-        raise EdgevlError(f"{flag} {path} has no image extension Pillow knows (.png, .jpg, ...); add one")
+        raise EdgevlError(f"{flag} {path} is a folder; give a file name such as {p / example}")
     if not p.parent.is_dir():
         raise EdgevlError(f"{flag} {path}: the folder {p.parent} does not exist; create it first")
 
@@ -227,9 +295,10 @@ MODEL_HELP = "a package folder; 'demo' or none: the shipped demo model (converte
 def resolve_model(path: str | None) -> str:
     """A package folder, or (no argument, or ``demo``) the shipped demo model converted into the
     user cache (a folder named ``demo`` holding a package wins)."""
-    if path and not (path == "demo" and not (Path(path) / "manifest.json").is_file()):
+    from .demo import demo_package, demo_package_path, names_demo
+
+    if not names_demo(path or None):
         return path
-    from .demo import demo_package, demo_package_path
 
     out = demo_package_path()
     if not (out / "manifest.json").is_file():
@@ -272,7 +341,11 @@ def cmd_run(a) -> int:
     images = list(a.image or [])
     if a.raw and (images or a.video):
         raise EdgevlError("--raw cannot be combined with --image or --video: they need the chat template")
+    if not a.prompt.strip():
+        raise EdgevlError("--prompt is empty; pass some text")
+    check_media(a)
     model_path = resolve_model(a.model)
+    check_package(model_path, a, video=bool(a.video))
     images = resolve_images(a)
     model = load(model_path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     if not images and not a.video and (note := no_image_note(model, "--image")):
@@ -329,7 +402,9 @@ def cmd_verify(a) -> int:
 
     check_model_args(a)
     check_image_out(a.demo_out, "--demo-out")
+    check_media(a)
     model_path = resolve_model(a.model)
+    check_package(model_path, a)
     ok = verify(model_path, a.reference, prompt=a.prompt, image=resolve_images(a) or None,
                 max_new_tokens=a.max_new_tokens, max_image_patches=a.max_image_patches, threads=a.threads,
                 options=runtime_option_values(a))
@@ -341,7 +416,10 @@ def cmd_chat(a) -> int:
     from .chat import chat_loop
 
     check_model_args(a)
-    model = load(resolve_model(a.model), threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    check_media(a)
+    path = resolve_model(a.model)
+    check_package(path, a, video=bool(a.video))
+    model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
                      video=a.video, video_options=video_options(a),
                      allow_special_in_content=a.allow_special_in_content, thinking=a.thinking,
@@ -371,9 +449,13 @@ def cmd_check(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import bench_cli
+    from .bench import bench_cli, check_args
 
     check_model_args(a)
+    check_file_out(a.json, "--json", "bench.json")
+    check_file_out(a.markdown, "--markdown", "bench.md")
+    check_image_out(a.plot, "--plot")
+    check_args(a)
     a.model = resolve_model(a.model)
     a.model_options = runtime_option_values(a)
     return bench_cli(a)
@@ -417,15 +499,33 @@ def _convert_options() -> dict:
     return out
 
 
+def cmd_random_model(a) -> int:
+    from .random_model import write
+
+    out = write(a.family, a.out_dir, seed=a.seed, clip=a.clip)
+    print(f"wrote {out} (random weights: its answers are noise)" + (f" and {a.clip}" if a.clip else ""))
+    return 0
+
+
 def cmd_batch(a) -> int:
     from .batch import batch_cli
 
     check_model_args(a)  # as in run: before the demo model is converted or anything is read
-    return batch_cli(a, resolve_model(a.model), sampling_kwargs(a), runtime_option_values(a))
+    try:
+        path = resolve_model(a.model)
+        check_package(path, a)   # before the output is opened
+        return batch_cli(a, path, sampling_kwargs(a), runtime_option_values(a))
+    except KeyboardInterrupt:
+        # every finished row is already on disk: say how to go on (--overwrite again would start over)
+        out = " ".join(str(a.output).splitlines())
+        print(f"\ninterrupted; rerun the same command{' without --overwrite' if a.overwrite else ''} to resume "
+              f"(the rows already in {out} are kept)", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .random_model import WRITERS
 
     p = argparse.ArgumentParser(prog="edgevl", description="Run multimodal LLMs on CPUs through ncnn.",
                                 formatter_class=_Help)
@@ -546,6 +646,16 @@ def build_parser() -> argparse.ArgumentParser:
     k = command("cache", "list or clear what edgevl keeps in its cache folder")
     k.add_argument("action", nargs="?", default="list", choices=["list", "clear"], help="what to do")
     k.set_defaults(fn=cmd_cache)
+
+    rm = command("random-model", "write a small checkpoint with random weights (its answers are noise), to try "
+                                 "video, speculative decoding and the server offline")
+    rm.add_argument("family", choices=list(WRITERS), help="the model family")
+    rm.add_argument("out_dir", help="the checkpoint folder to write (must not exist); then: edgevl convert OUT_DIR PKG")
+    rm.add_argument("--seed", type=_positive_int("--seed"), default=0, help="seed of the weights (default: 0)")
+    rm.add_argument("--clip", default=None, metavar="CLIP.gif",
+                    help="also write a 2-second animated GIF here, to pass to --video")
+    rm.set_defaults(fn=cmd_random_model)
+
     bt = command("batch", "answer a prompt over a folder or table of images (resumable; local worker processes "
                           "or Ray)")
     bt.add_argument("model", nargs="?", help="package folder (default: the shipped demo model)")
@@ -557,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="results, .jsonl or .parquet; rows already there are skipped; never the input, nor a "
                          "file that is not a batch output; a thinking model's thinking goes to its 'reasoning' "
                          "field")
-    bt.add_argument("--workers", type=int, default=1,
+    bt.add_argument("--workers", type=_int_at_least("--workers", 1), default=1,
                     help="local worker processes, or Ray actors with --ray; each loads the model, so more than "
                          "the available memory holds is refused (default: 1)")
     bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",

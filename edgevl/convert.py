@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import models
 from .errors import EdgevlError
+from .models.protocol import VISION_OPTION
 from .package import check_output, finalize, temp_dir_for
 from .progress import Progress
 from .tokenizer import TOKENIZER_FILES, Tokenizer, read_json_object
@@ -49,6 +50,21 @@ def check_image_token(cfg: dict, tokenizer: Tokenizer) -> None:
                           "tokens), so no prompt could hold an image; fix image_token_id or the tokenizer")
 
 
+def check_vision_option(arch, config: dict, options: dict) -> dict:
+    """``vision`` (the tower's precision) checked here for every family alike: a precision for a
+    tower the checkpoint lacks is refused (it would be ignored without a word); ``auto`` is what
+    any checkpoint gets, so it is accepted even by a family that never has a tower."""
+    v = options.get("vision")
+    if v is None or v not in VISION_OPTION.choices:
+        return options  # not given, or not a value at all: resolve_options says so
+    if arch.has_vision_tower(config):
+        return options
+    if v != "auto":
+        raise EdgevlError(f"--vision {v} sets the precision of a vision tower, and this checkpoint has no vision "
+                          "tower (config.json has no vision_config); leave --vision out")
+    return options if "vision" in arch.options else {k: x for k, x in options.items() if k != "vision"}
+
+
 def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, progress: bool = True,
             needs_image: bool = False, **options) -> Path:
     """Convert a Hugging Face checkpoint folder into an edgevl package folder.
@@ -60,7 +76,7 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
         raise EdgevlError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     ckpt = Checkpoint(hf_path)
     arch = models.resolve(ckpt.config)
-    options = arch.resolve_options(options)
+    options = arch.resolve_options(check_vision_option(arch, ckpt.config, options))
     check_token_ids(ckpt.config, "config.json")
     gen = ckpt.folder / "generation_config.json"
     if gen.is_file():

@@ -257,10 +257,33 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
 
 
 def _as_videos(video) -> list:
-    """``video=``: one clip (a path, or ``{"frames": ..., "fps": ...}``) or a list of clips."""
+    """``video=``: one clip (a path, ``{"frames": ..., "fps": ...}``, or a list of frames: PIL
+    images or uint8 arrays, which no clip is) or a list of clips."""
     if video is None:
         return []
-    return list(video) if isinstance(video, (list, tuple)) else [video]
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(video, (list, tuple)) and not any(
+            isinstance(x, Image.Image) or isinstance(x, np.ndarray) and x.ndim != 4 for x in video):
+        return list(video)
+    return [video]
+
+
+def _check_video_tokens(model, videos: list, options: dict, text_tokens: int = 0) -> None:
+    """Refuse, from their headers, videos that cannot fit in the context beside ``text_tokens``
+    (the rest of the prompt, a lower bound): decoding and encoding them first cost seconds and a
+    GB (a 1280x720 clip at 30 fps) for nothing."""
+    if not videos:
+        return
+    need = sum(model.video_tokens(v, **options) for v in videos)
+    if need + text_tokens >= model.max_context:
+        what = f"the video{'s' if len(videos) > 1 else ''} take{'' if len(videos) > 1 else 's'} {need} tokens"
+        if text_tokens:
+            what += f" and the rest of the prompt at least {text_tokens}"
+        raise EdgevlError(f"{what} but the model's context is {model.max_context}; send a shorter video or sample "
+                          "fewer or smaller frames (--fps, --max-frames, --video-max-pixels; video_options in the "
+                          "API)")
 
 
 def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
@@ -304,7 +327,14 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     if images and model.vision is None:
         raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
 
-    vids = [model.encode_video(v, **(video_options or {})) for v in videos]   # timestamps go in the prompt
+    if video_options is not None or videos:
+        from .processing.video import check_options
+
+        video_options = check_options(video_options)   # one line for a list, an unknown key, inf ...
+    if videos:   # the prompt without its videos (one placeholder each) bounds the rest from below
+        base = encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs)
+        _check_video_tokens(model, videos, video_options, len(base) - len(videos))
+    vids = [model.encode_video(v, **video_options) for v in videos]   # timestamps go in the prompt
     ids = (tok.encode(text) if text is not None
            else encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs,
                                 _video_groups(tok, model, [info for _, info in vids]) if vids else None))

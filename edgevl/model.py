@@ -123,7 +123,8 @@ class Model:
         has_mtp = "mtp" in graphs and not self.low_memory
         undo = self.decoder.undo_rows if has_mtp or spec["speculative"] == "mtp" else 0
         mode, k, vocab, adaptive = speculative.check_options(spec["speculative"], spec["draft_tokens"],
-                                                             spec["draft_vocab"], has_mtp, undo)
+                                                             spec["draft_vocab"], has_mtp, undo,
+                                                             speculative.missing_block(m, self.low_memory))
         if mode == "mtp":
             self.mtp = speculative.Mtp(self, k, vocab, adaptive)
 
@@ -235,6 +236,16 @@ class Model:
                               + ("" if self.vision is None else "; send a few frames as images"))
         return self.vision.encode_video(video, fps, max_frames, max_pixels)
 
+    def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None) -> int:
+        """Prompt tokens a clip will take, from its header alone (nothing decoded): per temporal
+        patch its pads, its start and end tokens and its ``<T seconds>`` text."""
+        if not self.takes_video:
+            raise EdgevlError(f"this model ({self.arch.name}) takes no video"
+                              + ("" if self.vision is None else "; send a few frames as images"))
+        return self.vision.video_tokens(video, fps, max_frames, max_pixels,
+                                        count_text=lambda s: len(self.tokenizer.encode(s)))
+
     def positions(self, input_ids, images=()) -> np.ndarray:
         """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos of
         its images and videos in prompt order). A video's temporal patches are laid out as
@@ -293,8 +304,10 @@ class Model:
         if len(input_ids) == 0:
             raise EdgevlError("the prompt is empty; pass some text")
         if len(input_ids) >= self.max_context:
+            fix = ("send a shorter video or lower --fps, --max-frames or --video-max-pixels"
+                   if self.video_token_id is not None and self.video_token_id in input_ids else "use a smaller image")
             raise EdgevlError(f"the prompt has {len(input_ids)} tokens but the model's context is "
-                              f"{self.max_context}; shorten the prompt (or use a smaller image)")
+                              f"{self.max_context}; shorten the prompt (or {fix})")
         x = self.embed(list(input_ids), image_rows)
         keys = self._keys(input_ids, image_rows)
         positions = self.positions(input_ids, images)
@@ -421,9 +434,11 @@ class Model:
         return rows, infos
 
 
-def load(path, threads: int | None = None, verify: bool = True, low_memory: bool = False,
+def load(path=None, threads: int | None = None, verify: bool = True, low_memory: bool = False,
          options: dict | None = None, **runtime_options) -> Model:
-    """Load a converted package folder.
+    """Load a converted package folder; ``path`` None or ``"demo"`` (unless a package folder named
+    demo is in the working folder) is the shipped demo model, as in every command (converted once
+    into the user cache, ``EDGEVL_CACHE``).
 
     ``low_memory=True`` keeps no weights resident: each decoder layer / lm_head shard is loaded
     only while it runs (much slower; for models that do not fit in RAM).
@@ -433,5 +448,37 @@ def load(path, threads: int | None = None, verify: bool = True, low_memory: bool
     vocabulary entries only) — and the architecture's own, e.g. ``expert_cache_mb=512`` for
     mixture-of-experts models (``edgevl run --help`` lists them).
     """
+    from .demo import demo_package, names_demo
+
+    if names_demo(path):
+        path = demo_package()
     return Model(path, threads=threads, verify=verify, low_memory=low_memory,
                  options={**(options or {}), **runtime_options})
+
+
+def check_load_options(path, low_memory: bool = False, options: dict | None = None, video: bool = False) -> None:
+    """What ``load(path, low_memory=..., options=...)`` would refuse in the options (and a video,
+    ``video``, for a package that takes none), read from the manifest alone: commands call it
+    before they draw a scene, write an output or load. The draft-token limit depends on the loaded
+    decoder and is checked by ``load`` itself."""
+    m = read_manifest(Path(path))
+    try:
+        _check_load_options(m, low_memory, options, video)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        pass   # a malformed manifest: load says so in its own words
+
+
+def _check_load_options(m: dict, low_memory: bool, options: dict | None, video: bool) -> None:
+    arch = models.get(m["architecture"])
+    options = dict(options or {})
+    spec = {k: options.pop(k, None) for k in SPECULATIVE_OPTIONS}
+    arch.resolve_runtime_options(options)
+    decoder = m["graphs"]["decoder"]
+    if low_memory and decoder.get("passes") and (decoder.get("extra") or {}).get("sections"):
+        raise EdgevlError("low-memory mode does not support this architecture's decoder yet; run without --low-memory")
+    has_mtp = "mtp" in m["graphs"] and not low_memory
+    speculative.check_options(spec["speculative"], spec["draft_tokens"], spec["draft_vocab"], has_mtp,
+                              1 << 30 if has_mtp else 0, speculative.missing_block(m, low_memory))
+    if video and m.get("video_token_id") is None:
+        raise EdgevlError(f"this model ({arch.name}) takes no video" + ("; send a few frames as images"
+                                                                        if "vision" in m["graphs"] else ""))

@@ -247,35 +247,51 @@ def _image(url: str, server: EdgevlServer, param: str) -> PendingImage:
     return PendingImage(opener, param)
 
 
-VIDEO_SUFFIX = {"video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov", "video/x-matroska": ".mkv",
-                "video/x-msvideo": ".avi", "image/gif": ".gif", "image/webp": ".webp", "image/png": ".png",
-                "image/apng": ".png", "video/mpeg": ".mpg"}
-
-
 class PendingVideo:
-    """A video_url's clip in a temporary file (data: URLs) or an allowed local file, checked from
-    its header (frames, size: the tokens it will take); decoded once the request holds the model.
-    A temporary file is removed when the request is done with it."""
+    """A video_url's clip, checked from its header (frames, size: the tokens it will take) when the
+    request arrives and decoded once the request holds the model: an allowed local file or folder
+    (every file checked again where it is opened), or a data: URL's bytes in an unnamed temporary
+    file, which ``close`` frees when the request ends (and which a killed server cannot leave
+    behind: it never has a name)."""
 
-    def __init__(self, path: Path, param: str, temporary: bool, server):
-        import weakref
+    def __init__(self, source, param: str, server, options: dict):
+        from .processing.video import OutsideFolder
 
-        self.path, self.param = path, param
-        if temporary:
-            weakref.finalize(self, Path(path).unlink, missing_ok=True)
+        self.source, self.param = source, param
         try:
-            self.tokens = server.model.vision.video_tokens(str(path))
+            self.tokens = server.model.video_tokens(source, **options)
+        except OutsideFolder as e:
+            self.close()
+            raise HTTPError(403, str(e), param, "image_path_forbidden") from None
         except EdgevlError as e:
-            raise HTTPError(400, str(e).replace(str(path), "the video"), param, "invalid_video") from None
+            self.close()
+            raise HTTPError(400, str(e), param, "invalid_video") from None
+        except BaseException:
+            self.close()
+            raise
 
-    def decode(self) -> str:
-        return str(self.path)
+    def decode(self):
+        return self.source
+
+    def close(self) -> None:
+        if self.source.file is not None:
+            self.source.file.close()
 
 
-def _video(url: str, server, param: str) -> PendingVideo:
+def close_videos(messages) -> None:
+    """Free the temporary files of a request's videos (once it is answered, refused or abandoned)."""
+    for m in messages or ():
+        for p in m["content"] if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
+            if isinstance(p, dict) and isinstance(p.get("video"), PendingVideo):
+                p["video"].close()
+
+
+def _video(url: str, server, param: str, options: dict) -> PendingVideo:
     """A pending video from a video_url: a base64 data: URL (data:video/mp4;base64,...), or an
-    allowed local path as for images."""
+    allowed local path under the rules of image paths (a file: URL naming no host)."""
     import tempfile
+
+    from .processing.video import VideoFile
 
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -286,25 +302,41 @@ def _video(url: str, server, param: str) -> PendingVideo:
             raw = base64.b64decode("".join(data.split()), validate=True)
         except (binascii.Error, ValueError):
             raise HTTPError(400, "the video data: URL is not valid base64", param, "invalid_video") from None
-        fd, name = tempfile.mkstemp(prefix="edgevl-video-", suffix=VIDEO_SUFFIX.get(head[:-7].lower(), ""))
-        with open(fd, "wb") as f:
+        # unnamed (O_TMPFILE where the system has it, else unlinked at once): nothing to clean up
+        f = tempfile.TemporaryFile(prefix="edgevl-video-")
+        try:
             f.write(raw)
-        return PendingVideo(Path(name), param, True, server)
+            f.flush()
+        except OSError as e:
+            f.close()
+            raise HTTPError(503, f"the server cannot store the video ({e.strerror}); try again later", param,
+                            "server_busy") from None
+        return PendingVideo(VideoFile(file=f, name="the video"), param, server, options)
     if scheme in ("http", "https", "ftp"):
         raise HTTPError(400, "remote video URLs are not fetched; send the video inline as a data: URL "
                         "(data:video/mp4;base64,...)", param, "remote_image_url")
-    path = unquote(urlsplit(url).path) if scheme == "file" else url
+    if scheme == "file":
+        u = urlsplit(url)
+        if u.netloc not in ("", "localhost"):
+            raise HTTPError(400, f"file URL with host {u.netloc!r}: only local files are supported", param,
+                            "invalid_video")
+        path = unquote(u.path)
+    elif len(scheme) > 1:
+        raise HTTPError(400, f"unsupported video URL scheme {scheme!r}; use a data: URL", param, "invalid_video")
+    else:
+        path = url  # a plain path (a one-letter "scheme" is a Windows drive)
     root = server.image_dir
-    if root is None or len(scheme) > 1 and scheme != "file":
-        raise HTTPError(403 if root is None else 400, "send the video as a data: URL (local paths need the server "
-                        "started with --allow-image-dir DIR)", param, "image_path_forbidden")
+    if root is None:
+        raise HTTPError(403, "send the video as a data: URL (local paths need the server started with "
+                        "--allow-image-dir DIR)", param, "image_path_forbidden")
     try:
         full = (root / path).resolve()
     except (OSError, ValueError) as e:
-        raise HTTPError(400, f"bad video path {path!r} ({e})", param, "invalid_video") from None
+        raise HTTPError(400, f"bad video path {path!r} ({getattr(e, 'strerror', None) or 'not a valid path'}); "
+                        "check it", param, "invalid_video") from None
     if not full.is_relative_to(root):
         raise HTTPError(403, f"video path {path!r} is outside the allowed folder", param, "image_path_forbidden")
-    return PendingVideo(full, param, False, server)
+    return PendingVideo(VideoFile(full, root=root, name=path), param, server, options)
 
 
 def _check_text(obj, where: str = "") -> None:
@@ -327,12 +359,23 @@ def _check_text(obj, where: str = "") -> None:
             stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
 
 
-def _messages(raw, server) -> list[dict]:
+def _messages(raw, server, video_options: dict | None = None) -> list[dict]:
     """OpenAI messages -> edgevl messages (image_url parts become PendingImages, checked from their
-    headers: size, pixel budget, patch budget and context; decoded later by ``decode_images``)."""
+    headers: size, pixel budget, patch budget and context; decoded later by ``decode_images``;
+    video_url parts PendingVideos, sampled by ``video_options``). Refused, it frees the
+    temporary files of the videos it took."""
+    out = []
+    try:
+        return _parts(raw, server, video_options or {}, out)
+    except BaseException:
+        close_videos(out)
+        raise
+
+
+def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out, budget, image_tokens = [], MAX_IMAGE_PIXELS, 0
+    budget, image_tokens = MAX_IMAGE_PIXELS, 0
     vision = server.model.vision
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -351,6 +394,7 @@ def _messages(raw, server) -> list[dict]:
         if not isinstance(content, list):
             raise HTTPError(400, f"{where}.content must be a string or a list of parts", f"{where}.content")
         parts = []
+        out.append({"role": role, "content": parts})   # filled in place: a refusal can free its videos
         for j, p in enumerate(content):
             param = f"{where}.content[{j}]"
             kind = p.get("type") if isinstance(p, dict) else None
@@ -384,16 +428,16 @@ def _messages(raw, server) -> list[dict]:
                 if not server.model.takes_video:
                     raise HTTPError(400, f"this model ({server.model.arch.name}) takes no video", param,
                                     "invalid_video")
-                v = _video(url, server, param)
+                v = _video(url, server, param, video_options)
+                parts.append({"type": "video", "video": v})
                 image_tokens += v.tokens
                 if image_tokens >= server.model.max_context:
                     raise HTTPError(400, f"the request's images and videos need {image_tokens} tokens but the "
-                                    f"model's context is {server.model.max_context}; send a shorter video", param,
-                                    "context_length_exceeded")
-                parts.append({"type": "video", "video": v})
+                                    f"model's context is {server.model.max_context}; send a shorter video or "
+                                    "sample fewer or smaller frames (video_options fps, max_frames, max_pixels)",
+                                    param, "context_length_exceeded")
             else:
                 raise HTTPError(400, f"{param} must be a text, image_url or video_url part", param)
-        out.append({"role": role, "content": parts})
     return out
 
 
@@ -442,8 +486,19 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
-    messages = _messages(req.get("messages"), server)
-    _check_length(messages, ctk, server)
+    from .processing.video import check_options as check_video_options
+
+    # edgevl's extension, as the API's: {"fps": 1, "max_frames": 32, "max_pixels": 2000000}
+    try:
+        kwargs["video_options"] = check_video_options(req.get("video_options"))
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "video_options") from None
+    messages = _messages(req.get("messages"), server, kwargs["video_options"])
+    try:
+        _check_length(messages, ctk, server)
+    except BaseException:
+        close_videos(messages)
+        raise
     return messages, kwargs, stream, bool(opts.get("include_usage"))
 
 
@@ -509,7 +564,9 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     if n >= room:
         raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + image_tokens - len(images)} tokens "
                         f"but the model's context is {model.max_context}; shorten the prompt"
-                        + (" or send fewer or smaller images" if images else ""), "messages", "context_length_exceeded")
+                        + (" or send a shorter video" if videos else "")
+                        + (" or send fewer or smaller images" if len(images) > len(videos) else ""),
+                        "messages", "context_length_exceeded")
 
 
 def decode_images(messages: list) -> list:
@@ -718,6 +775,12 @@ class Handler(BaseHTTPRequestHandler):
     def _chat(self):
         self._check_key()
         messages, kwargs, stream, include_usage = parse_request(self._read_json(), self.server)
+        try:
+            self._answer(messages, kwargs, stream, include_usage)
+        finally:  # answered, refused or abandoned: the request's temporary video files go now
+            close_videos(messages)
+
+    def _answer(self, messages, kwargs, stream, include_usage):
         with self.server.gate(self._client_gone):
             if self._client_gone():
                 self.close_connection = True

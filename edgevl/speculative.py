@@ -37,18 +37,38 @@ AUTO_OFF_AFTER = 16
 RETRY_AFTER = 64
 
 
-def check_options(mode, draft_tokens, draft_vocab, has_block: bool,
-                  undo_rows: int) -> tuple[str, int, int | None, bool]:
+def missing_block(manifest: dict, low_memory: bool = False) -> tuple[str, str | None]:
+    """Why a loaded package has no MTP block to draft with, and what would give it one (None:
+    nothing, its checkpoint has none)."""
+    if "mtp" in manifest["graphs"] and low_memory:
+        return "low_memory leaves it unloaded", "load without low_memory"
+    mtp = manifest.get("mtp")
+    if isinstance(mtp, dict) and mtp.get("converted") is False:  # the checkpoint had one
+        return "it was converted with --no-mtp", "convert it again without --no-mtp"
+    return "its checkpoint has none", None
+
+
+def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: int,
+                  missing: tuple[str, str | None] = ("its checkpoint has none", None),
+                  ) -> tuple[str, int, int | None, bool]:
     """(mode, draft tokens, draft vocabulary, adaptive) checked; mode None means "mtp" where the
     package has the block; draft tokens None means up to DEFAULT_DRAFT_TOKENS (as many as the
-    package allows), as many as pay (adaptive, :meth:`Trial.length`)."""
+    package allows), as many as pay (adaptive, :meth:`Trial.length`). ``missing``: why a package
+    without the block lacks it and the fix (:func:`missing_block`)."""
     if mode is None:
         mode = "mtp" if has_block and undo_rows >= 2 else "none"
     if mode not in MODES:
         raise EdgevlError(f"speculative must be one of {', '.join(MODES)}, got {mode!r:.40}")
+    why, fix = missing
     if mode == "mtp" and not has_block:
-        raise EdgevlError("speculative='mtp' needs a multi-token-prediction block, which this package lacks "
-                          "(the checkpoint has none, or it was converted with --no-mtp); use speculative='none'")
+        raise EdgevlError("speculative='mtp' needs a multi-token-prediction (MTP) block, which this package lacks "
+                          f"({why}); use speculative='none'" + (f" or {fix}" if fix else ""))
+    # the draft options only shape drafting: without a block a limit of "1 to 1" would hide why
+    for name, value in (("draft_tokens", draft_tokens), ("draft_vocab", draft_vocab)):
+        if value is not None and not has_block:
+            raise EdgevlError(f"{name} drafts with a multi-token-prediction (MTP) block, and this package has no MTP "
+                              f"block ({why}); drop {name} (--{name.replace('_', '-')})"
+                              + (f" or {fix}" if fix else ""))
     limit = max(1, undo_rows - 1)
     k = min(DEFAULT_DRAFT_TOKENS, limit) if draft_tokens is None else draft_tokens
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= limit:

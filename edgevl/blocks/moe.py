@@ -38,10 +38,10 @@ import numpy as np
 
 from .. import ncnn_graph as G
 from ..errors import EdgevlError, PackageError
-from ..models.protocol import GGUF_OF_DTYPE, BenchProfile, Option, RuntimeOption
 from ..package import EXPERT_CHECKSUMS, EXPERT_ROUTING
 from ..runtime import available_memory, from_mat, heap_info, set_net_options, to_mat, trim_heap
 from .base import Q8_QUANT, Ctx, RowStack, swiglu_mlp
+from .vocabulary import GGUF_OF_DTYPE, BenchProfile, Option, RuntimeOption
 
 # ---------------------------------------------------------------------------------------------
 # routing (host side)

@@ -312,13 +312,16 @@ class VisionEncoder:
         return res[-1], info
 
     def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None) -> int:
-        """Prompt tokens a clip will take (its pads, timestamps and start/end tokens at most), from
-        its header alone (nothing decoded); bad files fail here in one line."""
+                     max_pixels: int | None = None, count_text=None) -> int:
+        """Prompt tokens a clip will take (its pads, timestamps and start/end tokens), from its
+        header alone (nothing decoded); bad files fail here in one line. ``count_text`` (the
+        tokenizer's count of a text) counts each ``<T seconds>``; without it, 12 at most."""
         cfg = self.video_cfg
-        indices, (th, tw) = vid.plan(vid.open_clip(video), cfg, fps, max_frames, max_pixels)
+        clip = vid.open_clip(video)
+        indices, (th, tw) = vid.plan(clip, cfg, fps, max_frames, max_pixels)
         per = (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
-        return -(-len(indices) // cfg.temporal_patch_size) * (per + 2 + 12)  # "<12345.6 seconds>": at most 12
+        stamps = vid.timestamps(indices, clip.fps, cfg.temporal_patch_size)
+        return sum(per + 2 + (12 if count_text is None else count_text(f"<{t:.1f} seconds>")) for t in stamps)
 
     def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None):

@@ -14,6 +14,12 @@ from ..errors import EdgevlError
 DEMO_CHECKPOINT = Path(__file__).parent / "model"
 
 
+def names_demo(path) -> bool:
+    """Whether a model argument means the shipped demo: none, or ``demo`` unless a package folder
+    of that name is in the working folder (the one rule of ``edgevl.load`` and every command)."""
+    return path is None or (str(path) == "demo" and not (Path("demo") / "manifest.json").is_file())
+
+
 def demo_checkpoint() -> Path:
     if not (DEMO_CHECKPOINT / "config.json").is_file():
         raise EdgevlError(f"the demo model is missing from {DEMO_CHECKPOINT}; reinstall edgevl "

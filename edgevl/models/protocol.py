@@ -35,36 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
+# the vocabulary blocks share lives below them; its users keep importing it from here
+from ..blocks.vocabulary import GGUF_OF_DTYPE as GGUF_OF_DTYPE
+from ..blocks.vocabulary import BenchProfile, Option, RuntimeOption
 from ..errors import EdgevlError
-
-
-@dataclass(frozen=True)
-class Option:
-    """A conversion option an architecture offers (``edgevl convert --NAME VALUE``)."""
-    choices: tuple
-    default: str
-    help: str = ""
-    label: str = "{value} {name}"   # how benchmark tables name a non-default value
-    # a two-choice option offered as one switch instead (``--no-mtp``): it sets the other choice
-    flag: str = ""
-    # benchmark tables leave the default value unnamed
-    quiet_default: bool = False
-
-    @property
-    def flag_value(self) -> str:
-        return next(c for c in self.choices if c != self.default)
-
-
-@dataclass(frozen=True)
-class RuntimeOption:
-    """A load-time setting an architecture offers: ``edgevl.load(path, NAME=value)`` and
-    ``--NAME`` on the commands that load a model (e.g. how much of a model to keep resident).
-    Values are numbers of ``type`` (int or float), at least ``minimum`` if given."""
-    type: type = float
-    help: str = ""
-    metavar: str = "N"
-    minimum: float | None = None
-
 
 # the vision tower's precision, a conversion option of every architecture with a tower
 VISION_OPTION = Option(
@@ -87,10 +61,6 @@ COMMON_RUNTIME_OPTIONS = {
 }
 
 
-# llama.cpp's GGUF type for each package dtype (q8: per-row int8 against q8_0's 32-blocks)
-GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
-
-
 @dataclass
 class PackageView:
     """What an architecture sees of a loaded package: its folder, manifest, load-time options,
@@ -109,20 +79,6 @@ class PackageView:
         from ..package import package_path
 
         return package_path(self.path, name, self.manifest, what)
-
-
-@dataclass(frozen=True)
-class BenchProfile:
-    """What ``edgevl bench --compare llamacpp`` needs of an architecture."""
-    # extra arguments for llama.cpp's convert_hf_to_gguf.py (e.g. leaving out parts edgevl does not run)
-    convert_args: tuple = ()
-    # config.json -> more such arguments where they depend on the checkpoint (None: none)
-    convert_args_of: Callable | None = None
-    # GGUF tensor-name patterns of parts a package stores apart from the rest, which llama.cpp's
-    # counterpart may quantize apart too (``bench.gguf_for``): part -> regex
-    parts: dict = field(default_factory=dict)
-    # manifest -> the GGUF type at the package's precision (None: llama.cpp has none)
-    type_of: Callable = lambda manifest: GGUF_OF_DTYPE.get(manifest.get("dtype"))
 
 
 class Architecture:
@@ -145,6 +101,11 @@ class Architecture:
                 raise EdgevlError(f"{k} must be one of {', '.join(self.options[k].choices)}, got {v!r}")
             out[k] = v
         return {k: out.get(k, o.default) for k, o in self.options.items()}
+
+    def has_vision_tower(self, config: dict) -> bool:
+        """Whether a checkpoint with this config.json has a vision tower to convert (a family's
+        tower, where it has one, is described by ``vision_config``)."""
+        return self.has_vision and bool(config.get("vision_config"))
 
     def convert(self, ckpt, out: Path, dtype: str, options: dict, on_tensor) -> dict:
         """Write the package files into ``out``; return the manifest parts (``graphs``,
@@ -220,8 +181,10 @@ class Architecture:
     def make_vision(self, pkg: PackageView, net):
         """The vision encoder (None: no images): called with an image, it returns (rows, processor
         info). An encoder that also has ``encode_video(clip, fps, max_frames, max_pixels)`` and
-        ``video_tokens(clip)`` takes video, when the manifest has a ``video_token_id``; its video
-        info has ``kind: "video"``, ``grid_thw``, ``timestamps`` and ``tokens_per_frame``."""
+        ``video_tokens(clip, fps, max_frames, max_pixels, count_text)`` (prompt tokens from the
+        clip's header alone; ``count_text`` counts a text's tokens) takes video, when the manifest
+        has a ``video_token_id``; its video info has ``kind: "video"``, ``grid_thw``, ``timestamps``
+        and ``tokens_per_frame``."""
         return None
 
     def snapshot_points(self, tokenizer, input_ids: list) -> list[int]:

@@ -2,8 +2,10 @@
 
 * :func:`load_image`: decode to 8-bit RGB with the EXIF orientation, bounded against image
   bombs.
-* :func:`resize_uint8_antialias`: PyTorch's uint8 antialiased bilinear kernel, bit-exact
-  and :func:`resize_pil_strips`, the same reading a PIL image in strips.
+* :func:`resize_uint8_antialias`: PyTorch's uint8 antialiased bilinear and bicubic kernels,
+  bit-exact, and :func:`resize_pil_strips`, the same reading a PIL image in strips.
+* :func:`resize_torchvision`: the resize transformers' torchvision image and video processors
+  run for a processor config's ``resample`` code.
 
 Each model's processor (``edgevl/models/youtu_vl/processing.py``, ``qwen_vl.py``) builds on these.
 Numbers in brackets, e.g. [3.3], are sections of docs/models/youtu_vl.md, where these steps are
@@ -24,7 +26,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edgevl.errors import EdgevlError
 
-__all__ = ["load_image", "resize_uint8_antialias", "resize_pil_strips", "exif_transpose", "MAX_IMAGE_PATCHES"]
+__all__ = ["load_image", "resize_uint8_antialias", "resize_pil_strips", "resize_torchvision", "exif_transpose",
+           "MAX_IMAGE_PATCHES"]
 
 # The largest per-image patch budget accepted (a 4096x4096 image at 16 px patches). Tested to run
 # on this ncnn wheel; far larger budgets crashed ncnn (a segfault, not an error) and would take
@@ -153,20 +156,51 @@ def _to_rgb(im: Image.Image, name: str) -> Image.Image:
 
 
 # --------------------------------------------------------------------------------------------
-# [3.3] Resize: PyTorch's uint8 antialiased bilinear kernel
+# [3.3] Resize: PyTorch's uint8 antialiased kernels (bilinear, bicubic)
 # --------------------------------------------------------------------------------------------
 
+RESIZE_MODES = ("bilinear", "bicubic")
 
-def _aa_int16_weights(in_size: int, out_size: int):
+# Pillow's resample codes, as processor configs write them.
+_NEAREST, _LANCZOS, _BILINEAR, _BICUBIC, _BOX, _HAMMING = range(6)
+_RESAMPLE_NAMES = "0 nearest, 1 lanczos, 2 bilinear, 3 bicubic, 4 box, 5 hamming"
+
+
+def _triangle(x: np.ndarray) -> np.ndarray:
+    return np.maximum(1.0 - x, 0.0)
+
+
+def _keys_cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic with a = -0.5 on |x| (torch's antialiased bicubic filter; its non-antialiased
+    path uses -0.75). Each polynomial is evaluated in upstream's operation order."""
+    a = -0.5
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+_FILTERS = {"bilinear": (1.0, _triangle), "bicubic": (2.0, _keys_cubic)}
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in _FILTERS:
+        raise EdgevlError(f"Unknown resize mode {mode!r}; use one of {', '.join(RESIZE_MODES)}.")
+    return mode
+
+
+def _aa_int16_weights(in_size: int, out_size: int, mode: str = "bilinear"):
     """Tap indices [out, K], int16-valued weights [out, K] and the precision for one axis.
 
-    Mirrors PyTorch's double-precision weight computation for antialiased bilinear
-    (align_corners=False, no explicit scale factor) and its int16 quantisation. The order of
-    float operations matters for bit-exactness and is kept as in the upstream kernel.
+    Mirrors PyTorch's double-precision antialiased weights (align_corners=False, no explicit
+    scale factor) and their int16 quantisation. The order of float operations matters for
+    bit-exactness and is kept as in the upstream kernel. Compilers may fuse upstream's
+    ``center +- support`` into FMAs; measured against torch, that only moves a window edge onto a
+    tap whose weight is exactly 0, so no pixel changes.
     """
+    half, filt = _FILTERS[mode]
     scale = in_size / out_size
     aa = scale >= 1.0
-    support = scale if aa else 1.0  # interp_size/2 * scale for downscale, else 1
+    support = half * scale if aa else half  # the filter widens by the scale when downscaling
     invscale = 1.0 / scale if aa else 1.0  # upstream multiplies by 1/scale, not divides
     ksize = int(math.ceil(support)) * 2 + 1
 
@@ -174,10 +208,11 @@ def _aa_int16_weights(in_size: int, out_size: int):
     # astype(int64) truncates toward zero, like the C++ static_cast
     xmin = np.maximum((center - support + 0.5).astype(np.int64), 0)
     xsize = np.minimum((center + support + 0.5).astype(np.int64), in_size) - xmin
+    xsize = np.clip(xsize, 0, ksize)  # rounding can add one tap; upstream clips it
     j = np.arange(ksize, dtype=np.int64)
     taps = xmin[:, None] + j[None, :]
     x = (taps.astype(np.float64) - center[:, None] + 0.5) * invscale
-    w = np.maximum(1.0 - np.abs(x), 0.0)  # triangle filter
+    w = filt(np.abs(x))
     w[j[None, :] >= xsize[:, None]] = 0.0
     total = np.zeros(out_size, dtype=np.float64)
     for k in range(ksize):  # sequential sum, as upstream (np.sum would pair-wise reorder)
@@ -186,26 +221,29 @@ def _aa_int16_weights(in_size: int, out_size: int):
     w[nz] /= total[nz, None]
 
     # Precision: the largest prec < 22 with round(wmax * 2^(prec+1)) < 2^15 [3.3].
-    wmax = float(w.max())
+    wmax = max(0.0, float(w[nz].max())) if nz.any() else 0.0
     prec = 0
     while prec < 22 and int(0.5 + wmax * (1 << (prec + 1))) < (1 << 15):
         prec += 1
-    wi = (0.5 + w * (1 << prec)).astype(np.int32)  # weights are >= 0, so trunc == round
+    # Round half away from zero: bicubic has negative lobes, and C's (int) cast truncates.
+    v = w * (1 << prec)
+    wi = np.where(v < 0, v - 0.5, v + 0.5).astype(np.int32)
 
-    kmax = int(xsize.max())  # drop all-zero trailing tap columns: less work, same sums
+    kmax = max(1, int(xsize.max()))  # drop all-zero trailing tap columns: less work, same sums
     taps = np.minimum(taps[:, :kmax], in_size - 1)  # zero-weight taps may point past the edge
     return taps.astype(np.intp), wi[:, :kmax], prec
 
 
 def _finish(acc: np.ndarray, prec: int) -> np.ndarray:
-    np.right_shift(acc, prec, out=acc)
+    np.right_shift(acc, prec, out=acc)  # arithmetic shift: floors negative sums, as C's >> does
     np.clip(acc, 0, 255, out=acc)
     return acc.astype(np.uint8)
 
 
-def _horizontal(src: Callable[[int, int], np.ndarray], h: int, w: int, c: int, out_w: int) -> np.ndarray:
+def _horizontal(src: Callable[[int, int], np.ndarray], h: int, w: int, c: int, out_w: int,
+                mode: str = "bilinear") -> np.ndarray:
     """Resize along width; ``src(r0, r1)`` yields uint8 rows [r1-r0, w, c]."""
-    taps, wi, prec = _aa_int16_weights(w, out_w)
+    taps, wi, prec = _aa_int16_weights(w, out_w, mode)
     out = np.empty((h, out_w, c), dtype=np.uint8)
     rows = max(1, _BLOCK_ELEMS // max(1, max(w, out_w) * c))
     for r0 in range(0, h, rows):
@@ -222,9 +260,9 @@ def _horizontal(src: Callable[[int, int], np.ndarray], h: int, w: int, c: int, o
     return out
 
 
-def _vertical(img: np.ndarray, out_h: int) -> np.ndarray:
+def _vertical(img: np.ndarray, out_h: int, mode: str = "bilinear") -> np.ndarray:
     h, w, c = img.shape
-    taps, wi, prec = _aa_int16_weights(h, out_h)
+    taps, wi, prec = _aa_int16_weights(h, out_h, mode)
     flat = img.reshape(h, w * c)
     out = np.empty((out_h, w * c), dtype=np.uint8)
     rows = max(1, _BLOCK_ELEMS // max(1, w * c))
@@ -239,50 +277,169 @@ def _vertical(img: np.ndarray, out_h: int) -> np.ndarray:
     return out.reshape(out_h, w, c)
 
 
-def _resize_rows(src, h: int, w: int, c: int, out_h: int, out_w: int, full=None) -> np.ndarray:
+def _resize_rows(src, h: int, w: int, c: int, out_h: int, out_w: int, full=None,
+                 mode: str = "bilinear") -> np.ndarray:
     # [3.3] step 1: horizontal pass first (if the width changes), stored as uint8, then vertical.
     if out_w != w:
-        inter = _horizontal(src, h, w, c, out_w)
+        inter = _horizontal(src, h, w, c, out_w, mode)
     else:
         inter = full() if full is not None else src(0, h)
     if out_h != h:
-        return _vertical(np.ascontiguousarray(inter), out_h)
+        return _vertical(np.ascontiguousarray(inter), out_h, mode)
     return np.array(inter, dtype=np.uint8, copy=True) if out_w == w else inter
 
 
-def resize_uint8_antialias(array_hwc_uint8: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
-    """Bilinear antialiased resize of a uint8 [H, W, C] (or [H, W]) array.
-
-    Bit-exact with ``torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear",
-    antialias=True, align_corners=False)`` on a uint8 tensor on CPU, which is what the HF fast
-    processor runs [3.3]: separable int16 fixed-point filter, horizontal pass first, a
-    uint8 intermediate, then the vertical pass. Works in row blocks with int32 accumulators.
-    """
+def _as_uint8_hwc(array_hwc_uint8, what: str) -> np.ndarray:
     a = np.asarray(array_hwc_uint8)
-    if a.dtype != np.uint8 or a.ndim not in (2, 3):
+    if a.dtype != np.uint8 or a.ndim not in (2, 3) or min(a.shape) < 1:
         raise EdgevlError(
-            f"resize_uint8_antialias needs a uint8 [H, W, C] array, got dtype {a.dtype} "
+            f"{what} needs a non-empty uint8 [H, W, C] array, got dtype {a.dtype} "
             f"with shape {a.shape}; convert with np.asarray(img, dtype=np.uint8)."
         )
+    return a
+
+
+def _check_out_size(shape, out_h, out_w) -> tuple[int, int]:
+    out_h, out_w = int(out_h), int(out_w)
+    if out_h < 1 or out_w < 1:
+        raise EdgevlError(f"Cannot resize shape {tuple(shape)} to {out_h}x{out_w}; all sizes must be >= 1.")
+    return out_h, out_w
+
+
+def resize_uint8_antialias(array_hwc_uint8: np.ndarray, out_h: int, out_w: int,
+                           mode: str = "bilinear") -> np.ndarray:
+    """Antialiased bilinear or bicubic resize of a uint8 [H, W, C] (or [H, W]) array.
+
+    Bit-exact with ``torch.nn.functional.interpolate(x, size=(out_h, out_w), mode=mode,
+    antialias=True, align_corners=False)`` on a uint8 tensor on CPU (the kernel torch takes on
+    x86 CPUs with AVX2, which is what HF's torchvision processors run [3.3]): separable int16
+    fixed-point filter (a triangle, or Keys' cubic with a = -0.5), horizontal pass first, a
+    uint8 intermediate clamped to 0..255, then the vertical pass. Works in row blocks with
+    int32 accumulators.
+    """
+    mode = _check_mode(mode)
+    a = _as_uint8_hwc(array_hwc_uint8, "resize_uint8_antialias")
     squeeze = a.ndim == 2
     if squeeze:
         a = a[:, :, None]
     h, w, c = a.shape
-    out_h, out_w = int(out_h), int(out_w)
-    if min(h, w, c) < 1 or out_h < 1 or out_w < 1:
-        raise EdgevlError(
-            f"Cannot resize shape {array_hwc_uint8.shape} to {out_h}x{out_w}; all sizes must be >= 1."
-        )
-    out = _resize_rows(lambda r0, r1: a[r0:r1], h, w, c, out_h, out_w)
+    out_h, out_w = _check_out_size(np.shape(array_hwc_uint8), out_h, out_w)
+    out = _resize_rows(lambda r0, r1: a[r0:r1], h, w, c, out_h, out_w, mode=mode)
     return out[:, :, 0] if squeeze else out
 
 
-def resize_pil_strips(im: Image.Image, out_h: int, out_w: int) -> np.ndarray:
+def resize_pil_strips(im: Image.Image, out_h: int, out_w: int, mode: str = "bilinear") -> np.ndarray:
     """Same as :func:`resize_uint8_antialias` on ``np.asarray(im)``, reading the RGB PIL image
     in row strips so a huge image never exists twice in memory."""
+    mode = _check_mode(mode)
     w, h = im.size
     return _resize_rows(
         lambda r0, r1: np.asarray(im.crop((0, r0, w, r1))),
         h, w, 3, out_h, out_w,
         full=lambda: np.asarray(im),
+        mode=mode,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The resize of transformers' torchvision processors, by Pillow resample code
+# --------------------------------------------------------------------------------------------
+
+
+def _resample_code(resample) -> int:
+    try:
+        code = int(resample)  # a plain int or PIL's Resampling enum
+    except (TypeError, ValueError):
+        code = -1
+    if isinstance(resample, bool) or code != resample or not 0 <= code <= 5:
+        raise EdgevlError(f"Unsupported resample value {resample!r}; use a Pillow code ({_RESAMPLE_NAMES}).")
+    return code
+
+
+def _nearest_exact_index(in_size: int, out_size: int, small: bool) -> np.ndarray:
+    """Source index per output of torch's uint8 ``nearest-exact`` (what transformers runs for
+    Pillow's NEAREST), in float32 as upstream computes it. Upstream has two kernels: small
+    outputs (height + width <= 128) take floor(float((i + 0.5) * scale)); larger ones take
+    floor(max(scale * (i + 0.5) - 0.5, 0) + 0.5), whose multiply-subtract x86 builds compile to
+    one FMA (a CPU without FMA may pick the neighbouring pixel on exact ties)."""
+    scale = np.float32(in_size) / np.float32(out_size)
+    if small:
+        pos = ((np.arange(out_size, dtype=np.float64) + 0.5) * np.float64(scale)).astype(np.float32)
+        idx = np.floor(pos)
+    else:
+        d = np.arange(out_size, dtype=np.float32) + np.float32(0.5)
+        # float32 * float32 is exact in float64, so one rounding to float32 here is the FMA's
+        src = (np.float64(scale) * d.astype(np.float64) - 0.5).astype(np.float32)
+        idx = np.floor(np.maximum(src, np.float32(0.0)) + np.float32(0.5))
+    return np.minimum(idx.astype(np.int64), in_size - 1).astype(np.intp)
+
+
+def _nearest_rows(src, h: int, w: int, c: int, out_h: int, out_w: int) -> np.ndarray:
+    small = out_h + out_w <= 128
+    ry, rx = _nearest_exact_index(h, out_h, small), _nearest_exact_index(w, out_w, small)
+    out = np.empty((out_h, out_w, c), dtype=np.uint8)
+    rows = max(1, _BLOCK_ELEMS // max(1, w * c))
+    for r0 in range(0, h, rows):  # strips holding no sampled row are never read
+        r1 = min(h, r0 + rows)
+        sel = np.nonzero((ry >= r0) & (ry < r1))[0]
+        if sel.size:
+            out[sel] = src(r0, r1)[ry[sel] - r0][:, rx]
+    return out
+
+
+def resize_torchvision(image, out_h: int, out_w: int, resample) -> np.ndarray:
+    """``image`` (an RGB PIL image, or a uint8 [H, W, C] / [H, W] array) resized to
+    (out_h, out_w) as transformers' torchvision processors resize a uint8 tensor for the Pillow
+    resample code ``resample`` of a processor config; a uint8 array back.
+
+    * 3 (bicubic), 2 (bilinear): torch's uint8 antialiased kernels, bit-exact
+      (:func:`resize_uint8_antialias`); PIL images are read in strips. torchvision resizes
+      bicubic in uint8 on every CPU; bilinear only where torch reports AVX2, elsewhere
+      it goes through float32 and may differ by 1 on some pixels.
+    * 0 (nearest): torch's ``nearest-exact`` on uint8, the mode transformers maps NEAREST to.
+    * 1 (lanczos), 4 (box), 5 (hamming): Pillow's filter of that name. torchvision's tensor
+      resize has no box or hamming kernel (transformers' torchvision path fails on them), and
+      for lanczos transformers runs bicubic or a torchvision kernel depending on its version, so
+      these may differ from transformers.
+
+    Same size in and out: the pixels unchanged, as torchvision returns them.
+    """
+    code = _resample_code(resample)
+    if isinstance(image, Image.Image):
+        if image.mode != "RGB":
+            raise EdgevlError(f"resize_torchvision needs an RGB PIL image, got mode {image.mode!r}; "
+                              "convert it with edgevl.processing.image.load_image first.")
+        w, h = image.size
+        c = 3
+        strip = lambda r0, r1: np.asarray(image.crop((0, r0, w, r1)))  # noqa: E731
+    else:
+        a = _as_uint8_hwc(image, "resize_torchvision")
+        h, w = a.shape[:2]
+        c = a.shape[2] if a.ndim == 3 else 1
+        strip = lambda r0, r1: a[r0:r1].reshape(r1 - r0, w, c)  # noqa: E731
+    out_h, out_w = _check_out_size((h, w, c), out_h, out_w)
+    squeeze = not isinstance(image, Image.Image) and np.ndim(image) == 2
+
+    if (out_h, out_w) == (h, w):
+        out = np.array(image, dtype=np.uint8)
+    elif code in (_BILINEAR, _BICUBIC):
+        mode = "bilinear" if code == _BILINEAR else "bicubic"
+        out = _resize_rows(strip, h, w, c, out_h, out_w, full=lambda: strip(0, h), mode=mode)
+    elif code == _NEAREST:
+        out = _nearest_rows(strip, h, w, c, out_h, out_w)
+    else:
+        # Pillow's own lanczos / box / hamming: the filters these codes name (see above).
+        out = _pillow_resize(image if isinstance(image, Image.Image) else strip(0, h), out_h, out_w, code)
+    if out.ndim == 2 and not squeeze:
+        out = out[:, :, None]
+    return out[:, :, 0] if squeeze and out.ndim == 3 else out
+
+
+def _pillow_resize(image, out_h: int, out_w: int, code: int) -> np.ndarray:
+    if not isinstance(image, Image.Image):
+        try:
+            image = Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
+        except (TypeError, ValueError):
+            raise EdgevlError(f"Pillow cannot resize a {image.shape[2]}-channel array (resample {code}); "
+                              "pass 1, 3 or 4 channels or resample 0, 2 or 3.") from None
+    return np.asarray(image.resize((out_w, out_h), resample=code), dtype=np.uint8)

@@ -1,16 +1,21 @@
 """The Qwen2-VL image processor (used by Qwen2.5-VL, Qwen3-VL and Qwen3.5) in numpy + Pillow.
 
-Reproduces transformers' ``Qwen2VLImageProcessorPil`` (the path transformers takes without
-torchvision; docs/models/qwen3_5.md, section 8) bit for bit, driven by the checkpoint's
-``preprocessor_config.json``:
+Reproduces transformers' default ``Qwen2VLImageProcessor`` (its torchvision backend, the class
+real checkpoints name as ``Qwen2VLImageProcessorFast``; docs/models/qwen3_5.md, section 8) bit
+for bit, driven by the checkpoint's ``preprocessor_config.json``:
 
 1. decode to 8-bit RGB (``image.load_image``: EXIF orientation for paths);
 2. ``smart_resize``: both sides to multiples of patch x merge, pixel count within
    [shortest_edge, longest_edge] (older files: min_pixels / max_pixels), aspect kept;
-3. Pillow resize of the 8-bit image (BICUBIC unless the file says otherwise);
-4. x * rescale_factor in float64 then float32, (x - mean) / std in float32;
+3. resize of the uint8 image as torchvision does it (``image.resize_torchvision``: torch's uint8
+   antialiased bicubic unless the file says otherwise);
+4. rescale and normalize fused as that class does, in float32:
+   (x - mean / rescale_factor) / (std / rescale_factor) (:func:`rescale_normalize`);
 5. patchify: one row per 16x16 patch in (C, T=2, 16, 16) order (the frame repeated for the
    temporal patch), patches grouped by 2x2 merge blocks, blocks in raster order.
+
+transformers' PIL backend (``Qwen2VLImageProcessorPil``) resizes with Pillow instead and
+rescales before normalizing; its pixels differ by a level or two and its values in the last bits.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import EdgevlError
-from .image import load_image
+from .image import load_image, resize_torchvision
 
 # transformers' Qwen2VLImageProcessor class defaults (used where the file is silent)
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -113,6 +118,26 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def rescale_normalize(x: np.ndarray, cfg) -> np.ndarray:
+    """uint8 pixels [..., C, H, W] -> float32 as transformers' torchvision processors compute them.
+
+    With both steps on they are one: mean and std are first multiplied by 1 / rescale_factor in
+    float32, then (x - mean) / std in float32, so the values equal transformers' bit for bit.
+    Alone, rescale is x * rescale_factor and normalize (x - mean) / std, both in float32.
+    """
+    x = x.astype(np.float32)
+    mean = np.asarray(cfg.image_mean, np.float32)[:, None, None]
+    std = np.asarray(cfg.image_std, np.float32)[:, None, None]
+    if cfg.do_rescale and cfg.do_normalize:
+        inv = np.float32(1.0 / cfg.rescale_factor)  # a Python float, used by torch as float32
+        return (x - mean * inv) / (std * inv)
+    if cfg.do_normalize:
+        return (x - mean) / std
+    if cfg.do_rescale:
+        return x * np.float32(cfg.rescale_factor)
+    return x
+
+
 def patchify(chw: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
     """(C, H, W) -> [gh*gw, C*T*p*p] rows in merge-block order (the frame repeated T times)."""
     c, h, w = chw.shape
@@ -131,18 +156,8 @@ def preprocess(image, cfg: ProcessorConfig) -> dict:
     if th % cfg.factor or tw % cfg.factor:
         raise EdgevlError(f"the image is {w}x{h} but without resizing its sides must be multiples of "
                           f"{cfg.factor}; enable do_resize in preprocessor_config.json")
-    if (th, tw) != (h, w):
-        im = im.resize((tw, th), resample=cfg.resample)
-    x = np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)       # (C, H, W)
-    if cfg.do_rescale:
-        x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    else:
-        x = x.astype(np.float32)
-    if cfg.do_normalize:
-        mean = np.asarray(cfg.image_mean, np.float32)[:, None, None]
-        std = np.asarray(cfg.image_std, np.float32)[:, None, None]
-        x = (x - mean) / std
-    pv = patchify(x, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    x = resize_torchvision(im, th, tw, cfg.resample).transpose(2, 0, 1)   # uint8 (C, H, W)
+    pv = patchify(rescale_normalize(x, cfg), cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     gh, gw = th // cfg.patch_size, tw // cfg.patch_size
     return {"pixel_values": pv, "grid_thw": (1, gh, gw), "image_size": (h, w), "resized_size": (th, tw),
             "num_image_tokens": gh * gw // cfg.merge_size ** 2}

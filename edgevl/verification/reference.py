@@ -8,6 +8,7 @@ Needs PyTorch and transformers (``pip install edgevl[verify]``).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -175,9 +176,10 @@ def _cache_of(r):
 
 
 class QwenImagesReference(Reference):
-    """A reference whose images go through transformers' Qwen2-VL image processor (PIL backend)
-    with the checkpoint's preprocessor_config.json and the package's patch budget (the Qwen3.5
-    family and the Youtu MoE: Qwen3-VL's vision tower)."""
+    """A reference whose images go through transformers' Qwen2-VL image processor (its default,
+    torchvision class, as :func:`qwen_image_processor` rebuilds it) with the checkpoint's
+    preprocessor_config.json and the package's patch budget (the Qwen3.5 family and the Youtu
+    MoE: Qwen3-VL's vision tower)."""
 
     has_vision = True
     folder: Path
@@ -198,8 +200,6 @@ class QwenImagesReference(Reference):
         return out
 
     def _processor(self, max_image_patches: int):
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
         p = self.folder / "preprocessor_config.json"
         raw = json.loads(p.read_text()) if p.is_file() else {}
         cfg = qwen_vl.ProcessorConfig.from_dict(raw)
@@ -207,7 +207,7 @@ class QwenImagesReference(Reference):
         kw = {k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class", "min_pixels",
                                                         "max_pixels", "size")}
         kw["size"] = {"shortest_edge": min(cfg.min_pixels, cap), "longest_edge": min(cfg.max_pixels, cap)}
-        return Qwen2VLImageProcessorPil(**kw)
+        return qwen_image_processor(**kw)
 
     def prepare_images(self, images, infos):
         """[(pixel_values, image_grid_thw)] from transformers' processor (not ours)."""
@@ -220,6 +220,84 @@ class QwenImagesReference(Reference):
     def processor_diff(self, images, infos):
         return max(float(np.abs(pv.numpy() - info["pixel_values"]).max())
                    for (pv, _), info in zip(self.prepare_images(images, infos), infos) if "pixel_values" in info)
+
+
+def qwen_image_processor(**kwargs):
+    """transformers' default Qwen2-VL image processor (``Qwen2VLImageProcessor``, torchvision
+    backend) built without torchvision, which cannot be installed beside a CPU build of torch.
+
+    Its PIL class ``Qwen2VLImageProcessorPil`` shares everything with it (config, smart_resize,
+    patchify) except two steps, which are put back as the torchvision class runs them: the resize
+    is ``torch.nn.functional.interpolate`` on the uint8 tensor (what torchvision's resize calls on
+    CPU), and rescale and normalize are one float32 step, mean and std first multiplied by
+    1 / rescale_factor (transformers' ``TorchvisionBackend.rescale_and_normalize``).
+    """
+    return _qwen_torchvision_class()(**kwargs)
+
+
+@functools.cache
+def _qwen_torchvision_class():
+    import torch
+    from transformers.image_processing_utils import BatchFeature
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+    def resize_like_torchvision(chw, height, width, resample):
+        """torchvision's ``resize`` of a uint8 (C, H, W) tensor on CPU, antialias on."""
+        if tuple(chw.shape[-2:]) == (height, width):
+            return chw
+        x = torch.from_numpy(np.ascontiguousarray(chw))[None]
+        code = int(resample)
+        if code == 0:       # transformers maps Pillow's NEAREST to NEAREST_EXACT
+            return torch.nn.functional.interpolate(x, size=(height, width), mode="nearest-exact")[0].numpy()
+        if code not in (2, 3):
+            raise NotImplementedError(f"resample {code}: torchvision has no uint8 tensor kernel for it here")
+        mode = "bilinear" if code == 2 else "bicubic"
+        if code == 2 and "AVX2" not in torch.backends.cpu.get_cpu_capability():
+            # torchvision resizes bilinear in uint8 only where torch reports AVX2, else via float32
+            y = torch.nn.functional.interpolate(x.float(), size=(height, width), mode=mode, antialias=True,
+                                                align_corners=False)
+            return y.round_().to(torch.uint8)[0].numpy()
+        return torch.nn.functional.interpolate(x, size=(height, width), mode=mode, antialias=True,
+                                               align_corners=False)[0].numpy()
+
+    def rescale_and_normalize(x, do_rescale, rescale_factor, do_normalize, mean, std):
+        if do_rescale and do_normalize:     # fused: mean and std scaled in float32, x never rescaled
+            mean = torch.tensor(mean) * (1.0 / rescale_factor)
+            std = torch.tensor(std) * (1.0 / rescale_factor)
+            do_rescale = False
+        if do_normalize:
+            mean = torch.as_tensor(mean, dtype=torch.float32)
+            std = torch.as_tensor(std, dtype=torch.float32)
+            if mean.ndim == 1:
+                mean, std = mean.view(-1, 1, 1), std.view(-1, 1, 1)
+            return x.to(torch.float32).sub_(mean).div_(std)
+        return x * rescale_factor if do_rescale else x
+
+    class Qwen2VLImageProcessorTorchvision(Qwen2VLImageProcessorPil):
+        def resize(self, image, size, resample, factor, **kwargs):
+            if not size.shortest_edge or not size.longest_edge:
+                raise ValueError(f"`size` must have 'shortest_edge' and 'longest_edge', got {size}")
+            h, w = image.shape[-2:]
+            th, tw = smart_resize(h, w, factor=factor, min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+            return resize_like_torchvision(image, th, tw, resample)
+
+        def _preprocess(self, images, do_resize, size, resample, do_rescale, rescale_factor, do_normalize,
+                        image_mean, image_std, patch_size, temporal_patch_size, merge_size, return_tensors,
+                        **kwargs):
+            patches, grids = [], []
+            for image in images:
+                if do_resize:
+                    image = self.resize(image, size=size, resample=resample, factor=patch_size * merge_size)
+                x = rescale_and_normalize(torch.from_numpy(np.ascontiguousarray(image)), do_rescale, rescale_factor,
+                                          do_normalize, image_mean, image_std)
+                rows, gh, gw = self.patchify(x.numpy(), patch_size=patch_size, merge_size=merge_size,
+                                             temporal_patch_size=temporal_patch_size)
+                patches.append(rows)
+                grids.append([1, gh, gw])
+            return BatchFeature(data={"pixel_values": np.concatenate(patches, axis=0),
+                                      "image_grid_thw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
+
+    return Qwen2VLImageProcessorTorchvision
 
 
 TORCH_DTYPES = ("fp32", "bf16")

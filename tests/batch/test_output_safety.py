@@ -11,7 +11,7 @@ import os
 import pytest
 
 import edgevl
-from edgevl.batch import FIELDS, RESULT_FIELDS, THOUGHT_CUT, BatchJob, Sink
+from edgevl.batch import FIELDS, RESULT_FIELDS, THOUGHT_CUT, BatchJob, Sink, empty_row
 from edgevl.demo.scenes import make_scene
 from edgevl.errors import EdgevlError
 from support.cli import cli, one_line_error
@@ -205,6 +205,44 @@ def test_repair_moves_bad_lines_aside_and_keeps_the_good_rows(pkg, folder, model
     assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"]
     assert rows[0] == json.loads(lines[0]) and rows[2] == json.loads(lines[2])  # kept, not redone
     assert rows[1]["answer"] == edgevl.generate(model, PROMPT, image=str(folder / "s1.png"))
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_a_whole_last_row_without_its_newline_is_kept(pkg, folder, tmp_path, capsys, ext):
+    import pyarrow.parquet as pq
+
+    first = tmp_path / "first.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", first)
+    assert code == 0, err
+    lines = first.read_bytes().splitlines(keepends=True)
+    sampled = dict(json.loads(lines[1]), answer="a sampled answer that a rerun would not give again")
+    whole = json.dumps(sampled).encode()  # the last write landed but for its newline
+    out = tmp_path / f"out{ext}"
+    journal = tmp_path / "out.parquet.partial.jsonl" if ext == ".parquet" else out
+    journal.write_bytes(lines[0] + whole)
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out)
+    assert code == 0, err
+    assert "torn" not in err and "2 already done" in err and "1 new" in err, err
+    if ext == ".parquet":
+        rows = pq.read_table(out).to_pylist()
+    else:
+        assert out.read_bytes().startswith(lines[0] + whole + b"\n")  # kept as it was, newline added
+        rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"]
+    assert rows[1] == sampled
+
+
+def test_only_a_last_line_that_does_not_parse_is_torn(tmp_path):
+    row = dict(empty_row({"id": "r1"}), answer="kept")
+    out = tmp_path / "out.jsonl"
+    for tail, torn in ((b'{"id": "r2", "image": "r2.p', 27), (json.dumps(dict(row, id="r2")).encode(), 0)):
+        out.write_bytes(json.dumps(row).encode() + b"\n" + tail)
+        sink = Sink(out)
+        try:
+            assert sink.torn_bytes == torn and set(sink.rows) == ({"r1"} if torn else {"r1", "r2"})
+        finally:
+            sink.close()
+        assert out.read_bytes().endswith(b"\n") and all(json.loads(x) for x in out.read_bytes().splitlines())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def test_bench_json_table_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())
     assert set(res["results"]) == {"edgevl", "torch"}
-    assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8 expanded-kv", "torch bf16"}
+    assert set(res["variants"]) == {"edgevl fp32 absorbed-kv", "edgevl q8 expanded-kv", "torch fp32"}
     for _name, v in res["results"].items():
         for k in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes", "kv_bytes_per_token"):
             assert k in v
@@ -201,3 +201,41 @@ def test_llamacpp_converter_is_told_when_a_qwen_checkpoint_has_no_mtp_block():
         of = models.get(name).bench.convert_args_of
         assert of({"text_config": {"num_hidden_layers": 2}}) == ("--no-mtp",)
         assert of({"text_config": {"mtp_num_hidden_layers": 1}}) == ()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_torch_row_is_named_after_the_precision_it_ran_at(tmp_path, capsys, monkeypatch, dtype):
+    """The reference runs at the package's precision where torch has it (an fp32 package: fp32, the
+    others bf16), and the row's name is what its worker reports its weights were in."""
+    from edgevl import bench
+
+    ck = make_youtu(tmp_path / "ck", seed=2)
+    edgevl.convert(ck, tmp_path / "pk", dtype=dtype, progress=False)
+    # the workers in this process (the measurement itself is not under test)
+    monkeypatch.setattr(bench, "_run_worker", lambda kind, args: bench.WORKERS[kind](args))
+    code, out, err = cli(capsys, "bench", tmp_path / "pk", "--compare", "torch", "--repeats", "1", "--prompt-tokens",
+                         "8", "--gen-tokens", "2", "--threads", "1", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    variants = json.loads((tmp_path / "r.json").read_text())["variants"]
+    torch_rows = [name for name in variants if name.startswith("torch")]
+    assert torch_rows == [f"torch {dtype}"] and variants[f"torch {dtype}"]["dtype"] == dtype
+    assert f"| torch {dtype} |" in out
+
+
+def test_a_reference_that_kept_some_weights_in_fp32_says_so(tmp_path, capsys, monkeypatch):
+    from edgevl import bench
+
+    ck = make_youtu(tmp_path / "ck", seed=2)
+    edgevl.convert(ck, tmp_path / "pk", dtype="bf16", progress=False)
+
+    def run(kind, args):
+        r = bench.WORKERS[kind](args)
+        return dict(r, dtype="bf16+fp32") if kind == "torch" else r   # as a model keeping its router in fp32
+
+    monkeypatch.setattr(bench, "_run_worker", run)
+    code, out, err = cli(capsys, "bench", tmp_path / "pk", "--compare", "torch", "--repeats", "1", "--prompt-tokens",
+                         "8", "--gen-tokens", "2", "--threads", "1", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert list(res["variants"]) == ["edgevl bf16 expanded-kv", "torch bf16+fp32"] == list(res["runs"])
+    assert "| torch bf16+fp32 |" in out and "torch bf16 |" not in out

@@ -2,6 +2,8 @@
 it lives is said once, and `edgevl cache` lists and clears only edgevl's own files; the cache is
 named when it cannot be written and is keyed by the edgevl version."""
 
+from pathlib import Path
+
 import pytest
 
 import edgevl
@@ -64,3 +66,20 @@ def test_demo_cache_is_keyed_by_the_edgevl_version(monkeypatch, tmp_path):
     assert now.parent == tmp_path and now.name.endswith(f"-{edgevl.__version__}")
     monkeypatch.setattr(edgevl, "__version__", "9.9.9")
     assert demo_package_path() != now
+
+
+def test_the_api_loads_the_demo_as_the_cli_does(tmp_path, monkeypatch):
+    """``edgevl.load()`` and ``edgevl.load("demo")`` are the commands' default model; a package
+    folder named demo in the working folder wins, as on the command line."""
+    import shutil
+
+    from edgevl.demo.scenes import make_scene
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    make_scene(3).image.save("scene.png")
+    for model in (edgevl.load(), edgevl.load("demo")):
+        assert model.path == demo_package_path() == Path(cli.resolve_model(None))
+        assert edgevl.generate(model, "How many shapes are there?", image="scene.png", max_new_tokens=3)
+    shutil.copytree(demo_package_path(), "demo")
+    assert edgevl.load("demo").path == Path("demo")

@@ -1,23 +1,24 @@
-"""The Qwen2-VL image processor in numpy + Pillow against transformers' Qwen2VLImageProcessorPil, and
-the host-side tables of Qwen3.5 (M-RoPE positions and angles, vision RoPE, resampled position
-table) against transformers' own functions."""
+"""The Qwen2-VL image processor in numpy + Pillow against transformers' default (torchvision)
+Qwen2VLImageProcessor, rebuilt without torchvision (``edgevl.verification.reference.
+qwen_image_processor``: torch's uint8 interpolate for the resize, float32 fused rescale and
+normalize), and the host-side tables of Qwen3.5 (M-RoPE positions and angles, vision RoPE,
+resampled position table) against transformers' own functions."""
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from edgevl.blocks import qwen_vision, rope
 from edgevl.errors import EdgevlError
 from edgevl.processing import qwen_vl
 from edgevl.verification.families.qwen3_5 import TINY_PREPROCESSOR as PREPROCESSOR
+from edgevl.verification.reference import qwen_image_processor
 from support.common import smooth_image
 
 
 def _hf(cfg: dict, img):
-    ip = Qwen2VLImageProcessorPil(**{k: v for k, v in cfg.items()
-                                     if k not in ("image_processor_type", "processor_class")})
+    ip = qwen_image_processor(**{k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")})
     enc = ip(images=[img], return_tensors="np")
     return enc["pixel_values"], tuple(int(x) for x in enc["image_grid_thw"][0])
 
@@ -28,6 +29,11 @@ CFGS = {
     "min_max_pixels": dict(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=65536,
                            max_pixels=16777216, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
     "patch14": dict(patch_size=14, merge_size=2, size={"shortest_edge": 3136, "longest_edge": 50176}),
+    # rescale or normalize alone, and a rescale factor other than 1/255
+    "rescale-only": dict(PREPROCESSOR, do_normalize=False),
+    "normalize-only": dict(PREPROCESSOR, do_rescale=False, image_mean=[120.5, 115, 104], image_std=[68.5, 66.6, 70.3]),
+    "rescale-1/127.5": dict(PREPROCESSOR, rescale_factor=1 / 127.5, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                            image_std=[0.26862954, 0.26130258, 0.27577711]),
 }
 SIZES = [(37, 1001), (100, 50), (640, 480), (10, 5), (208, 208), (1500, 500)]
 
@@ -42,6 +48,36 @@ def test_pixel_values_bit_exact(cfg, size):
     assert ours["pixel_values"].dtype == np.float32
     np.testing.assert_array_equal(ours["pixel_values"], ref)
     assert ours["num_image_tokens"] * 4 == grid[1] * grid[2]
+
+
+def test_resize_is_torch_uint8_bicubic():
+    """The resized pixels before rescaling: torch's interpolate on the uint8 tensor, as
+    transformers' torchvision resize runs it (not Pillow's BICUBIC)."""
+    img = smooth_image(173, 91, seed=4)
+    th, tw = qwen_vl.smart_resize(91, 173, 32, 4096, 16384)
+    cfg = qwen_vl.ProcessorConfig.from_dict(dict(PREPROCESSOR, do_rescale=False, do_normalize=False,
+                                                 size={"shortest_edge": 4096, "longest_edge": 16384}))
+    ours = qwen_vl.preprocess(img, cfg)["pixel_values"]
+    t = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].contiguous()
+    px = torch.nn.functional.interpolate(t, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
+    want = qwen_vl.patchify(px[0].numpy().astype(np.float32), 16, 2, 2)
+    np.testing.assert_array_equal(ours, want)
+
+
+@pytest.mark.parametrize("mean,std,factor", [
+    ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5], 1 / 255),
+    ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711], 1 / 255),
+    ([0.1, 0.7, 0.33], [0.9, 0.05, 1.7], 0.0038),
+])
+def test_rescale_normalize_is_the_fused_float32_step(mean, std, factor):
+    """All 256 levels through transformers' fused step written out in torch: mean and std times
+    1 / rescale_factor in float32, then (x - mean) / std in float32."""
+    x = np.broadcast_to(np.arange(256, dtype=np.uint8)[None, :, None], (3, 256, 4)).copy()
+    cfg = qwen_vl.ProcessorConfig(image_mean=mean, image_std=std, rescale_factor=factor)
+    m = (torch.tensor(mean) * (1.0 / factor)).view(-1, 1, 1)
+    s = (torch.tensor(std) * (1.0 / factor)).view(-1, 1, 1)
+    want = (torch.from_numpy(x).to(torch.float32) - m) / s
+    np.testing.assert_array_equal(qwen_vl.rescale_normalize(x, cfg), want.numpy())
 
 
 def test_smart_resize_rules():

@@ -168,11 +168,29 @@ def test_rejection_rule_keeps_the_distribution():
     assert greedy.check(logits, (), 3) == int(np.argmax(logits))
 
 
+# How far "feed k rows, take back some" may round from "feed the kept rows": ncnn blocks a
+# forward's rows differently for different row counts (one row, a few, eight), which only
+# reorders fp32 sums, so each operation's result moves by a few ulps of its operands and the
+# states, a few layers deep, by an amount that scales with their magnitudes. Measured as the
+# largest difference over the array's largest value, on the three tiny packages, two prompts,
+# three row starts, every split of up to 8 rows and 1, 2 and 4 threads (an AVX-512 CPU): at most
+# 2.5e-5 (about 210 fp32 ulps; most cases well below 3e-6, half exact); bound: 4x that. A wrong
+# undo (columns kept one off, or nothing taken back) is about 1 on the same scale.
+UNDO_ROUNDING = 1e-4
+
+
+def _same_up_to_row_blocking(a, b, what):
+    worst = float(np.abs(np.asarray(a, np.float64) - b).max())
+    scale = float(np.abs(np.asarray(b, np.float64)).max())
+    assert worst <= UNDO_ROUNDING * scale, f"{what}: off by {worst:.3g}, {worst / (scale or 1):.3g} of its largest"
+
+
+@pytest.mark.parametrize("case", IDS)
 @pytest.mark.parametrize("fed,dropped", [(3, 2), (8, 7), (8, 3)])
-def test_undo_leaves_the_state_of_the_kept_rows(packages, fed, dropped):
+def test_undo_leaves_the_state_of_the_kept_rows(packages, case, fed, dropped):
     """Rows fed undoably and the last ones taken back: KV length, conv windows (all the columns
-    they keep) and delta-rule states equal a cache fed the kept rows only."""
-    model = _model(packages, IDS[0], speculative="none")
+    they keep) and delta-rule states equal a cache fed the kept rows only (up to UNDO_ROUNDING)."""
+    model = _model(packages, case, speculative="none")
     ids = prepare(model, "Describe a cat.").input_ids
     dec = model.decoder
     assert dec.undo_rows == 8
@@ -193,14 +211,14 @@ def test_undo_leaves_the_state_of_the_kept_rows(packages, fed, dropped):
     sa, sb = a.state_arrays(), b.state_arrays()
     assert sa.keys() == sb.keys() and sa
     for key in sa:
-        np.testing.assert_allclose(sa[key], sb[key], atol=1e-5, err_msg=str(key))
+        _same_up_to_row_blocking(sa[key], sb[key], str(key))
     windows = 0
     for x, y in zip(a.layers, b.layers):
         if x.truncatable:     # KV: the same length (values: ncnn's own layout; the next token checks them)
             assert [m.h for m in x.mats] == [m.h for m in y.mats] == [n + kept, n + kept]
         elif getattr(x, "window", False):   # the columns kept for a later undo too
             windows += 1
-            np.testing.assert_allclose(x.snapshot()[0], y.snapshot()[0], atol=1e-5, rtol=1e-5)
+            _same_up_to_row_blocking(x.snapshot()[0], y.snapshot()[0], "conv window")
     assert windows
     # and the next token's logits agree
     la = model.logits(dec.forward(model.embedding([5]), a, np.array([[n + kept]]))[0])

@@ -24,15 +24,16 @@ def load_hf(folder):
 
 
 def hf_processor(folder):
-    """transformers' Qwen3VLProcessor from the checkpoint's image processor (PIL backend: no
-    torchvision here) and tokenizer, with the checkpoint's chat template."""
+    """transformers' Qwen3VLProcessor from the checkpoint's image processor (its default
+    torchvision class, rebuilt without torchvision by the verification wing) and tokenizer, with
+    the checkpoint's chat template."""
     from transformers import AutoTokenizer, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from edgevl.verification.reference import qwen_image_processor
 
     folder = Path(folder)
     cfg = json.loads((folder / "preprocessor_config.json").read_text())
-    ip = Qwen2VLImageProcessorPil(**{k: v for k, v in cfg.items()
-                                      if k not in ("image_processor_type", "processor_class")})
+    ip = qwen_image_processor(**{k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")})
     tok = AutoTokenizer.from_pretrained(folder)
 
     class Processor(Qwen3VLProcessor):

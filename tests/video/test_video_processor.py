@@ -1,9 +1,10 @@
 """edgevl's video processor against transformers' ``Qwen3VLVideoProcessor`` rules, called
 directly: its frame sampling, its (frames, height, width) ``smart_resize`` (with and without the
 per-frame cap), its ``patchify`` layout, and the authors' timestamp rule. transformers' class
-needs torchvision to decode and resize, which cannot be installed beside this CPU build of torch,
-so those two steps are not compared here: edgevl resizes each 8-bit frame with Pillow's BICUBIC
-(as transformers' PIL image path does for images) and normalizes as its image processor does."""
+needs torchvision to decode and resize, which cannot be installed beside this CPU build of torch.
+Its resize is torchvision's antialiased bicubic on the uint8 frame, which on CPU is torch's
+``interpolate(..., mode="bicubic", antialias=True)`` on the uint8 tensor: sampled frames are
+compared with that call pixel for pixel. Decoding is not compared here."""
 
 from types import SimpleNamespace
 
@@ -58,13 +59,40 @@ def test_timestamps():
         assert vid.timestamps(indices, fps, 2) == want
 
 
-def test_patch_layout():
+@pytest.mark.parametrize("src,min_pixels,max_pixels,want", [
+    ((61, 37), 4096, 4096, (32, 32)),          # both sides down
+    ((90, 50), 4096, 25165824, (96, 64)),      # both up
+    ((47, 83), 1024, 65536, (32, 96)),         # height down, width up
+    ((130, 300), 1024, 8192, (32, 64)),        # down by 4 and 4.7
+])
+def test_frames_are_resized_as_torchvision_does(src, min_pixels, max_pixels, want):
+    """Each sampled frame is what torchvision's uint8 bicubic resize gives: torch's interpolate
+    on the uint8 tensor, pixel for pixel."""
+    h, w = src
+    rng = np.random.default_rng(h * w)
+    frames = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(4)]
+    s = vid.load_video({"frames": frames, "fps": 2}, vid.VideoConfig(min_pixels=min_pixels, max_pixels=max_pixels))
+    th, tw = s.resized_size
+    assert (th, tw) == want
+    for i, frame in zip(s.indices, s.frames):
+        t = torch.from_numpy(frames[i]).permute(2, 0, 1)[None].contiguous()
+        ref = torch.nn.functional.interpolate(t, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
+        np.testing.assert_array_equal(frame, ref[0].permute(1, 2, 0).numpy())
+
+
+@pytest.mark.parametrize("mean,std", [([0.5] * 3, [0.5] * 3),
+                                       ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])])
+def test_patch_layout_and_values(mean, std):
+    """Rows equal transformers' video path bit for bit: its fused rescale+normalize (mean and std
+    scaled by 1 / rescale_factor in float32, then (x - mean) / std on the uint8 frames as float32),
+    then its ``patchify``."""
     rng = np.random.default_rng(1)
     frames = rng.integers(0, 256, (2, 64, 96, 3), dtype=np.uint8)
-    ours = vid.patch_rows(frames, CFG)
-    x = (frames.transpose(0, 3, 1, 2).astype(np.float64) / 255).astype(np.float32)
-    x = (x - 0.5) / np.float32(0.5)
-    theirs, t, h, w = Qwen3VLVideoProcessor.patchify(None, torch.from_numpy(x)[None], 16, 2, 2)
+    ours = vid.patch_rows(frames, vid.VideoConfig(image_mean=mean, image_std=std))
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).to(torch.float32)
+    m, s = torch.tensor(mean) * (1.0 / (1 / 255)), torch.tensor(std) * (1.0 / (1 / 255))
+    x = x.sub_(m[:, None, None]).div_(s[:, None, None])
+    theirs, t, h, w = Qwen3VLVideoProcessor.patchify(None, x[None], 16, 2, 2)
     assert (t, h, w) == (1, 4, 6)
     np.testing.assert_array_equal(ours, theirs[0].numpy())
 

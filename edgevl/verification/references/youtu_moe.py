@@ -687,10 +687,10 @@ def make_random(config: dict, seed: int = 0) -> YoutuVLMoEForConditionalGenerati
 
 
 def preprocess(images, preprocessor: dict):
-    """(pixel_values, image_grid_thw) for PIL images with transformers' PIL Qwen2-VL processor
-    (the path transformers takes without torchvision; docs/models/qwen3_5.md, section 8)."""
-    from transformers import Qwen2VLImageProcessorPil
+    """(pixel_values, image_grid_thw) for PIL images with transformers' default (torchvision)
+    Qwen2-VL processor, rebuilt without torchvision (docs/models/qwen3_5.md, section 8)."""
+    from ..reference import qwen_image_processor
 
-    p = Qwen2VLImageProcessorPil(**{k: v for k, v in preprocessor.items() if k != "image_processor_type"})
+    p = qwen_image_processor(**{k: v for k, v in preprocessor.items() if k != "image_processor_type"})
     out = p(images=list(images), return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]

@@ -1,0 +1,64 @@
+"""Ctrl-C in `edgevl batch` (a real SIGINT to the job): exit 130 with one line saying how to resume,
+and the rerun it names finishes the job."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from edgevl.demo.scenes import make_scene
+from support.common import ROOT
+from support.files import read_jsonl
+
+N = 12
+
+
+def _job(pkg, folder, out, *extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder), "--prompt",
+                             "Describe the image.", "--output", str(out), "--threads", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _interrupt_after_a_row(proc, out):
+    t0 = time.monotonic()
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() - t0 < 120, "no row written"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, [line for line in err.splitlines() if line.strip()]
+
+
+def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(pkg, tmp_path):
+    folder = tmp_path / "scenes"
+    folder.mkdir()
+    for i in range(N):
+        make_scene(500 + i).image.save(folder / f"s{i:02d}.png")
+    out = tmp_path / "out.jsonl"
+    code, err = _interrupt_after_a_row(_job(pkg, folder, out), out)
+    assert code == 130, err
+    assert "Traceback" not in "\n".join(err), err
+    assert err[-1] == (f"interrupted; rerun the same command to resume (the rows already in {out} are kept)"), err
+    done = len(read_jsonl(out))
+    assert 1 <= done < N
+
+    again = _job(pkg, folder, out)
+    _, err2 = again.communicate(timeout=300)
+    assert again.returncode == 0, err2
+    assert f"{done} already done" in err2 and len(read_jsonl(out)) == N
+
+
+def test_after_overwrite_the_hint_says_to_leave_it_out(pkg, tmp_path):
+    """Rerunning a command with --overwrite would start over, not resume."""
+    folder = tmp_path / "scenes"
+    folder.mkdir()
+    for i in range(N):
+        make_scene(700 + i).image.save(folder / f"s{i:02d}.png")
+    out = tmp_path / "out.jsonl"
+    code, err = _interrupt_after_a_row(_job(pkg, folder, out, "--overwrite"), out)
+    assert code == 130, err
+    assert err[-1] == ("interrupted; rerun the same command without --overwrite to resume (the rows already in "
+                       f"{out} are kept)"), err

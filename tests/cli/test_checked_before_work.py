@@ -1,0 +1,122 @@
+"""Every option value is checked before a command does anything: no demo scene drawn, no output
+file written, no model loaded, and (for values that do not depend on the model) not even the demo
+model converted into the cache."""
+
+import shutil
+
+import pytest
+
+from edgevl import model as model_module
+from edgevl.demo import DEMO_CHECKPOINT, demo_package
+from edgevl.demo.scenes import make_scene
+from support.cli import cli, one_line_error
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty working folder; loading a model there is a test failure."""
+    demo_package()   # the shared test cache's demo, for the checks that read its manifest
+
+    def no_loading(self, *args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(model_module.Model, "__init__", no_loading)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def fresh_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "fresh-cache"
+    monkeypatch.setenv("EDGEVL_CACHE", str(cache))
+    return cache
+
+
+# values wrong whatever the model: refused before the demo model is even converted
+ANY_MODEL = [
+    (("--temperature", "-1"), "temperature must be a finite number >= 0"),
+    (("--top-p", "2"), "top_p must be in (0, 1]"),
+    (("--top-k", "-1"), "top_k must be >= 0"),
+    (("--repetition-penalty", "0"), "repetition_penalty must be a finite number > 0"),
+    (("--seed", "-1"), "seed must be an integer >= 0"),
+    (("--draft-tokens", "0"), "--draft-tokens must be >= 1, got 0"),
+    (("--draft-vocab", "-1"), "--draft-vocab must be >= 0, got -1"),
+    (("--prefill-chunk", "0"), "prefill_chunk must be >= 1, got 0"),
+    (("--expert-cache-mb", "-1"), "expert_cache_mb must be >= 0, got -1"),
+    (("--image", "missing.png"), "missing.png"),
+    (("--video", "missing.mp4"), "missing.mp4"),
+]
+
+
+@pytest.mark.parametrize("args,needle", ANY_MODEL, ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_run_refuses_before_drawing_the_scene_or_converting_the_demo(workdir, tmp_path, monkeypatch, capsys, args,
+                                                                   needle):
+    cache = fresh_cache(tmp_path, monkeypatch)
+    one_line_error(*cli(capsys, "run", "--image", "demo", "--prompt", "hi", *args)[::2], needle)
+    assert list(workdir.iterdir()) == [] and not cache.exists()
+
+
+def test_an_empty_prompt_is_refused_before_any_work(workdir, tmp_path, monkeypatch, capsys):
+    cache = fresh_cache(tmp_path, monkeypatch)
+    one_line_error(*cli(capsys, "run", "--image", "demo", "--prompt", "  ")[::2], "--prompt is empty")
+    assert list(workdir.iterdir()) == [] and not cache.exists()
+
+
+# values the package refuses (the demo: no MTP block, no routed experts, no video): read from its
+# manifest before the scene is drawn or the model loaded
+THIS_MODEL = [
+    (("--speculative", "mtp"), "MTP"),
+    (("--draft-tokens", "2"), "MTP"),
+    (("--expert-cache-mb", "64"), "no option 'expert_cache_mb'"),
+    (("--video", "clip"), "takes no video"),
+]
+
+
+@pytest.mark.parametrize("args,needle", THIS_MODEL, ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_run_checks_the_package_before_drawing_the_scene_or_loading(workdir, capsys, args, needle):
+    (workdir / "clip").mkdir()   # a folder of frames, present
+    one_line_error(*cli(capsys, "run", "--image", "demo", "--prompt", "hi", *args)[::2], needle)
+    assert [p.name for p in workdir.iterdir()] == ["clip"]
+
+
+def test_chat_refuses_before_loading(workdir, tmp_path, monkeypatch, capsys):
+    cache = fresh_cache(tmp_path, monkeypatch)
+    one_line_error(*cli(capsys, "chat", "--temperature", "-1")[::2], "temperature must be a finite number >= 0")
+    one_line_error(*cli(capsys, "chat", "--image", "missing.png")[::2], "missing.png")
+    assert not cache.exists()
+
+
+def test_batch_refuses_before_writing_the_output(workdir, tmp_path, monkeypatch, capsys):
+    (workdir / "in").mkdir()
+    make_scene(1).image.save(workdir / "in" / "scene.png")
+    base = ["batch", "--input", "in", "--prompt", "hi", "--output", "out.jsonl"]
+    one_line_error(*cli(capsys, *base, "--draft-tokens", "2")[::2], "MTP")   # the demo has no MTP block
+    cache = fresh_cache(tmp_path, monkeypatch)
+    one_line_error(*cli(capsys, *base, "--temperature", "-1")[::2], "temperature must be a finite number >= 0")
+    one_line_error(*cli(capsys, *base, "--workers", "-1")[::2], "--workers must be >= 1")
+    assert sorted(p.name for p in workdir.iterdir()) == ["in"] and not cache.exists()
+
+
+def test_bench_refuses_before_running_or_converting(workdir, tmp_path, monkeypatch, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(DEMO_CHECKPOINT, ck)   # a checkpoint folder: bench converts it beside itself
+    base = ["bench", ck, "--repeats", "1", "--prompt-tokens", "4", "--gen-tokens", "1"]
+    one_line_error(*cli(capsys, *base, "--compare", "nonsense")[::2], "unknown --compare system 'nonsense'")
+    one_line_error(*cli(capsys, *base, "--images", "640by480")[::2], "--images takes sizes like")
+    one_line_error(*cli(capsys, *base, "--json", tmp_path / "missing" / "r.json")[::2], "does not exist")
+    one_line_error(*cli(capsys, *base, "--markdown", tmp_path)[::2], "is a folder")
+    one_line_error(*cli(capsys, *base, "--plot", tmp_path / "plot.notanimage")[::2], "no image extension")
+    one_line_error(*cli(capsys, *base, "--draft-tokens", "0")[::2], "--draft-tokens must be >= 1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "work"]   # no ck-edgevl-bf16
+    one_line_error(*cli(capsys, "bench", "--speculative", "mtp", "--repeats", "1")[::2], "MTP")   # the demo
+
+
+def test_low_memory_on_a_decoder_that_cannot_is_refused_before_the_scene(workdir, tmp_path, capsys):
+    import edgevl
+    from edgevl.random_model import write
+
+    pkg = edgevl.convert(write("qwen3_5", tmp_path / "ck"), tmp_path / "pkg", progress=False)
+    one_line_error(*cli(capsys, "run", pkg, "--image", "demo", "--prompt", "hi", "--low-memory")[::2],
+                   "run without --low-memory")
+    assert list(workdir.iterdir()) == []

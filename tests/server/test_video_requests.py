@@ -1,0 +1,262 @@
+"""Hostile video_url parts: frames symlinked out of the allowed folder (also swapped in after the
+header was read), FIFOs, decompression bombs and damaged clips, absurd ``video_options``,
+``file://`` URLs naming a host, folders of frames with any names, raw MPEG streams; and the
+temporary files of data: URLs, gone when the request ends and never left behind by a SIGKILL.
+Every refusal is a 400 (403 outside the folder) in one line, at once."""
+
+import base64
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from PIL import Image
+
+import edgevl
+from edgevl.errors import EdgevlError
+from edgevl.processing import video as vid
+from edgevl.server import make_server
+from support.clips import damaged_clips, has_pyav, save_animation, small_frames, write_gif, write_pyav
+from support.qwen import make_qwen3_5
+from support.server import post, send_raw, wait_for
+
+PROMPT = "What happens in the video?"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video-requests")
+    ck = make_qwen3_5(root / "ck", seed=85)
+    pk = edgevl.convert(ck, root / "pk", dtype="fp32", progress=False)
+    allowed, outside = root / "allowed", root / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    for k in range(4):
+        Image.new("RGB", (64, 48), (50 * k, 0, 0)).save(outside / f"{k}.png")
+        Image.new("RGB", (64, 48), (0, 50 * k, 0)).save(allowed / f"in{k}.png")
+    save_animation(allowed / "clip.gif", small_frames(6, 64, 48))
+    srv, _ = make_server(edgevl.load(pk), image_dir=allowed)
+    yield srv, pk, allowed, outside
+    srv.stop()
+
+
+def ask(srv, url, timeout=60, **extra):
+    return post(srv.server_address[1], {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]}],
+        "max_tokens": 2, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}, **extra},
+        timeout=timeout)
+
+
+def refused(reply, status, *needles):
+    st, body, _ = reply
+    assert st == status, (st, body)
+    msg = body["error"]["message"]
+    assert "\n" not in msg and all(n in msg for n in needles), (needles, msg)
+    return msg
+
+
+def data_url(path, mime="video/mp4"):
+    return f"data:{mime};base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+# -- class 1: every file opened lies inside the allowed folder ---------------------------------
+
+def test_frames_symlinked_out_of_the_allowed_folder_are_refused(setup):
+    srv, _, allowed, outside = setup
+    out = allowed / "out"
+    out.mkdir()
+    for k in range(4):               # each frame a symlink to a file outside
+        (out / f"{k}.png").symlink_to(outside / f"{k}.png")
+    mixed = allowed / "mixed"
+    mixed.mkdir()
+    for k in range(3):               # real frames, and a last one through a chain of links
+        Image.new("RGB", (64, 48)).save(mixed / f"{k}.png")
+    (allowed / "hop.png").symlink_to(outside / "3.png")
+    (mixed / "3.png").symlink_to(allowed / "hop.png")
+    inside = allowed / "inside"
+    inside.mkdir()
+    for k in range(4):               # links that stay inside are fine
+        (inside / f"{k}.png").symlink_to(allowed / f"in{k}.png")
+    for folder in ("out", "mixed", f"file://{allowed}/mixed"):
+        msg = refused(ask(srv, folder), 403, "outside the allowed folder")
+        assert str(outside) not in msg, msg
+    assert ask(srv, "inside")[0] == 200
+
+
+def test_a_frame_swapped_for_a_symlink_after_the_header_is_refused_where_it_is_opened(setup):
+    _, _, allowed, outside = setup
+    folder = allowed / "swap"
+    folder.mkdir()
+    for k in range(4):
+        Image.new("RGB", (64, 48)).save(folder / f"{k}.png")
+    clip = vid.open_clip(vid.VideoFile(folder, root=allowed, name="swap"))
+    (folder / "2.png").unlink()
+    (folder / "2.png").symlink_to(outside / "2.png")
+    with pytest.raises(EdgevlError, match="outside the allowed folder") as e:
+        list(clip.read([0, 1, 2, 3]))
+    assert str(outside) not in str(e.value)
+
+
+def test_a_playlist_cannot_open_files_it_names(setup, tmp_path):
+    """An HLS playlist or an FFmpeg concat list inside the allowed folder naming a clip outside
+    it: FFmpeg would open that clip (at any depth); no file but the one given is ever opened."""
+    if not has_pyav():
+        pytest.skip("PyAV is the optional video extra")
+    srv, _, allowed, outside = setup
+    seg = write_pyav(outside / "seg.ts", small_frames(10, 64, 48), codec="mpeg2video", rate=10, fmt="mpegts")
+    (allowed / "list.m3u8").write_text(f"#EXTM3U\n#EXT-X-TARGETDURATION:2\n#EXTINF:1.0,\n{seg}\n#EXT-X-ENDLIST\n")
+    (allowed / "list.ffconcat").write_text(f"ffconcat version 1.0\nfile {seg}\n")
+    for name in ("list.m3u8", "list.ffconcat"):
+        for url in (name, data_url(allowed / name, "application/vnd.apple.mpegurl")):
+            msg = refused(ask(srv, url), 400)
+            assert re.search("cannot be read as a video|names other files", msg) and str(outside) not in msg, msg
+
+
+# -- class 3: non-regular files -----------------------------------------------------------------
+
+def test_fifos_answer_at_once(setup):
+    srv, _, allowed, _ = setup
+    fifo = allowed / "pipe.mp4"
+    os.mkfifo(fifo)
+    frames = allowed / "fifo-frames"
+    frames.mkdir()
+    for k in range(3):
+        Image.new("RGB", (64, 48)).save(frames / f"{k}.png")
+    os.mkfifo(frames / "3.png")
+    try:
+        for url in ("pipe.mp4", "fifo-frames"):
+            t = time.perf_counter()
+            refused(ask(srv, url, timeout=15), 400, "not a regular file")
+            assert time.perf_counter() - t < 5
+    finally:
+        for f in (fifo, frames / "3.png"):
+            try:        # a reader stuck on it (the old code) gets end-of-file
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+
+# -- classes 4, 6: bombs and damaged clips ----------------------------------------------------------
+
+def test_bombs_and_damaged_clips_answer_400_in_one_line(setup, tmp_path):
+    srv = setup[0]
+    for name, (path, needle) in damaged_clips(tmp_path, pyav=has_pyav()).items():
+        msg = refused(ask(srv, data_url(path)), 400, needle, "the video")
+        assert str(tmp_path) not in msg and tempfile.gettempdir() not in msg, (name, msg)
+
+
+# -- class 8: video_options ---------------------------------------------------------------------------
+
+def test_video_options_are_checked_and_used(setup):
+    srv, _, allowed, _ = setup
+    for opts, needle in (({"fps": float("inf")}, "fps"), ({"fps": 1e308}, "fps"), ({"max_frames": 1e400}, "max_frames"),
+                         ({"max_pixels": 0.5}, "max_pixels"), ({"fsp": 2}, "fsp"), ([1, 2], "video_options"),
+                         ({"max_frames": "8"}, "max_frames")):
+        st, body, _ = ask(srv, "clip.gif", video_options=opts)
+        assert st == 400 and needle in body["error"]["message"] and body["error"]["param"] == "video_options", body
+    few = ask(srv, "clip.gif", video_options={"max_frames": 2, "fps": 1})
+    many = ask(srv, "clip.gif", video_options={"fps": 1000})
+    assert few[0] == many[0] == 200
+    assert few[1]["usage"]["prompt_tokens"] < many[1]["usage"]["prompt_tokens"]
+
+
+# -- class 11: file URLs ---------------------------------------------------------------------------
+
+def test_file_urls_naming_a_host_are_refused(setup):
+    srv, _, allowed, _ = setup
+    refused(ask(srv, f"file://otherhost{allowed}/clip.gif"), 400, "host")
+    assert ask(srv, f"file://localhost{allowed}/clip.gif")[0] == 200
+    assert ask(srv, f"file://{allowed}/clip.gif")[0] == 200
+
+
+# -- classes 7, 10: any frame names, raw MPEG streams --------------------------------------------------
+
+def test_mixed_frame_names_and_raw_mpeg(setup, tmp_path):
+    srv, _, allowed, _ = setup
+    folder = allowed / "named"
+    folder.mkdir()
+    for k, name in enumerate(("1.png", "2.png", "cover.png", "10.png")):
+        Image.new("RGB", (64, 48), (40 * k, 0, 0)).save(folder / name)
+    assert ask(srv, "named")[0] == 200
+    if has_pyav():
+        m1v = write_pyav(tmp_path / "clip.m1v", small_frames(10, 64, 48), codec="mpeg1video", rate=25,
+                         fmt="mpeg1video")
+        st, body, _ = ask(srv, data_url(m1v, "video/mpeg"))
+        assert st == 200, body
+
+
+# -- class 12: temporary files ------------------------------------------------------------------------
+
+def _open_in(folder):
+    """Descriptors of this process open on files in ``folder`` (deleted ones included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+                found.append(fd)
+        except OSError:
+            pass
+    return found
+
+
+def streaming(port, url):
+    """A socket whose request streams its answer (greedy, up to thousands of tokens: tens of
+    seconds on the tiny model), once the first event came."""
+    s = send_raw(port, {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]}],
+        "max_tokens": 4000, "temperature": 0, "stream": True, "chat_template_kwargs": {"enable_thinking": False}})
+    s.settimeout(60)
+    got = b""
+    while b"data: " not in got:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    return s
+
+
+def test_temporary_files_are_gone_when_the_request_ends(setup, tmp_path, monkeypatch):
+    srv, _, allowed, _ = setup
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    url = data_url(allowed / "clip.gif", "image/gif")
+    long_clip = data_url(write_gif(tmp_path / "long.gif", (4000, 4000), [(0, 0, 8, 8)] * 400), "image/gif")
+    port = srv.server_address[1]
+
+    def clean():    # the handler closes them as it finishes, just after the client has its answer
+        return wait_for(lambda: not os.listdir(tmp) and not _open_in(tmp), 2) is not None
+
+    assert ask(srv, url)[0] == 200 and clean()                                    # success
+    st, body, _ = post(port, {"messages": [{"role": "user", "content": [           # refused after storing it
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "bogus"}]}]})
+    assert st == 400 and clean(), body
+    st, body, _ = ask(srv, long_clip, video_options={"max_pixels": 10 ** 9})      # over the context
+    assert st == 400 and "context" in body["error"]["message"] and clean(), body
+    s = streaming(port, url)                                                       # a client that hangs up
+    s.close()
+    assert wait_for(lambda: not srv.gate.lock.locked(), 10) is not None
+    assert clean(), (os.listdir(tmp), _open_in(tmp))
+
+
+def test_sigkill_of_the_server_leaves_no_temporary_file(setup, tmp_path):
+    _, pk, allowed, _ = setup
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "edgevl", "serve", str(pk), "--port", "0", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1))
+        s = streaming(port, data_url(allowed / "clip.gif", "image/gif"))    # the clip is held meanwhile
+        during = os.listdir(tmp)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        s.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert during == [] and os.listdir(tmp) == [], (during, os.listdir(tmp))
