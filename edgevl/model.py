@@ -13,8 +13,10 @@ recurrent state across a prefix that does not match exactly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +26,7 @@ import numpy as np
 from . import models, speculative
 from .errors import EdgevlError
 from .models.protocol import PackageView
+from .owner import Lease
 from .package import check_listed, package_path, read_manifest, verify_files
 from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads, trim_heap
 from .sample import Sampler
@@ -45,6 +48,16 @@ def _as_list(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
 
 
+def _on_owner(fn):
+    """Run the method on the model's owner thread (edgevl.owner): every ncnn call of a model
+    runs on the thread that loaded its nets."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        owner = self.__dict__.get("_owner")
+        return fn(self, *args, **kwargs) if owner is None else owner.call(fn, self, *args, **kwargs)
+    return call
+
+
 def _read_generation_config(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -58,9 +71,39 @@ def _read_generation_config(path: Path) -> dict:
 
 
 class Model:
+    """A loaded package. Its ncnn work runs on the process's ncnn thread (``edgevl.owner``), which
+    loaded its nets; the methods may be called from any thread. ``close()`` lets go of that
+    thread (the last model to let go ends it) and later calls are refused; a model that is
+    dropped lets go too."""
+
     def __init__(self, path, threads: int | None = None, verify: bool = True, light_mode: bool = True,
                  low_memory: bool = False, options: dict | None = None):
         self.low_memory = low_memory
+        owner = Lease()
+        try:
+            owner.call(self._load, path, threads, verify, light_mode, options)
+        except BaseException:
+            owner.close()
+            raise
+        self._owner = owner
+        # the model lets go of the thread when it goes; the finalizer holds the lease, never the
+        # model (not waiting: the collector may run it on any thread)
+        self._finalizer = weakref.finalize(self, owner.close, False)
+        self._finalizer.atexit = False   # a daemon thread: exiting never waits for a generation
+
+    def close(self) -> None:
+        """Let go of the ncnn thread once this model's queued calls have run (the thread ends
+        with the last model holding it); the model refuses every later call that needs it.
+        Also ``with edgevl.load(...) as model:``."""
+        self._owner.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _load(self, path, threads, verify, light_mode, options):
         try:
             self._init(path, threads, verify, light_mode, options)
         except KeyError as e:
@@ -151,6 +194,7 @@ class Model:
         """"mtp" when generation drafts with the package's MTP block, else "none"."""
         return "none" if self.mtp is None else "mtp"
 
+    @_on_owner
     def preload(self, progress: bool = False) -> Model:
         """Load what the model would otherwise load on first use (an MoE's routed experts kept all
         resident; see ``Architecture.preload``): a server's first requests then run as fast as
@@ -161,6 +205,7 @@ class Model:
     def _net(self, name: str, light_mode: bool = True) -> Net:
         return self.open_net(name, light_mode=light_mode)
 
+    @_on_owner
     def open_net(self, name: str, dtype: str | None = None, light_mode: bool = True, packing: bool = True,
                  threads: int | None = None) -> Net:
         """One of the package's graphs (``name``.param/.bin, listed and verified), in the package's
@@ -178,6 +223,7 @@ class Model:
         self._nets.append(net)
         return net
 
+    @_on_owner
     def release_buffers(self) -> None:
         """Return the activation buffers a prompt left pooled in the model's nets (they scale
         with the prompt; decoding needs a small fraction). Prefill calls it. The C heap goes
@@ -217,6 +263,7 @@ class Model:
             x[mask] = np.concatenate(image_rows, 0)
         return x
 
+    @_on_owner
     def encode_image(self, image, max_image_patches: int | None = None):
         """(rows [tokens, hidden], processor info) for one image."""
         if self.vision is None:
@@ -227,6 +274,7 @@ class Model:
     def takes_video(self) -> bool:
         return self.video_token_id is not None and hasattr(self.vision, "encode_video")
 
+    @_on_owner
     def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None):
         """(rows [tokens, hidden], processor info) for one clip: a file, a folder of frames, a
@@ -262,6 +310,7 @@ class Model:
         return np.asarray(self.arch.positions(ids, infos, self.image_token_id), np.int64)
 
     # -- the decoding loop --------------------------------------------------------------------
+    @_on_owner
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.head(hidden)
 
@@ -295,6 +344,7 @@ class Model:
                 keys.append(int(t))
         return keys
 
+    @_on_owner
     def prefill(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True,
                 images=()) -> np.ndarray:
         """Feed the prompt (only what the cache lacks); returns the last position's logits.
@@ -363,6 +413,7 @@ class Model:
             self.release_buffers()
         return logits
 
+    @_on_owner
     def step(self, token: int) -> np.ndarray:
         pos = np.full((1, 1), self.cache.next_position, np.int64)
         with self._whole_or_nothing():
@@ -396,7 +447,16 @@ class Model:
         ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
         path / PIL image, or a list of them in prompt order (or ``(rows, info)`` pairs as
         ``encode_image`` returns them; bare row arrays work for 1-D-position models).
+        The loop runs on the owner thread one token per request (it never runs ahead of the
+        consumer); a consumer that stops early releases the thread for the next call.
         """
+        gen = self._generate_tokens(input_ids, max_new_tokens, image, temperature, top_k, top_p,
+                                    repetition_penalty, seed, stop_ids, reuse_cache, max_image_patches, ignore_eos)
+        owner = self.__dict__.get("_owner")
+        return gen if owner is None else owner.stream(gen)
+
+    def _generate_tokens(self, input_ids, max_new_tokens, image, temperature, top_k, top_p, repetition_penalty,
+                         seed, stop_ids, reuse_cache, max_image_patches, ignore_eos) -> Iterator[int]:
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
@@ -416,6 +476,7 @@ class Model:
             history.append(tok)
             logits = self.step(tok)
 
+    @_on_owner
     def encode_images(self, image, max_image_patches=None) -> tuple[list, list]:
         """(rows per image, processor info per image) for ``image`` as generate_tokens takes it."""
         if image is None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import EdgevlError
 from .ncnn_graph import bf16_bits_to_f32
+from .owner import checkpoint
 
 
 def max_threads() -> int:
@@ -237,6 +238,7 @@ class Net:
         by blob name (intermediate blobs too). Blobs a pass extracted are returned as well if
         ``wanted`` names them (extracting a state output in the pass that computes it keeps it
         from being freed in light mode)."""
+        checkpoint()   # an interrupted caller stops the owner thread here or between passes
         ex = self.extractor()
         if self.pools:
             ex.set_blob_allocator(self.pools[0])
@@ -247,6 +249,7 @@ class Net:
         done, keep, got = {}, {n for n, _ in wanted}, None
         try:
             for i, p in enumerate(passes):
+                checkpoint()
                 names, fn = p[0], p[1]
                 got = _extract(ex, [(n, 0) for n in names], self.where)
                 # only what the caller wants is kept past its pass
@@ -359,6 +362,7 @@ class SectionedNet(Net):
 
     def execute(self, feeds: dict, wanted: list[tuple[str, int]], passes=(), kv_hint: int = 0) -> dict:
         assert not passes, "Decoder refuses host passes in low-memory mode"
+        checkpoint()
         blobs = dict(feeds)
         types = dict(wanted)
         for sec in self.sections:
