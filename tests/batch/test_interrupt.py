@@ -32,11 +32,17 @@ def _interrupt_after_a_row(proc, out):
     return proc.returncode, [line for line in err.splitlines() if line.strip()]
 
 
-def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(pkg, tmp_path):
+def _scenes(tmp_path, seed: int):
+    """A folder of N demo scenes (the job's images)."""
     folder = tmp_path / "scenes"
     folder.mkdir()
     for i in range(N):
-        make_scene(500 + i).image.save(folder / f"s{i:02d}.png")
+        make_scene(seed + i).image.save(folder / f"s{i:02d}.png")
+    return folder
+
+
+def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(pkg, tmp_path):
+    folder = _scenes(tmp_path, 500)
     out = tmp_path / "out.jsonl"
     code, err = _interrupt_after_a_row(_job(pkg, folder, out), out)
     assert code == 130, err
@@ -53,10 +59,7 @@ def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(pkg, tmp_path):
 
 def test_after_overwrite_the_hint_says_to_leave_it_out(pkg, tmp_path):
     """Rerunning a command with --overwrite would start over, not resume."""
-    folder = tmp_path / "scenes"
-    folder.mkdir()
-    for i in range(N):
-        make_scene(700 + i).image.save(folder / f"s{i:02d}.png")
+    folder = _scenes(tmp_path, 700)
     out = tmp_path / "out.jsonl"
     code, err = _interrupt_after_a_row(_job(pkg, folder, out, "--overwrite"), out)
     assert code == 130, err
