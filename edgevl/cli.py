@@ -437,7 +437,7 @@ def cmd_serve(a) -> int:
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
-                 thinking=a.thinking)
+                 thinking=a.thinking, parallel=a.parallel)
 
 
 def cmd_check(a) -> int:
@@ -602,7 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     s.add_argument("--allow-image-dir", default=None,
                    help="local image paths are allowed only under this folder (default: none, data: URLs only)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests waiting beyond this get 429")
+    s.add_argument("--parallel", type=int, default=4,
+                   help="requests decoding together (slots; each holds one sequence's state; default 4)")
+    s.add_argument("--max-queue", type=int, default=8, help="requests waiting for a slot beyond this get 429")
     s.add_argument("--model-name", default=None,
                    help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
     s.add_argument("--strict-model", action="store_true",

@@ -377,10 +377,12 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
                   reuse_cache: bool = True, postprocess: bool = True,
                   allow_special_in_content: bool = False, chat_template_kwargs=None,
-                  thinking: bool | None = None, video=None, video_options: dict | None = None) -> Iterator[Event]:
+                  thinking: bool | None = None, video=None, video_options: dict | None = None,
+                  engine=None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
-    markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer."""
+    markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
+    ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
     if max_new_tokens is None:
@@ -394,8 +396,16 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
     post = model.arch.output_processor(images) if postprocess else None
     split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
-    gen = model.generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
-                                reuse_cache=reuse_cache, **settings.kwargs())
+    gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
+                                            reuse_cache=reuse_cache, **settings.kwargs())
+    try:
+        yield from _events(model, gen, prep, t0, stop, post, split, videos)
+    finally:   # a consumer that stops early (a client gone) stops the generation now
+        if hasattr(gen, "close"):
+            gen.close()
+
+
+def _events(model, gen, prep, t0, stop, post, split, videos):
     n_prompt, n_gen = len(prep.input_ids), 0
     pending = ""            # text held back because it may start a stop string
     shown = 0               # characters yielded so far
@@ -409,8 +419,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         now = time.perf_counter()
         pt = (t_first or now) - t0
         gt = now - (t_first or now)
-        return Event(text, token, reason, n_prompt, n_gen, model.last_prefill_tokens,
-                     model.last_prefill_tokens / pt if pt > 0 else 0.0,
+        computed = getattr(gen, "prefill_tokens", model.last_prefill_tokens)
+        return Event(text, token, reason, n_prompt, n_gen, computed, computed / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
                      post.boxes(shown) if post and reason else [], reasoning=reasoning,
                      videos=videos if reason else [])

@@ -268,7 +268,11 @@ class Net:
         except BaseException:
             # A traceback kept after a failed pass (pytest.raises, a notebook's last error) holds
             # this frame: its extractor and Mats would outlive the pools they came from, and
-            # ncnn aborts when the pools go first. Drop them before the exception leaves.
+            # ncnn aborts when the pools go first. Drop them before the exception leaves; the
+            # hook's frames (also in the traceback) hold the very dict of Mats it was handed,
+            # so it is emptied, not just let go of here.
+            if got is not None:
+                got.clear()
             ex = done = got = None
             raise
         # in graph order: in light mode a blob is freed once its consumers ran, and extracting
@@ -299,6 +303,18 @@ def blob_order(param_path) -> tuple[dict, set]:
         for b in parts[4 + n_in: 4 + n_in + n_out]:
             order[b] = i
     return order, set(order) - used
+
+
+def param_layers(param_path) -> list[tuple[str, str, list, list]]:
+    """From a .param file: (type, name, input blobs, output blobs) per layer, in graph order."""
+    out = []
+    with open(param_path) as f:
+        for line in f.read().split("\n")[2:]:
+            parts = line.split()
+            if len(parts) >= 4:
+                n_in, n_out = int(parts[2]), int(parts[3])
+                out.append((parts[0], parts[1], parts[4: 4 + n_in], parts[4 + n_in: 4 + n_in + n_out]))
+    return out
 
 
 def layer_outputs(param_path) -> dict:
@@ -838,6 +854,118 @@ class Decoder:
         extra = {n: from_mat(res[n]) for n in extract}
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
+
+    def forward_rows(self, embeds: np.ndarray, parts: list, positions: np.ndarray, ids=None) -> np.ndarray:
+        """One forward over the rows of several sequences: ``parts`` lists ``(cache, rows)`` in
+        row order, ``positions`` [axes, rows] and ``ids`` (or None) cover all rows. Every weight
+        is read once for all of them; what belongs to one sequence — its attention over its own
+        KV cache, its conv window and host state — runs per sequence on the same graph (a
+        sub-run fed that layer's inputs runs only that layer). Each cache is updated in place;
+        returns the final hidden states [rows, H]."""
+        if isinstance(self.net, SectionedNet):
+            raise EdgevlError("low-memory mode runs one sequence at a time; run without --low-memory "
+                              "to decode several together")
+        plan = self.row_plan()
+        total = int(embeds.shape[0])
+        bounds = np.cumsum([0] + [int(n) for _, n in parts])
+        if bounds[-1] != total:
+            raise ValueError(f"{bounds[-1]} rows in parts for {total} embedding rows")
+        positions = np.asarray(positions).reshape(-1, total)
+        cos, sin = self.rope(positions)
+        names = self.info["inputs"]
+        new = [{} for _ in parts]       # each sequence's state outputs, applied when the forward is whole
+
+        def rows(a, b):
+            return a[(slice(None),) * (a.ndim - 2) + (slice(bounds[b], bounds[b + 1]),)]
+
+        def attention(step):
+            (q, k, v), (o, ko, vo), mask, state = step["extract"], step["outputs"], step["mask"], step["state"]
+
+            def run(blobs):
+                outs = []
+                for b, (cache, n) in enumerate(parts):
+                    feeds = {q: rows(blobs[q], b), k: rows(blobs[k], b), v: rows(blobs[v], b),
+                             **cache.layers[state].feeds()}
+                    if mask:
+                        feeds[mask] = causal_mask(cache.length, n)
+                    r = self.net.execute(feeds, [(o, 0), (ko, 1), (vo, 1)])
+                    new[b].update({ko: r[ko], vo: r[vo]})
+                    outs.append(from_mat(r[o]))
+                return {o: np.concatenate(outs, axis=outs[0].ndim - 2)}
+            return run
+
+        def recurrent(step):
+            p, pre, post, conv = step["pass"], step["extract"][0], step["post"], step["conv"]
+            rest, hook = step["extract"][1:], self.hooks[step["pass"]["hook"]]
+
+            def run(blobs):
+                outs = []
+                for b, (cache, n) in enumerate(parts):
+                    window = cache.layers[conv]
+                    r = self.net.execute({pre: rows(blobs[pre], b), **window.feeds()},
+                                         [(window.outputs[0], 0), (post, 0)])
+                    new[b][window.outputs[0]] = r[window.outputs[0]]
+                    got = hook({post: r[post], **{x: to_mat(rows(blobs[x], b)) for x in rest}}, seq=n,
+                               state=cache.layers[int(p["state"])], **p.get("args", {}))
+                    outs.append({k: v if isinstance(v, np.ndarray) else from_mat(v) for k, v in got.items()})
+                return {k: np.concatenate([o[k] for o in outs], axis=outs[0][k].ndim - 2) for k in outs[0]}
+            return run
+
+        passes = []
+        for step in plan:
+            if step["kind"] == "attention":
+                passes.append((step["extract"], attention(step)))
+            elif step["kind"] == "recurrent":
+                passes.append((step["extract"], recurrent(step)))
+            elif step["pass"].get("when", "always") == "always" or total > 1:
+                passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
+        hidden = self.info["outputs"]["hidden"]
+        res = self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin}, [(hidden, 0)], passes)
+        for (cache, _), b, out in zip(parts, range(len(parts)), new):
+            cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
+        return from_mat(res[hidden])
+
+    def row_plan(self) -> list:
+        """The steps :meth:`forward_rows` takes, in graph order (from the graph's param file and
+        the manifest): ``attention`` for each SDPA layer with a KV cache (its q, k, v extracted),
+        ``recurrent`` for each host pass with a state (the rows entering its conv window
+        extracted, then conv and host step per sequence), ``pass`` for the other host passes
+        (e.g. MoE routing), which work row by row already."""
+        if getattr(self, "_row_plan", None) is not None:
+            return self._row_plan
+        layers = param_layers(self.net.where)
+        producer = {b: lay for lay in layers for b in lay[3]}
+        consumers: dict = {}
+        for lay in layers:
+            for b in lay[2]:
+                consumers.setdefault(b, []).append(lay)
+        state_in = {n: k for k, spec in enumerate(self.info["state"]) for n in spec["inputs"]}
+        state_out = {n: k for k, spec in enumerate(self.info["state"]) for n in spec["outputs"]}
+        plan = []
+        for kind, _, ins, outs in layers:
+            if kind != "SDPA":
+                continue
+            if len(ins) < 5 or ins[-1] not in state_in:
+                raise EdgevlError("this decoder graph has attention without a cache; it cannot decode "
+                                  "several sequences together")
+            plan.append({"kind": "attention", "extract": ins[:3], "outputs": outs[:3],
+                         "mask": ins[3] if len(ins) == 6 else None, "state": state_in[ins[-1]]})
+        for p in self.passes:
+            if "state" not in p:
+                plan.append({"kind": "pass", "extract": list(p["extract"]), "pass": p})
+                continue
+            # a recurrent layer: extract[0] is its conv window's output, extract[1] the conv's
+            # output (the core's first input); the window's input joins the rows in a Concat
+            conv = state_out[p["extract"][0]]
+            window_in = self.info["state"][conv]["inputs"][0]
+            concat = next(lay for lay in consumers[window_in] if lay[0] == "Concat")
+            pre = producer[next(b for b in concat[2] if b != window_in)][2][0]
+            plan.append({"kind": "recurrent", "extract": [pre, *p["extract"][2:]], "post": p["extract"][1],
+                         "conv": conv, "pass": p})
+        order = self.net.order
+        plan.sort(key=lambda st: max(order.get(b, 0) for b in st["extract"]))
+        self._row_plan = plan
+        return plan
 
     def _hook(self, p: dict, seq: int, cache: Cache, ids=None, undoable: bool = False):
         fn, args = self.hooks[p["hook"]], dict(p.get("args", {}))

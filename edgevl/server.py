@@ -94,11 +94,13 @@ class HTTPError(Exception):
 
 
 class Gate:
-    """One generation at a time; at most ``max_queue`` requests wait for it, more get 429."""
+    """``slots`` generations at a time (the engine's); at most ``max_queue`` requests wait for
+    one, more get 429."""
 
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, slots: int = 1):
         self.max_queue = max_queue
-        self.lock = threading.Lock()
+        self.lock = threading.BoundedSemaphore(slots)
+        self.held = 0       # requests holding a slot
         self._count = threading.Lock()
         self.waiting = 0
 
@@ -118,10 +120,18 @@ class Gate:
             finally:
                 with self._count:
                     self.waiting -= 1
+        with self._count:
+            self.held += 1
         try:
             yield
         finally:
+            with self._count:
+                self.held -= 1
             self.lock.release()
+
+    def locked(self) -> bool:
+        """Whether a request holds a slot."""
+        return self.held > 0
 
 
 # -- request parsing (no model access: runs outside the lock) ----------------------------------
@@ -757,8 +767,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes --------------------------------------------------------------------------------
     def _health(self):
         s = self.server
-        self._send(200, {"status": "ok", "model": s.model_id, "busy": s.gate.lock.locked(),
-                         "waiting": s.gate.waiting})
+        self._send(200, {"status": "ok", "model": s.model_id, "busy": s.gate.locked(), "running": s.gate.held,
+                         "slots": s.engine.parallel, "waiting": s.gate.waiting})
 
     def _models(self, model_id=None):
         self._check_key()
@@ -789,7 +799,7 @@ class Handler(BaseHTTPRequestHandler):
             # their compressed bytes, however large the images
             decoded = decode_images(messages)
             try:
-                with closing(stream_events(self.server.model, decoded, **kwargs)) as events:
+                with closing(stream_events(self.server.model, decoded, engine=self.server.engine, **kwargs)) as events:
                     first = next(events)  # template, images, prefill: errors here still get a status
                     if stream:
                         self._stream(chain([first], events), include_usage)
@@ -898,7 +908,7 @@ class EdgevlServer(ThreadingHTTPServer):
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
                  max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
-                 thinking: bool | None = None):
+                 thinking: bool | None = None, parallel: int = 4):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -920,7 +930,11 @@ class EdgevlServer(ThreadingHTTPServer):
         self.model_id = model_name or folder
         self.model_ids = {self.model_id, folder}
         self.strict_model = strict_model
-        self.gate = Gate(int(max_queue))
+        from .engine import Engine
+
+        # requests decode together in the engine's slots; the gate queues the rest
+        self.engine = Engine(model, parallel)   # checks parallel before the port is taken
+        self.gate = Gate(int(max_queue), parallel)
         self.created = int(time.time())
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -949,6 +963,10 @@ class EdgevlServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
 
+    def server_close(self):
+        super().server_close()
+        self.engine.close()
+
 
 def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
                 **options) -> tuple[EdgevlServer, threading.Thread]:
@@ -963,6 +981,17 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | No
     return server, thread
 
 
+def memory_line(server) -> str:
+    """What the slots may take beside the weights: each holds one sequence's state, which
+    grows with its tokens up to the context."""
+    engine, model = server.engine, server.model
+    weights = sum(p.stat().st_size for p in Path(model.path).iterdir() if p.is_file())
+    each = engine.state_bytes()
+    return (f"edgevl: {engine.parallel} slot{'s' if engine.parallel > 1 else ''} (--parallel) x up to "
+            f"{each / 2**20:.0f} MB of state each at the full {model.max_context}-token context, beside the "
+            f"package's {weights / 2**20:.0f} MB on disk: up to {(weights + engine.parallel * each) / 2**20:.0f} MB")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -973,18 +1002,20 @@ def _is_loopback(host: str) -> bool:
 def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
-          strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None) -> int:
+          strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
+          parallel: int = 4) -> int:
     """Serve until Ctrl-C (the ``edgevl serve`` command)."""
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,
-                          chat_template_kwargs=chat_template_kwargs, thinking=thinking)
+                          chat_template_kwargs=chat_template_kwargs, thinking=thinking, parallel=parallel)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
     print(f"edgevl: serving {server.model_id} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    print(memory_line(server), flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -272,44 +272,52 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
         return
     history.append(tok)
     while True:
-        fed = len(model.cache_keys)
-        k = trial.length(mtp.k) if mtp.adaptive else mtp.k
-        m = min(k, left, model.max_context - fed - 1) if trial.active else 0
-        drafts = mtp.draft(tok, m) if m > 0 else []
-        rows = [tok, *drafts]
-        # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
-        # 4th row (taken back with the rejected ones) costs less than it saves
-        fed_rows = rows + rows[-1:] if len(rows) == 3 and mtp.pad else rows
-        start = model.cache.next_position
-        pos = np.arange(start, start + len(fed_rows), dtype=np.int64)[None]
-        with model._whole_or_nothing():
-            hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=bool(drafts))
-            lg = model.logits(hidden)
-            out = []
-            for i, d in enumerate(drafts):
-                out.append(sampler.check(lg[i], history + out, d))
-                if out[-1] != d:
-                    break
-            else:
-                out.append(sampler(lg[len(drafts)], history + out))
-            accepted = len(out) - 1
-            # where the answer ends inside this cycle (a stop token, the context, the budget)
-            end = next((i + 1 for i, t in enumerate(out)
-                        if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
-            emit = out[:end] if end else out
-            keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
-            model.decoder.undo(model.cache, len(fed_rows), len(fed_rows) - keep)
-            model.cache_keys.extend(rows[:keep])
-        model.note_hidden(hidden[keep - 1])
-        # a draft counts where its target is part of the answer (not past its end)
-        d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
-        mtp.drafted += d
-        mtp.accepted += a
-        if trial.update(d, a, len(emit)):
-            mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed)
+        emit, end = cycle(model, mtp, sampler, tok, history, stops, left, trial)
         yield from emit
         history += emit
         left -= len(emit)
         if end:
             return
         tok = emit[-1]
+
+
+def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: int, trial: Trial) -> tuple:
+    """One draft-and-verify cycle from ``tok``, the newest token not yet fed to the decoder:
+    (the tokens it decides, 1 to K+1, and whether the answer ends with them). ``history``
+    holds the tokens up to ``tok`` (not the ones decided here)."""
+    fed = len(model.cache_keys)
+    k = trial.length(mtp.k) if mtp.adaptive else mtp.k
+    m = min(k, left, model.max_context - fed - 1) if trial.active else 0
+    drafts = mtp.draft(tok, m) if m > 0 else []
+    rows = [tok, *drafts]
+    # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
+    # 4th row (taken back with the rejected ones) costs less than it saves
+    fed_rows = rows + rows[-1:] if len(rows) == 3 and mtp.pad else rows
+    start = model.cache.next_position
+    pos = np.arange(start, start + len(fed_rows), dtype=np.int64)[None]
+    with model._whole_or_nothing():
+        hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=bool(drafts))
+        lg = model.logits(hidden)
+        out = []
+        for i, d in enumerate(drafts):
+            out.append(sampler.check(lg[i], history + out, d))
+            if out[-1] != d:
+                break
+        else:
+            out.append(sampler(lg[len(drafts)], history + out))
+        accepted = len(out) - 1
+        # where the answer ends inside this cycle (a stop token, the context, the budget)
+        end = next((i + 1 for i, t in enumerate(out)
+                    if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
+        emit = out[:end] if end else out
+        keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
+        model.decoder.undo(model.cache, len(fed_rows), len(fed_rows) - keep)
+        model.cache_keys.extend(rows[:keep])
+    model.note_hidden(hidden[keep - 1])
+    # a draft counts where its target is part of the answer (not past its end)
+    d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
+    mtp.drafted += d
+    mtp.accepted += a
+    if trial.update(d, a, len(emit)):
+        mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed)
+    return emit, bool(end)

@@ -17,6 +17,7 @@ from edgevl import cli
 from edgevl.boxes import Box
 from edgevl.demo import demo_package
 from edgevl.demo import scenes as S
+from edgevl.engine import Engine
 from edgevl.model import Model
 from edgevl.models.youtu_vl.processing import target_size
 from edgevl.server import make_server
@@ -36,6 +37,8 @@ def force(monkeypatch, model, text):
         yield from ids
 
     monkeypatch.setattr(Model, "generate_tokens", fake)
+    # the server's requests go through its engine
+    monkeypatch.setattr(Engine, "generate_tokens", lambda self, *a, **k: fake(self.model, *a, **k))
     return ids
 
 

@@ -9,6 +9,7 @@ import pytest
 import edgevl
 from edgevl.chat import chat_loop
 from edgevl.demo import demo_package
+from edgevl.engine import Engine
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.server import make_server
@@ -67,6 +68,13 @@ def record_prompts(model, monkeypatch) -> list:
         return real(input_ids, *a, **k)
 
     monkeypatch.setattr(model, "generate_tokens", spy)
+    engine_real = Engine.generate_tokens
+
+    def engine_spy(self, input_ids, *a, **k):   # the server's requests go through its engine
+        seen.append(list(input_ids))
+        return engine_real(self, input_ids, *a, **k)
+
+    monkeypatch.setattr(Engine, "generate_tokens", engine_spy)
     return seen
 
 

@@ -22,7 +22,7 @@ def endless():
     context end (several seconds), as a model that rambles would."""
     model = edgevl.load(demo_package())
     model.eos_ids = set()
-    srv, _ = make_server(model, max_queue=4)
+    srv, _ = make_server(model, max_queue=4, parallel=1)   # one slot: the second request queues
     yield srv
     srv.stop()
 
@@ -30,12 +30,12 @@ def endless():
 def test_non_streaming_client_that_hangs_up_stops_generation(endless):
     port = endless.server_address[1]
     s = send_raw(port, {"messages": MSGS})  # no max_tokens: up to the context end
-    assert wait_for(endless.gate.lock.locked, 10) is not None
+    assert wait_for(endless.gate.locked, 10) is not None
     time.sleep(0.3)
     s.close()
-    took = wait_for(lambda: not endless.gate.lock.locked(), 5)
+    took = wait_for(lambda: not endless.gate.locked(), 5)
     assert took is not None and took < 1.0, took
-    assert len(endless.model.cache_keys) < 1000  # stopped early, not at the 2048-token context end
+    assert len(endless.engine.slots[0].keys) < 1000  # stopped early, not at the 2048-token context end
     status, body, _ = post(port, {"messages": MSGS, "max_tokens": 3})  # the model serves the next one
     assert status == 200 and body["usage"]["completion_tokens"] == 3
 
@@ -43,24 +43,24 @@ def test_non_streaming_client_that_hangs_up_stops_generation(endless):
 def test_queued_client_that_hangs_up_leaves_the_queue(endless):
     port = endless.server_address[1]
     first = send_raw(port, {"messages": MSGS})
-    assert wait_for(endless.gate.lock.locked, 10) is not None
+    assert wait_for(endless.gate.locked, 10) is not None
     second = send_raw(port, {"messages": MSGS, "max_tokens": 5})
     assert wait_for(lambda: endless.gate.waiting == 1, 5) is not None
     second.close()
     took = wait_for(lambda: endless.gate.waiting == 0, 5)
-    assert took is not None and took < 1.0 and endless.gate.lock.locked()  # the first still runs
+    assert took is not None and took < 1.0 and endless.gate.locked()  # the first still runs
     first.close()
-    assert wait_for(lambda: not endless.gate.lock.locked(), 5) is not None
+    assert wait_for(lambda: not endless.gate.locked(), 5) is not None
 
 
 def test_streaming_client_that_hangs_up_while_text_is_held_back(endless):
     """Every piece is held back (it may start a stop string), so no write would notice."""
     port = endless.server_address[1]
     s = send_raw(port, {"messages": MSGS, "stream": True, "stop": ["".join(chr(c) for c in range(32, 127))]})
-    assert wait_for(endless.gate.lock.locked, 10) is not None
+    assert wait_for(endless.gate.locked, 10) is not None
     time.sleep(0.3)
     s.close()
-    took = wait_for(lambda: not endless.gate.lock.locked(), 5)
+    took = wait_for(lambda: not endless.gate.locked(), 5)
     assert took is not None and took < 1.0, took
 
 
@@ -132,12 +132,12 @@ def test_half_closed_http10_client_gets_its_answer(endless):
 def test_half_closed_client_keeps_its_place_in_the_queue(endless):
     port = endless.server_address[1]
     first = send_raw(port, {"messages": MSGS})
-    assert wait_for(endless.gate.lock.locked, 10) is not None
+    assert wait_for(endless.gate.locked, 10) is not None
     with ThreadPoolExecutor(1) as pool:
         second = pool.submit(half_closed, port, {"messages": MSGS, "max_tokens": 4})
         assert wait_for(lambda: endless.gate.waiting == 1, 5) is not None
         time.sleep(1.0)  # several looks at the connection while it waits
-        assert endless.gate.waiting == 1 and endless.gate.lock.locked()
+        assert endless.gate.waiting == 1 and endless.gate.locked()
         first.close()
         status, body = final_response(second.result(timeout=30))
     assert status == b"HTTP/1.1 200 OK" and json.loads(body)["usage"]["completion_tokens"] == 4, body

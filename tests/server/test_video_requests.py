@@ -238,7 +238,7 @@ def test_temporary_files_are_gone_when_the_request_ends(setup, tmp_path, monkeyp
     assert st == 400 and "context" in body["error"]["message"] and clean(), body
     s = streaming(port, url)                                                       # a client that hangs up
     s.close()
-    assert wait_for(lambda: not srv.gate.lock.locked(), 10) is not None
+    assert wait_for(lambda: not srv.gate.locked(), 10) is not None
     assert clean(), (os.listdir(tmp), _open_in(tmp))
 
 

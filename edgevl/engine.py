@@ -1,0 +1,306 @@
+"""Continuous batching: several requests decode together over one loaded model.
+
+An :class:`Engine` owns ``parallel`` slots, each one sequence's decoder state (KV caches,
+recurrent and host states, the MTP block's rows). Requests take a free slot (the one whose cached
+tokens share the longest prefix with the prompt, so a repeated system prompt or image is not
+computed again), are prefilled, and then decode together: each step is one decoder forward over
+the newest token of every decoding request (``Decoder.forward_rows``: the weights are read once
+for all rows; attention, conv windows and host states run per sequence), and each row is sampled
+with its own request's settings. A request that ends, is cancelled or whose client went away
+leaves at the next step; the others go on. When one request is decoding alone and the package
+has an MTP block, it drafts (a verify pass of a few rows costs about one plain step), as a lone
+``generate`` does.
+
+The scheduler runs on its own thread and hands every piece of ncnn work to the model's owner
+thread (``edgevl.owner``), one step at a time, so other callers of the model interleave with it.
+The server and ``edgevl batch`` are its clients (``Engine.generate_tokens`` takes what
+``Model.generate_tokens`` takes and yields the same tokens).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import speculative
+from .errors import EdgevlError
+from .runtime import state_bytes
+from .sample import Sampler
+
+_END = object()
+# the MTP block's per-sequence fields (the block's nets are shared)
+_MTP_FIELDS = ("cache", "rows", "embeds", "hidden", "positions", "js")
+
+
+class Slot:
+    """One sequence's state, kept after its request ends (prefix reuse)."""
+
+    def __init__(self, model):
+        self.cache = model.decoder.new_cache()
+        self.keys: list = []
+        self.hidden_at: dict = {}
+        self.mtp = None
+        if model.mtp is not None:
+            self.mtp = {"cache": model.mtp.decoder.new_cache(), "rows": [], "embeds": [], "hidden": [],
+                        "positions": [], "js": []}
+        self.request = None
+        self.used = 0   # when it last served (least recently used slots are taken first)
+
+    def shared_prefix(self, keys) -> int:
+        n = 0
+        for a, b in zip(self.keys, keys):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
+@contextmanager
+def bound(model, slot: Slot):
+    """The model's single-sequence state is the slot's while the block runs (owner thread)."""
+    saved = (model.cache, model.cache_keys, model._hidden_at)
+    model.cache, model.cache_keys, model._hidden_at = slot.cache, slot.keys, slot.hidden_at
+    mtp_saved = None
+    if slot.mtp is not None:
+        mtp_saved = {f: getattr(model.mtp, f) for f in _MTP_FIELDS}
+        for f in _MTP_FIELDS:
+            setattr(model.mtp, f, slot.mtp[f])
+    try:
+        yield
+    finally:
+        slot.cache, slot.keys, slot.hidden_at = model.cache, model.cache_keys, model._hidden_at
+        model.cache, model.cache_keys, model._hidden_at = saved
+        if mtp_saved is not None:
+            for f in _MTP_FIELDS:
+                slot.mtp[f] = getattr(model.mtp, f)
+                setattr(model.mtp, f, mtp_saved[f])
+
+
+class Stream:
+    """The tokens of one request, as the engine decides them (an iterator; ``close()`` cancels)."""
+
+    def __init__(self, engine, args: dict):
+        self.engine, self.args = engine, args
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.prefill_tokens = 0      # prompt tokens computed (the rest came from a slot's cache)
+        self.drafted = self.accepted = 0
+        self.done = False            # the consumer's side: nothing more to read
+        self.ended = False           # the engine's side: every token is out
+        # decoding state (scheduler thread)
+        self.slot: Slot | None = None
+        self.tok: int | None = None
+        self.left = 0
+        self.history: list = []
+        self.trial = speculative.Trial()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.done:
+            raise StopIteration
+        item = self.out.get()
+        if item is _END:
+            self.done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop generating (a client that went away): the request leaves at the next step."""
+        self.done = True
+        if not self.ended:
+            self.cancelled = True
+            self.engine._wake()
+
+
+class Engine:
+    """Decodes the requests of several clients together over ``model`` (see the module doc).
+    ``parallel``: sequences decoding at once (slots); more requests wait in order."""
+
+    def __init__(self, model, parallel: int = 4):
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 256:
+            raise EdgevlError(f"--parallel must be between 1 and 256, got {parallel!r:.40}")
+        if model.low_memory and parallel > 1:
+            raise EdgevlError("low-memory mode decodes one sequence at a time; use --parallel 1 or run "
+                              "without --low-memory")
+        self.model, self.parallel = model, parallel
+        self.slots = [Slot(model) for _ in range(parallel)]
+        self.waiting: deque = deque()
+        self.active: list[Stream] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.clock = 0
+        self.steps = self.rows = 0     # batched decoder forwards and the rows they carried
+        self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
+        self.thread.start()
+
+    # -- clients ---------------------------------------------------------------------------------
+    def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                        seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
+                        max_image_patches: int | None = None, ignore_eos: bool = False) -> Stream:
+        """As ``Model.generate_tokens``: new token ids until eos, ``stop_ids``, the budget or the
+        context end; the request decodes alongside the others."""
+        m = self.model
+        if max_new_tokens is None or int(max_new_tokens) < 0:
+            raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        rows, infos = m.encode_images(image, max_image_patches)
+        ids = [int(t) for t in input_ids]
+        stops = (set() if ignore_eos else m.eos_ids) | {int(t) for t in (stop_ids or [])}
+        s = Stream(self, {"ids": ids, "rows": rows, "infos": infos, "stops": stops, "reuse": reuse_cache,
+                          "sampler": Sampler(temperature, top_k, top_p, repetition_penalty, seed),
+                          "max_new": int(max_new_tokens)})
+        with self.cond:
+            if self.closed:
+                raise EdgevlError("the engine is closed")
+            self.waiting.append(s)
+            self.cond.notify()
+        return s
+
+    def state_bytes(self) -> int:
+        """Memory of one slot's decoder state at the full context (KV grows with the tokens)."""
+        return state_bytes(self.model.decoder.info["state"], self.model.max_context, self.model.kv_elem_bytes)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=30)
+        # the slots' states go now, with the model still whole (not whenever a collector finds them)
+        self.slots, self.active = [], []
+        self.waiting.clear()
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    # -- the scheduler -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and not self.waiting and not self.active:
+                    self.cond.wait()
+                if self.closed:
+                    for s in [*self.waiting, *self.active]:
+                        s.out.put(EdgevlError("the server is shutting down"))
+                    return
+                self._admit()
+            self._drop_finished()
+            fresh = [s for s in self.active if s.tok is None]
+            if fresh:   # one prompt per round: the decoding requests wait for at most one prefill
+                self._run(self._prefill, [fresh[0]])
+                continue
+            decoding = [s for s in self.active if s.tok is not None]
+            if not decoding:
+                continue
+            alone = len(decoding) == 1 and not self.waiting and self.model.mtp is not None
+            self._run(self._cycle if alone else self._step, decoding)
+
+    def _admit(self) -> None:
+        """Free slots to waiting requests, in arrival order (under the lock)."""
+        while self.waiting:
+            s = self.waiting[0]
+            if s.cancelled:
+                self.waiting.popleft()
+                continue
+            free = [sl for sl in self.slots if sl.request is None]
+            if not free:
+                return
+            self.waiting.popleft()
+            keys = self.model._keys(s.args["ids"], s.args["rows"]) if s.args["reuse"] else []
+            slot = max(free, key=lambda sl: (sl.shared_prefix(keys), -sl.used))
+            self.clock += 1
+            slot.request, slot.used, s.slot = s, self.clock, slot
+            self.active.append(s)
+
+    def _drop_finished(self) -> None:
+        for s in [s for s in self.active if s.cancelled or s.ended]:
+            self.active.remove(s)
+            s.slot.request = None
+
+    def _run(self, fn, streams: list) -> None:
+        """``fn(streams)`` on the owner thread; a failure ends those requests (their slots start
+        empty again: a failed step may have left a state half-written) and the others go on."""
+        try:
+            self.model._owner.call(fn, streams)
+        except BaseException as e:  # noqa: BLE001 - handed to each client of the failed step
+            for s in streams:
+                s.slot.__init__(self.model)
+                s.out.put(e)
+                s.ended = True
+
+    def _emit(self, s: Stream, tokens: list, end: bool) -> None:
+        for t in tokens:
+            s.out.put(int(t))
+        if end:
+            s.out.put(_END)
+            s.ended = True
+
+    # -- owner-thread work ------------------------------------------------------------------------
+    def _prefill(self, streams: list) -> None:
+        (s,) = streams
+        m, a = self.model, s.args
+        with bound(m, s.slot):
+            logits = m.prefill(a["ids"], a["rows"], a["reuse"], images=a["infos"])
+            s.prefill_tokens = m.last_prefill_tokens
+        s.history = list(a["ids"])
+        s.left = a["max_new"]
+        if s.left <= 0:
+            self._emit(s, [], True)
+            return
+        tok = a["sampler"](logits, s.history)
+        s.left -= 1
+        end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
+        s.tok = tok
+        self._emit(s, [tok], end)
+
+    def _step(self, streams: list) -> None:
+        """One forward over the newest token of each stream (one row each)."""
+        m = self.model
+        caches = [s.slot.cache for s in streams]
+        pos = np.array([[c.next_position for c in caches]], np.int64)
+        hidden = m.decoder.forward_rows(m.embedding([s.tok for s in streams]), [(c, 1) for c in caches], pos)
+        logits = m.head(hidden)
+        self.steps += 1
+        self.rows += len(streams)
+        for i, s in enumerate(streams):
+            s.slot.keys.append(int(s.tok))
+            if s.slot.mtp is not None:
+                # the block's next draft starts from this row (the tokens decoded in batches are
+                # not fed to it: drafts may be accepted less often, never wrongly)
+                with bound(m, s.slot):
+                    m.mtp._clear()
+                    m.mtp.add(np.zeros((0, hidden.shape[1]), np.float32), hidden[i:i + 1], pos[:, i:i + 1],
+                              len(s.slot.keys) - 1)
+                    m.note_hidden(hidden[i])
+            s.history.append(int(s.tok))
+            a = s.args
+            tok = a["sampler"](logits[i], s.history)
+            s.left -= 1
+            end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
+            s.tok = tok
+            self._emit(s, [tok], end)
+
+    def _cycle(self, streams: list) -> None:
+        """A lone stream drafts: one draft-and-verify cycle (speculative.cycle)."""
+        (s,) = streams
+        m = self.model
+        with bound(m, s.slot):
+            before = (m.mtp.drafted, m.mtp.accepted)
+            s.history.append(int(s.tok))
+            emit, end = speculative.cycle(m, m.mtp, s.args["sampler"], s.tok, s.history, s.args["stops"],
+                                          s.left, s.trial)
+            s.drafted += m.mtp.drafted - before[0]
+            s.accepted += m.mtp.accepted - before[1]
+        s.history += emit[:-1]
+        s.left -= len(emit)
+        s.tok = emit[-1]
+        self._emit(s, emit, end)

@@ -1,0 +1,194 @@
+"""The engine (continuous batching, edgevl/engine.py): requests decode together, each row with its
+own KV cache, conv window, host state and expert routing, and each request gets the greedy tokens
+it gets alone (fp32) — with mixed prompt lengths, images, stop tokens, budgets, drafting, more
+requests than slots, and a client that goes away mid-answer."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import edgevl
+from edgevl import verification
+from edgevl.engine import Engine
+from edgevl.errors import EdgevlError
+from edgevl.generate import prepare
+from support.common import CORPUS, smooth_image
+
+# every decoder kind: gated delta + gated attention with an MTP block and a vision tower; its MoE;
+# MLA; KDA + gated MLA with quantile-balanced routing and images
+CASES = [("qwen3_5", {"mtp": True, "train_steps": 20, "mtp_train_steps": 40}),
+         ("qwen3_5_moe", {"mtp": True}),
+         ("youtu", {}),
+         ("youtu_moe", {})]
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    for i, (family, kw) in enumerate(CASES):
+        v = verification.get(family)
+        variant = list(v.tiny_variants)[0]
+        kw = {k: x for k, x in kw.items() if k != "mtp" or family.startswith("qwen")}
+        ck = v.make_tiny(root / f"ck{i}", variant=variant, seed=90 + i, **kw)
+        out[family] = edgevl.convert(ck, root / f"pk{i}", dtype="fp32", progress=False)
+    yield out
+    for m in _models.values():   # the process's ncnn thread ends with its last model
+        m.close()
+    _models.clear()
+
+
+_models = {}
+
+
+def _model(packages, family):
+    if family not in _models:
+        _models[family] = edgevl.load(packages[family], prefill_chunk=16)
+    return _models[family]
+
+
+def requests(model) -> list:
+    """(prepared prompt, max_new_tokens) of different lengths, with an image where the model
+    takes images."""
+    out = [(prepare(model, " ".join(CORPUS[:5])), 30),          # several prefill chunks
+           (prepare(model, "Describe a cat."), 12),
+           (prepare(model, "Count to ten."), 25),
+           (prepare(model, "Name a colour."), 18)]
+    if model.vision is not None:
+        out.append((prepare(model, [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                      "text": "What is this?"}]}],
+                            image=[smooth_image(64, 90, 4)]), 20))
+    return out
+
+
+def alone(model, prep, n, stop_ids=None) -> list:
+    return list(model.generate_tokens(prep.input_ids, n, image=prep.encoded, reuse_cache=False, ignore_eos=True,
+                                      stop_ids=stop_ids))
+
+
+def consume(stream, into: list, cancel_after: int | None = None) -> None:
+    for t in stream:
+        into.append(t)
+        if cancel_after is not None and len(into) >= cancel_after:
+            stream.close()
+            return
+
+
+@pytest.mark.parametrize("family", [f for f, _ in CASES])
+def test_batched_greedy_tokens_are_the_ones_each_request_gets_alone(packages, family):
+    model = _model(packages, family)
+    reqs = requests(model)
+    want = [alone(model, p, n) for p, n in reqs]
+    # a stop token: the request ends where its alone run produced it
+    stop_at = want[2][6]
+    want[2] = want[2][:want[2].index(stop_at) + 1]
+    engine = Engine(model, parallel=3)    # fewer slots than requests: some wait, slots are reused
+    try:
+        got = [[] for _ in reqs]
+        streams = [engine.generate_tokens(p.input_ids, n, image=p.encoded, ignore_eos=True,
+                                          stop_ids=[stop_at] if i == 2 else None) for i, (p, n) in enumerate(reqs)]
+        # a client that goes away after 4 tokens: the others go on
+        gone = engine.generate_tokens(reqs[1][0].input_ids, 200, ignore_eos=True)
+        threads = [threading.Thread(target=consume, args=(s, g)) for s, g in zip(streams, got)]
+        left = []
+        threads.append(threading.Thread(target=consume, args=(gone, left, 4)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"request {i}: {g} != {w}"
+        assert left == alone(model, reqs[1][0], 4)
+        assert engine.rows > engine.steps > 0      # several requests shared decoder forwards
+    finally:
+        engine.close()
+
+
+def test_drafting_runs_for_a_lone_request_and_output_is_unchanged(packages):
+    model = _model(packages, "qwen3_5")
+    prep, n = requests(model)[0]
+    engine = Engine(model, parallel=2)
+    try:
+        s = engine.generate_tokens(prep.input_ids, n, ignore_eos=True)
+        assert list(s) == alone(model, prep, n)
+        assert s.drafted > 0 and engine.steps == 0      # alone: draft-and-verify cycles, no plain steps
+    finally:
+        engine.close()
+
+
+def test_a_new_request_reuses_a_slot_that_holds_its_prefix(packages):
+    model = _model(packages, "youtu")
+    system = " ".join(CORPUS[:4])
+    first = prepare(model, [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}])
+    second = prepare(model, [{"role": "system", "content": system}, {"role": "user", "content": "Goodbye."}])
+    shared = next(i for i, (a, b) in enumerate(zip(first.input_ids, second.input_ids)) if a != b)
+    engine = Engine(model, parallel=2)
+    try:
+        list(engine.generate_tokens(first.input_ids, 3))
+        s = engine.generate_tokens(second.input_ids, 5, ignore_eos=True)
+        assert list(s) == alone(model, second, 5)
+        assert s.prefill_tokens == len(second.input_ids) - shared    # the shared system prompt came from the slot
+    finally:
+        engine.close()
+
+
+def test_engine_options_are_checked(packages):
+    model = _model(packages, "youtu")
+    for bad in (0, -1, 1.5, True, 1000):
+        with pytest.raises(EdgevlError, match="--parallel must be between 1 and 256"):
+            Engine(model, parallel=bad)
+
+
+def test_a_failing_step_ends_only_its_requests(packages, monkeypatch):
+    model = _model(packages, "youtu")
+    prep = requests(model)[1][0]
+    engine = Engine(model, parallel=2)
+    try:
+        real = model.decoder.forward_rows
+        calls = []
+
+        def fail(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return real(*a, **k)
+
+        monkeypatch.setattr(model.decoder, "forward_rows", fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            list(engine.generate_tokens(prep.input_ids, 10, ignore_eos=True))
+        monkeypatch.undo()
+        assert list(engine.generate_tokens(prep.input_ids, 6, ignore_eos=True)) == alone(model, prep, 6)
+    finally:
+        engine.close()
+
+
+def test_decoder_rows_of_several_caches_match_one_at_a_time(packages):
+    """forward_rows with rows of different lengths per sequence (a prompt chunk beside decode
+    rows) gives each sequence the hidden states and state its own forwards give."""
+    model = _model(packages, "qwen3_5")
+    dec = model.decoder
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(5, 200, n)) for n in (9, 4, 6)]
+
+    def run():
+        caches = [dec.new_cache() for _ in prompts]
+        alone_h = []
+        for ids, c in zip(prompts, caches):
+            h, _ = dec.forward(model.embedding(ids[:-2]), c, np.arange(len(ids) - 2)[None])
+        ref = [dec.new_cache() for _ in prompts]
+        for ids, c in zip(prompts, ref):
+            dec.forward(model.embedding(ids[:-2]), c, np.arange(len(ids) - 2)[None])
+            h, _ = dec.forward(model.embedding(ids[-2:]), c, np.arange(len(ids) - 2, len(ids))[None])
+            alone_h.append(h)
+        rows = [ids[-2:] for ids in prompts]
+        pos = np.concatenate([np.arange(len(ids) - 2, len(ids)) for ids in prompts])[None]
+        h = dec.forward_rows(model.embedding(sum(rows, [])), [(c, 2) for c in caches], pos)
+        return h, np.concatenate(alone_h), caches, ref
+
+    h, want, caches, ref = model._owner.call(run)
+    np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-5)
+    for c, r in zip(caches, ref):
+        assert c.length == r.length and c.next_positions == r.next_positions
+        for (k, a), (_, b) in zip(sorted(c.state_arrays().items()), sorted(r.state_arrays().items())):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(k))
