@@ -549,7 +549,14 @@
     return n;
   }
 
-  async function addFiles(files) {
+  let adding = Promise.resolve();
+  function addFiles(files) {
+    // one batch at a time: files keep the order they came in
+    adding = adding.then(() => addNow(files)).catch((e) => fileNote(["The files could not be read (" + e.message + ")."]));
+    return adding;
+  }
+
+  async function addNow(files) {
     if (!props) return;
     const notes = [];
     for (const f of files) {

@@ -9,7 +9,8 @@ import os
 import shutil
 import time
 
-INSTALL = "install them with: apt-get install chromium chromium-driver (and pip install -e '.[dev]' for selenium)"
+INSTALL = ("run scripts/install-chromium.sh (Debian's chromium and chromium-driver) and pip install -e '.[dev]' "
+           "(selenium)")
 
 
 def browser(width: int = 1200, height: int = 860):

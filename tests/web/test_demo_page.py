@@ -243,3 +243,27 @@ def test_api_key_is_asked_once_and_sent(driver, demo_model, scenes, start_server
     # kept: a reload asks no more
     open_page(driver, srv.url, srv.model_id, keep_storage=True)
     assert not driver.find_element("id", "key-dialog").get_attribute("open")
+
+
+GIVE = """
+const [b64, name, how] = arguments;
+const data = new DataTransfer();
+data.items.add(new File([Uint8Array.from(atob(b64), (c) => c.charCodeAt(0))], name, {type: 'image/png'}));
+const target = document.getElementById(how === 'drop' ? 'messages' : 'prompt');
+target.dispatchEvent(how === 'drop'
+  ? new DragEvent('drop', {dataTransfer: data, bubbles: true, cancelable: true})
+  : new ClipboardEvent('paste', {clipboardData: data, bubbles: true, cancelable: true}));
+"""
+
+
+def test_dropped_and_pasted_images_go_with_the_question(driver, demo, scenes):
+    open_page(driver, demo.url, demo.model_id)
+    driver.execute_script(GIVE, base64.b64encode(scenes[37].read_bytes()).decode(), "dropped.png", "drop")
+    driver.execute_script(GIVE, base64.b64encode(scenes[5].read_bytes()).decode(), "pasted.png", "paste")
+    wait(lambda: len(driver.find_elements("css selector", "#pending .thumb img")) == 2, 10, "two thumbnails")
+    assert [text_of(f) for f in driver.find_elements("css selector", "#pending figcaption")] == \
+        ["dropped.png", "pasted.png"]
+    ask(driver, "How many shapes are there?")
+    got = wait_answer(driver, 1)
+    assert got["text"] == api(demo, [user("How many shapes are there?", scenes[37], scenes[5])])["content"]
+    assert len(driver.find_elements("css selector", ".msg.user .files img")) == 2
