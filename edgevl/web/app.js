@@ -497,6 +497,10 @@
     if (busy) return;
     const text = $("prompt").value;
     if (!text.trim() && !pending.length) return;
+    const imaged = pending.length || current.messages.some((m) => m.role === "user" && m.files.length);
+    // sent all the same, as `edgevl run` does: the note says why the answer means nothing
+    fileNote(props && props.needs_image && !imaged
+      ? ["This model answers questions about an image only: attach one, or its answer means nothing."] : []);
     current.messages.push({ role: "user", text, files: pending });
     pending = [];
     renderPending();

@@ -11,6 +11,7 @@ import pytest
 
 from edgevl import server as server_module
 from edgevl.demo.scenes import make_scene
+from support.clips import save_animation, small_frames
 from support.server import post
 from support.web import answers, ask, attach, open_page, requested_urls, set_settings, text_of, wait, wait_answer
 
@@ -158,19 +159,32 @@ def test_bad_files_get_a_message_and_names_stay_text(driver, demo, tmp_path, sce
     clip.write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(64))
     hostile = tmp_path / "<img src=x onerror=window.pwned=1>.png"
     hostile.write_bytes(scenes[37].read_bytes())
-    attach(driver, notes, broken, clip, hostile)
+    gif = tmp_path / "moving.gif"
+    save_animation(gif, small_frames(3, 64, 48))
+    attach(driver, notes, broken, clip, hostile, gif)
     note = wait(lambda: text_of(driver.find_element("id", "file-note")), 10, "the file message")
     assert "notes.txt is not an image; choose a PNG, JPEG, WebP, GIF or BMP file." in note, note
     assert "broken.png could not be read as an image" in note, note
     assert "clip.mp4: this model (youtu_vl) takes no video; attach still images instead." in note, note
-    # the good file is attached, its name shown as text
-    [fig] = driver.find_elements("css selector", "#pending figure")
-    assert text_of(fig.find_element("css selector", "figcaption")) == hostile.name
+    assert "moving.gif: this model takes no video, so only the GIF's first frame is sent." in note, note
+    # the good files are attached, the names shown as text
+    figs = driver.find_elements("css selector", "#pending figure figcaption")
+    assert [text_of(f) for f in figs] == [hostile.name, "moving.gif"]
     ask(driver, "Describe the image.")
-    wait_answer(driver, 1)
+    got = wait_answer(driver, 1)
     assert text_of(driver.find_element("css selector", ".msg.user figcaption")) == hostile.name
+    assert got["text"] == api(demo, [user("Describe the image.", hostile, gif)])["content"]
     assert driver.execute_script("return window.pwned") is None
     assert not driver.find_elements("css selector", "img[src='x']")
+
+
+def test_a_question_without_an_image_gets_a_note(driver, demo):
+    open_page(driver, demo.url, demo.model_id)
+    ask(driver, "Describe the image.")
+    got = wait_answer(driver, 1)
+    assert got["text"] == api(demo, [user("Describe the image.")])["content"]  # sent all the same
+    assert text_of(driver.find_element("id", "file-note")) == \
+        "This model answers questions about an image only: attach one, or its answer means nothing."
 
 
 def test_api_errors_show_as_messages(driver, demo, scenes):
@@ -267,3 +281,43 @@ def test_dropped_and_pasted_images_go_with_the_question(driver, demo, scenes):
     got = wait_answer(driver, 1)
     assert got["text"] == api(demo, [user("How many shapes are there?", scenes[37], scenes[5])])["content"]
     assert len(driver.find_elements("css selector", ".msg.user .files img")) == 2
+
+
+FULL_STORAGE = """
+window.room = arguments[0];   // conversations the storage still takes
+const real = Storage.prototype.setItem;
+Storage.prototype.setItem = function (key, value) {
+  if (key === 'edgevl.conversations' && JSON.parse(value).length > window.room) {
+    throw new DOMException('the quota is exceeded', 'QuotaExceededError');
+  }
+  return real.call(this, key, value);
+};
+"""
+
+
+def test_a_full_storage_drops_the_oldest_conversations_then_says_so(driver, demo, scenes):
+    open_page(driver, demo.url, demo.model_id)
+    for k, seed in enumerate((37, 5)):
+        if k:
+            driver.find_element("id", "new-chat").click()
+        attach(driver, scenes[seed])
+        wait(lambda: driver.find_elements("css selector", "#pending .thumb img"), 10, "the thumbnail")
+        ask(driver, "Describe the image.")
+        wait_answer(driver, 1)
+    first, second = stored(driver)[::-1]
+    driver.execute_script(FULL_STORAGE, 2)
+    driver.find_element("id", "new-chat").click()
+    attach(driver, scenes[37])
+    wait(lambda: driver.find_elements("css selector", "#pending .thumb img"), 10, "the thumbnail")
+    ask(driver, "How many shapes are there?")
+    wait_answer(driver, 1)
+    kept = stored(driver)
+    assert [c["id"] for c in kept][1:] == [second["id"]]   # the oldest went
+    assert len(driver.find_elements("css selector", "#conversations li")) == 2
+    assert not driver.find_elements("css selector", "#messages > .note")
+    driver.execute_script("window.room = 0")
+    ask(driver, "What color is the background?")
+    wait_answer(driver, 2)
+    note = wait(lambda: driver.find_elements("css selector", "#messages > .note"), 5, "the note")[0]
+    assert text_of(note).startswith("This conversation is too large for the browser's storage")
+    assert [c["id"] for c in stored(driver)] == [c["id"] for c in kept]  # what was kept stays
