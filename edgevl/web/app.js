@@ -10,7 +10,7 @@
   const IMAGE_TYPES = "PNG, JPEG, WebP, GIF or BMP";
 
   let props = null;          // GET props, once the server answered
-  let conversations = load(STORE, []);
+  let conversations = load(STORE, []).filter((c) => c && Array.isArray(c.messages));
   let settings = load(SETTINGS, {});
   let current = null;        // the conversation shown
   let pending = [];          // files attached to the next message: {kind, name, mime, url}
@@ -19,7 +19,8 @@
 
   function load(key, fallback) {
     try {
-      return JSON.parse(localStorage.getItem(key)) ?? fallback;
+      const v = JSON.parse(localStorage.getItem(key));
+      return v !== null && typeof v === typeof fallback && Array.isArray(v) === Array.isArray(fallback) ? v : fallback;
     } catch (e) {
       return fallback;
     }
@@ -561,7 +562,10 @@
   }
 
   async function addNow(files) {
-    if (!props) return;
+    if (!props) {
+      fileNote(["The server has not described its model yet (is it running? does it want an API key?); try again."]);
+      return;
+    }
     const notes = [];
     for (const f of files) {
       const name = f.name || "pasted image";
