@@ -1018,7 +1018,9 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
     print(f"edgevl: serving {server.model_id} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
-    print(f"edgevl: chat page at {server.url}/", flush=True)
+    # a wildcard address listens everywhere: a browser on this machine opens it at loopback
+    page = server.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    print(f"edgevl: chat page at {page}/", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
