@@ -53,6 +53,8 @@ class Event:
     boxes: list = field(default_factory=list)    # last event only: Box tuples the answer names
     videos: list = field(default_factory=list)   # last event only: each video's processor info
     reasoning: str = ""                           # thinking text (models with reasoning markers)
+    drafted: int = 0                              # last event only: speculative decoding's drafts
+    accepted: int = 0                             # ... and how many of them were accepted
 
 
 @dataclass
@@ -420,10 +422,14 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
         pt = (t_first or now) - t0
         gt = now - (t_first or now)
         computed = getattr(gen, "prefill_tokens", model.last_prefill_tokens)
+        drafts = (0, 0)
+        if reason and model.mtp is not None:   # an engine's stream counts its own request's drafts
+            drafts = (gen.drafted, gen.accepted) if hasattr(gen, "drafted") else (model.mtp.drafted,
+                                                                                  model.mtp.accepted)
         return Event(text, token, reason, n_prompt, n_gen, computed, computed / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
                      post.boxes(shown) if post and reason else [], reasoning=reasoning,
-                     videos=videos if reason else [])
+                     videos=videos if reason else [], drafted=drafts[0], accepted=drafts[1])
 
     for token in gen:
         if t_first is None:

@@ -3,6 +3,8 @@
     POST /v1/chat/completions   JSON, or Server-Sent Events with "stream": true
     GET  /v1/models[/ID]        the one model this server runs
     GET  /health                liveness, no API key needed
+    GET  /                      the chat page (edgevl/web; its files need no key, the API does)
+    GET  /props                 what the model takes and its defaults, for the page
 
 Design:
 - ``ThreadingHTTPServer``: a thread per connection, so /health, errors and 429s answer while a
@@ -627,12 +629,15 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self, method: str):
         path = urlsplit(self.path).path.rstrip("/") or "/"
         routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
-                  "/v1/chat/completions": ("POST", self._chat)}
+                  "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
+                  "/": ("GET", lambda: self._page("index.html"))}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
+        if path.startswith("/web/"):
+            routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
-            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, GET /v1/models "
-                            "and GET /health", code="unknown_route")
+            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, GET /v1/models, "
+                            "GET /health and the chat page at /", code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
@@ -770,6 +775,27 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"status": "ok", "model": s.model_id, "busy": s.gate.locked(), "running": s.gate.held,
                          "slots": s.engine.parallel, "waiting": s.gate.waiting})
 
+    def _page(self, name: str):
+        """A file of the chat page: open without the API key, as the page must load to ask for it."""
+        from .web import asset
+
+        found = asset(unquote(name))
+        if found is None:
+            raise HTTPError(404, f"the chat page has no file {name!r}; open / for the page", code="unknown_route")
+        body, headers = found
+        self.send_response(200)
+        for k, v in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+        self._sent = True
+
+    def _props(self):
+        from .web import props
+
+        self._check_key()
+        self._send(200, props(self.server))
+
     def _models(self, model_id=None):
         self._check_key()
         s = self.server
@@ -879,7 +905,13 @@ class Handler(BaseHTTPRequestHandler):
         else:
             chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, ev.finish_reason)
             if include_usage:
-                self._event({**head, "choices": [], "usage": _usage(ev)})
+                # extension fields for the chat page's stats: the server's own speeds (the stream's
+                # arrival times blur them) and speculative decoding's counts
+                usage = {**_usage(ev), "timings": {"prompt_per_second": round(ev.prompt_tps, 1),
+                                                   "predicted_per_second": round(ev.generation_tps, 1)}}
+                if self.server.model.mtp is not None:   # this request's own counts
+                    usage["speculative"] = {"drafted": ev.drafted, "accepted": ev.accepted}
+                self._event({**head, "choices": [], "usage": usage})
         self._event(b"[DONE]")
         self.wfile.write(b"0\r\n\r\n")
 
@@ -1015,6 +1047,9 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
     print(f"edgevl: serving {server.model_id} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    # a wildcard address listens everywhere: a browser on this machine opens it at loopback
+    page = server.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    print(f"edgevl: chat page at {page}/", flush=True)
     print(memory_line(server), flush=True)
     try:
         server.serve_forever()

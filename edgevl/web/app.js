@@ -1,0 +1,681 @@
+// The chat page of `edgevl serve`. It uses only the server's public API: GET props (what the model
+// takes), POST v1/chat/completions streamed as Server-Sent Events. Text from the model or from file
+// names is only ever set as textContent (markdown.js builds its nodes the same way).
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const STORE = "edgevl.conversations", SETTINGS = "edgevl.settings", KEY = "edgevl.apiKey";
+  const FIELDS = ["temperature", "top_p", "max_tokens", "seed"];
+  const IMAGE_TYPES = "PNG, JPEG, WebP, GIF or BMP";
+
+  let props = null;          // GET props, once the server answered
+  let conversations = load(STORE, []).filter((c) => c && Array.isArray(c.messages));
+  let settings = load(SETTINGS, {});
+  let current = null;        // the conversation shown
+  let pending = [];          // files attached to the next message: {kind, name, mime, url}
+  let busy = null;           // {controller} while an answer streams
+  let unsaved = false;       // the browser's storage refused the last save
+
+  function load(key, fallback) {
+    try {
+      const v = JSON.parse(localStorage.getItem(key));
+      return v !== null && typeof v === typeof fallback && Array.isArray(v) === Array.isArray(fallback) ? v : fallback;
+    } catch (e) {
+      return fallback;
+    }
+  }
+
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  function headers() {
+    const h = { "Content-Type": "application/json" };
+    const key = localStorage.getItem(KEY);
+    if (key) h.Authorization = "Bearer " + key;
+    return h;
+  }
+
+  async function errorText(resp) {
+    // the server's errors are {"error": {"message": ...}}; anything else is shown as it came
+    const raw = await resp.text();
+    try {
+      const msg = JSON.parse(raw).error.message;
+      if (msg) return msg;
+    } catch (e) { /* not JSON */ }
+    return (raw.trim().split("\n")[0] || resp.statusText || "no details").slice(0, 300);
+  }
+
+  function banner(text) {
+    const b = $("banner");
+    b.textContent = text || "";
+    b.hidden = !text;
+  }
+
+  // -- the model ----------------------------------------------------------------------------------
+  async function loadProps() {
+    let resp;
+    try {
+      resp = await fetch("props", { headers: headers() });
+    } catch (e) {
+      banner("The server cannot be reached (" + e.message + "); is `edgevl serve` still running?");
+      return;
+    }
+    if (resp.status === 401) {
+      askKey(localStorage.getItem(KEY) ? "The server refused the key; enter the right one." : "");
+      return;
+    }
+    if (!resp.ok) {
+      banner("The server did not describe its model: " + (await errorText(resp)));
+      return;
+    }
+    props = await resp.json();
+    banner("");
+    showModel();
+  }
+
+  function showModel() {
+    $("model-name").textContent = props.model;
+    const caps = [props.images ? "images" : "text only"];
+    if (props.video) caps.push("video");
+    if (props.thinking.reasoning) caps.push("thinking");
+    if (props.speculative !== "none") caps.push("speculative decoding");
+    caps.push(props.context + "-token context");
+    $("model-caps").textContent = caps.join(" · ");
+    $("thinking-switch").hidden = !props.thinking.switch;
+    $("thinking").checked = settings.thinking ?? props.thinking.default;
+    $("attach").hidden = !props.images;
+    const input = $("file-input");
+    input.accept = props.video ? "image/*,video/*" : "image/*";
+    $("prompt").placeholder = props.needs_image
+      ? "Attach an image and ask about it (Enter sends, Shift+Enter: new line)"
+      : "Ask something (Enter sends, Shift+Enter: new line)";
+    FIELDS.forEach((f) => {
+      const v = props.defaults[f];
+      $("set-" + f).placeholder = v === null || v === undefined ? (f === "max_tokens" ? "to the context end" : "none") : String(v);
+    });
+  }
+
+  function askKey(note) {
+    const n = $("key-note");
+    n.textContent = note || "";
+    n.hidden = !note;
+    if (!$("key-dialog").open) $("key-dialog").showModal();
+    $("api-key").focus();
+  }
+
+  $("key-form").addEventListener("submit", () => {
+    localStorage.setItem(KEY, $("api-key").value.trim());
+    $("api-key").value = "";
+    loadProps();
+  });
+
+  // -- conversations --------------------------------------------------------------------------------
+  function newConversation() {
+    return { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "", messages: [],
+             updated: Date.now() };
+  }
+
+  function save() {
+    // the conversation last written to comes first in the list
+    if (current.messages.length) conversations = [current, ...conversations.filter((c) => c !== current)];
+    current.updated = Date.now();
+    const first = current.messages.find((m) => m.role === "user");
+    current.title = first ? (first.text.trim().split("\n")[0] || first.files.map((f) => f.name).join(", ")).slice(0, 60) : "";
+    // images make conversations large: when the storage is full the oldest others go first
+    const keep = conversations.slice();
+    for (;;) {
+      try {
+        localStorage.setItem(STORE, JSON.stringify(keep));
+        conversations = keep;
+        unsaved = false;
+        break;
+      } catch (e) {
+        const oldest = keep.filter((c) => c !== current).sort((a, b) => a.updated - b.updated)[0];
+        if (!oldest) {
+          unsaved = true;
+          break;
+        }
+        keep.splice(keep.indexOf(oldest), 1);
+      }
+    }
+    renderList();
+  }
+
+  function renderList() {
+    const ul = $("conversations");
+    ul.replaceChildren();
+    for (const c of conversations) {
+      const li = el("li", c === current ? "active" : "");
+      const open = el("button", "open", c.title || "(untitled)");
+      open.type = "button";
+      open.addEventListener("click", () => { if (!busy) show(c); });
+      const del = el("button", "delete", "×");
+      del.type = "button";
+      del.title = "Delete this conversation";
+      del.addEventListener("click", () => {
+        if (busy && c === current) return;
+        conversations = conversations.filter((x) => x !== c);
+        localStorage.setItem(STORE, JSON.stringify(conversations));
+        if (c === current) show(newConversation());
+        else renderList();
+      });
+      li.append(open, del);
+      ul.append(li);
+    }
+  }
+
+  function show(conv) {
+    current = conv;
+    renderMessages();
+    renderList();
+  }
+
+  $("new-chat").addEventListener("click", () => {
+    if (busy) return;
+    pending = [];
+    renderPending();
+    show(newConversation());
+    $("prompt").focus();
+  });
+
+  // -- messages ------------------------------------------------------------------------------------
+  function imagesBefore(index) {
+    // the request's images in order: a box's `image` is an index into them
+    const out = [];
+    current.messages.slice(0, index).forEach((m) => {
+      if (m.role === "user") m.files.forEach((f) => { if (f.kind === "image") out.push(f); });
+    });
+    return out;
+  }
+
+  function thumb(f) {
+    const fig = el("figure", "thumb");
+    if (f.kind === "video" && !f.mime.startsWith("image/")) {  // an animated GIF shows as an image
+      const v = el("video");
+      v.src = f.url;
+      v.muted = true;
+      v.controls = true;
+      v.preload = "metadata";
+      fig.append(v);
+    } else {
+      const im = el("img");
+      im.src = f.url;
+      im.alt = f.name;
+      fig.append(im);
+    }
+    fig.append(el("figcaption", "", f.name));
+    return fig;
+  }
+
+  function boxedImage(file, boxes) {
+    // the image with the answer's boxes as labelled elements over it, placed in percent of the
+    // image's own pixels so they follow its displayed size
+    const fig = el("figure", "boxed");
+    const frame = el("div", "frame");
+    const im = el("img");
+    im.alt = file.name;
+    frame.append(im);
+    im.addEventListener("load", () => {
+      const w = im.naturalWidth, h = im.naturalHeight;
+      boxes.forEach(({ b, n }) => {
+        const [x1, y1, x2, y2] = b.box;
+        const d = el("div", "box");
+        d.style.left = (100 * x1 / w) + "%";
+        d.style.top = (100 * y1 / h) + "%";
+        d.style.width = (100 * (x2 - x1 + 1) / w) + "%";
+        d.style.height = (100 * (y2 - y1 + 1) / h) + "%";
+        d.style.setProperty("--c", COLORS[n % COLORS.length]);
+        d.dataset.box = b.box.join(",");
+        d.append(el("span", "box-label", b.label || "box " + (n + 1)));
+        frame.append(d);
+      });
+    }, { once: true });
+    im.src = file.url;
+    fig.append(frame, el("figcaption", "", file.name));
+    return fig;
+  }
+  const COLORS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45"];
+
+  function renderMessage(m, index) {
+    const div = el("div", "msg " + m.role);
+    div.dataset.index = index;
+    const last = index === current.messages.length - 1;
+    if (m.role === "user") {
+      if (m.editing) return renderEditor(m, index, div);
+      if (m.files.length) {
+        const files = el("div", "files");
+        m.files.forEach((f) => files.append(thumb(f)));
+        div.append(files);
+      }
+      div.append(el("div", "content user-text", m.text));
+      const actions = el("div", "actions");
+      const edit = el("button", "edit", "Edit");
+      edit.type = "button";
+      edit.addEventListener("click", () => { if (!busy) { m.editing = true; renderMessages(); } });
+      actions.append(edit);
+      div.append(actions);
+      return div;
+    }
+    div.dataset.state = m.streaming ? "streaming" : "done";
+    if (m.reasoning || m.thinking) {
+      const d = el("details", "reasoning");
+      const s = el("summary", "", m.thinking ? "Thinking…" : "Thoughts" + (m.thought ? " (" + m.thought.toFixed(1) + " s)" : ""));
+      d.append(s, el("div", "reasoning-text", m.reasoning));
+      div.append(d);
+    }
+    const content = el("div", "content");
+    window.EdgevlMarkdown.render(m.text, content);
+    div.append(content);
+    if (m.boxes && m.boxes.length) {
+      const images = imagesBefore(index);
+      const byImage = new Map();
+      m.boxes.forEach((b, n) => {
+        const k = b.image ?? 0;
+        if (!byImage.has(k)) byImage.set(k, []);
+        byImage.get(k).push({ b, n });
+      });
+      const figs = el("div", "figures");
+      for (const [k, boxes] of byImage) if (images[k]) figs.append(boxedImage(images[k], boxes));
+      div.append(figs);
+    }
+    if (m.stopped) div.append(el("div", "note", "Stopped."));
+    if (m.finish === "length" && !m.error) {
+      div.append(el("div", "note", "The answer reached the token limit (max tokens in the settings, or the context's end)."));
+    }
+    if (m.error) div.append(el("div", "error", m.error));
+    if (m.stats) div.append(el("div", "stats", statsText(m.stats)));
+    if (last && !m.streaming) {
+      const actions = el("div", "actions");
+      const again = el("button", "regenerate", "Regenerate");
+      again.type = "button";
+      again.addEventListener("click", regenerate);
+      actions.append(again);
+      div.append(actions);
+    }
+    return div;
+  }
+
+  function renderEditor(m, index, div) {
+    const box = el("textarea", "edit-text");
+    box.value = m.text;
+    const resend = el("button", "resend", "Send");
+    resend.type = "button";
+    const cancel = el("button", "cancel", "Cancel");
+    cancel.type = "button";
+    resend.addEventListener("click", () => {
+      delete m.editing;
+      if (busy) return;
+      // the turn is sent again as edited: what followed it is dropped
+      current.messages = current.messages.slice(0, index + 1);
+      m.text = box.value;
+      answer();
+    });
+    cancel.addEventListener("click", () => { delete m.editing; renderMessages(); });
+    box.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+        e.preventDefault();
+        resend.click();
+      }
+    });
+    const actions = el("div", "actions");
+    actions.append(resend, cancel);
+    if (m.files.length) {
+      const files = el("div", "files");
+      m.files.forEach((f) => files.append(thumb(f)));
+      div.append(files);
+    }
+    div.append(box, actions);
+    setTimeout(() => box.focus());
+    return div;
+  }
+
+  function statsText(s) {
+    const parts = [s.tokens + " tokens"];
+    if (s.ttft !== null) parts.push("first token " + s.ttft.toFixed(2) + " s");
+    if (s.tps !== null) parts.push(s.tps.toFixed(1) + " tokens/s");
+    if (s.drafted !== undefined) parts.push(s.accepted + " of " + s.drafted + " drafted tokens accepted");
+    if (s.prompt !== undefined) parts.push("prompt " + s.prompt + (s.cached ? " (" + s.cached + " cached)" : ""));
+    return parts.join(" · ");
+  }
+
+  function renderMessages() {
+    const box = $("messages");
+    const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    box.replaceChildren();
+    if (!current.messages.length) {
+      const hint = el("div", "empty");
+      hint.append(el("p", "", props && props.needs_image
+        ? "This model answers questions about an image: attach one (picker, drag and drop, or paste), then ask."
+        : "Ask something" + (props && props.images ? ", with images if you like (picker, drag and drop, or paste)." : ".")));
+      box.append(hint);
+    }
+    current.messages.forEach((m, i) => box.append(renderMessage(m, i)));
+    if (unsaved) box.append(el("div", "note", "This conversation is too large for the browser's storage (its images): it will not be kept after a reload."));
+    if (atEnd || busy) box.scrollTop = box.scrollHeight;
+  }
+
+  function renderLast() {
+    // while an answer streams only its own message is drawn again (the images above stay put)
+    const box = $("messages");
+    const i = current.messages.length - 1;
+    const old = box.querySelector('.msg[data-index="' + i + '"]');
+    if (!old) return renderMessages();
+    const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    old.replaceWith(renderMessage(current.messages[i], i));
+    if (atEnd) box.scrollTop = box.scrollHeight;
+  }
+
+  // -- sending -------------------------------------------------------------------------------------
+  function requestBody(messages) {
+    const out = [];
+    if ((settings.system || "").trim()) out.push({ role: "system", content: settings.system });
+    for (const m of messages) {
+      if (m.role === "user") {
+        const parts = m.files.map((f) => f.kind === "video"
+          ? { type: "video_url", video_url: { url: f.url } }
+          : { type: "image_url", image_url: { url: f.url } });
+        out.push({ role: "user", content: parts.length ? [...parts, { type: "text", text: m.text }] : m.text });
+      } else if (!m.error || m.text) {
+        out.push({ role: "assistant", content: m.text });  // a failed turn is left out
+      }
+    }
+    const body = { model: props.model, messages: out, stream: true, stream_options: { include_usage: true } };
+    for (const f of FIELDS) if (settings[f] !== undefined && settings[f] !== "") body[f] = Number(settings[f]);
+    if (props.thinking.switch) body.chat_template_kwargs = $("thinking").checked ? props.thinking.on : props.thinking.off;
+    return body;
+  }
+
+  async function answer() {
+    if (!props) {
+      await loadProps();
+      if (!props) return;
+    }
+    const m = { role: "assistant", text: "", reasoning: "", boxes: [], streaming: true };
+    const body = requestBody(current.messages);
+    current.messages.push(m);
+    const controller = new AbortController();
+    busy = { controller };
+    setBusy(true);
+    renderMessages();
+    const t0 = performance.now();
+    let first = null, end = null, usage = null, done = false, thinkStart = null;
+    let drawn = false;
+    const redraw = () => {
+      if (drawn) return;
+      drawn = true;
+      requestAnimationFrame(() => { drawn = false; renderLast(); });
+    };
+    try {
+      const resp = await fetch("v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                                         signal: controller.signal });
+      if (!resp.ok) {
+        const why = await errorText(resp);
+        m.error = (resp.status === 401 ? "The server needs its API key: " : "The server refused the request (" + resp.status + "): ") + why;
+        if (resp.status === 401) askKey("The server refused the key; enter the right one.");
+      } else {
+        const reader = resp.body.getReader();
+        const decoder = new TextDecoder();
+        let buf = "";
+        for (;;) {
+          const { value, done: eof } = await reader.read();
+          if (eof) break;
+          buf += decoder.decode(value, { stream: true });
+          let cut;
+          while ((cut = buf.indexOf("\n\n")) >= 0) {
+            const event = buf.slice(0, cut);
+            buf = buf.slice(cut + 2);
+            const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+            if (!data) continue;  // a comment: the server checking the connection
+            if (data === "[DONE]") { done = true; continue; }
+            const obj = JSON.parse(data);
+            if (obj.error) { m.error = "The answer failed: " + obj.error.message; continue; }
+            if (obj.usage) usage = obj.usage;
+            const ch = obj.choices && obj.choices[0];
+            if (!ch) continue;
+            const d = ch.delta || {};
+            if (d.reasoning_content) {
+              if (first === null) first = performance.now();
+              if (thinkStart === null) thinkStart = performance.now();
+              m.reasoning += d.reasoning_content;
+              m.thinking = true;
+            }
+            if (d.content) {
+              if (first === null) first = performance.now();
+              if (m.thinking) { m.thinking = false; m.thought = (performance.now() - thinkStart) / 1000; }
+              m.text += d.content;
+            }
+            if (d.boxes) m.boxes = d.boxes;
+            if (ch.finish_reason) m.finish = ch.finish_reason;
+            redraw();
+          }
+        }
+        end = performance.now();
+        if (!done && !m.error) m.error = "The answer was cut off: the connection to the server closed.";
+      }
+    } catch (e) {
+      if (e.name === "AbortError") m.stopped = true;
+      else m.error = "The server cannot be reached (" + e.message + "); is `edgevl serve` still running?";
+    }
+    end = end ?? performance.now();
+    if (m.thinking) { m.thinking = false; m.thought = (end - thinkStart) / 1000; }
+    delete m.streaming;
+    if (usage) {
+      const n = usage.completion_tokens;
+      const served = (usage.timings || {}).predicted_per_second;  // the server's own measure, when it gives one
+      m.stats = { tokens: n, ttft: first === null ? null : (first - t0) / 1000,
+                  tps: served || (first !== null && n > 1 && end > first ? (n - 1) / ((end - first) / 1000) : null),
+                  prompt: usage.prompt_tokens, cached: (usage.prompt_tokens_details || {}).cached_tokens || 0 };
+      if (usage.speculative) Object.assign(m.stats, usage.speculative);
+    }
+    busy = null;
+    setBusy(false);
+    save();
+    renderMessages();
+  }
+
+  function setBusy(on) {
+    $("send").hidden = on;
+    $("stop").hidden = !on;
+    document.body.classList.toggle("busy", on);
+  }
+
+  function regenerate() {
+    if (busy) return;
+    const last = current.messages[current.messages.length - 1];
+    if (last && last.role === "assistant") current.messages.pop();
+    if (current.messages.length) answer();
+  }
+
+  $("stop").addEventListener("click", () => { if (busy) busy.controller.abort(); });
+
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (busy) return;
+    const text = $("prompt").value;
+    if (!text.trim() && !pending.length) return;
+    const imaged = pending.length || current.messages.some((m) => m.role === "user" && m.files.length);
+    // sent all the same, as `edgevl run` does: the note says why the answer means nothing
+    fileNote(props && props.needs_image && !imaged
+      ? ["This model answers questions about an image only: attach one, or its answer means nothing."] : []);
+    current.messages.push({ role: "user", text, files: pending });
+    pending = [];
+    renderPending();
+    $("prompt").value = "";
+    answer();
+  });
+
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+
+  // -- files ---------------------------------------------------------------------------------------
+  function fileNote(lines) {
+    const n = $("file-note");
+    n.replaceChildren(...lines.map((l) => el("div", "", l)));
+    n.hidden = !lines.length;
+  }
+
+  function readAs(file, how) {
+    return new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(r.result);
+      r.onerror = () => reject(r.error);
+      r[how](file);
+    });
+  }
+
+  function decodes(url, kind) {
+    // whether the browser can show it: a damaged or mislabelled file is caught before sending
+    return new Promise((resolve) => {
+      const e = document.createElement(kind === "video" ? "video" : "img");
+      if (kind === "video") {
+        e.onloadedmetadata = () => resolve(true);
+        e.preload = "metadata";
+      } else {
+        e.onload = () => resolve(e.naturalWidth > 0);
+      }
+      e.onerror = () => resolve(false);
+      e.src = url;
+    });
+  }
+
+  function gifFrames(bytes) {
+    // frames of a GIF: each one starts with a graphic control extension (21 F9 04)
+    let n = 0;
+    for (let i = 0; i + 2 < bytes.length; i++) if (bytes[i] === 0x21 && bytes[i + 1] === 0xf9 && bytes[i + 2] === 0x04) n++;
+    return n;
+  }
+
+  let adding = Promise.resolve();
+  function addFiles(files) {
+    // one batch at a time: files keep the order they came in
+    adding = adding.then(() => addNow(files)).catch((e) => fileNote(["The files could not be read (" + e.message + ")."]));
+    return adding;
+  }
+
+  async function addNow(files) {
+    if (!props) {
+      fileNote(["The server has not described its model yet (is it running? does it want an API key?); try again."]);
+      return;
+    }
+    const notes = [];
+    for (const f of files) {
+      const name = f.name || "pasted image";
+      if (!props.images) {
+        notes.push(name + ": this model (" + props.family + ") takes text only; send the question without files.");
+        continue;
+      }
+      let kind = f.type.startsWith("image/") ? "image" : f.type.startsWith("video/") ? "video" : null;
+      if (kind === null) {
+        notes.push(name + " is not an image" + (props.video ? " or a video" : "") + "; choose a " + IMAGE_TYPES + " file"
+                   + (props.video ? ", or a video (MP4, WebM ...)" : "") + ".");
+        continue;
+      }
+      if (f.type === "image/gif") {
+        const animated = gifFrames(new Uint8Array(await f.arrayBuffer())) > 1;
+        if (animated && props.video) kind = "video";
+        else if (animated) notes.push(name + ": this model takes no video, so only the GIF's first frame is sent.");
+      }
+      if (kind === "video" && !props.video) {
+        notes.push(name + ": this model (" + props.family + ") takes no video; attach still images instead.");
+        continue;
+      }
+      if (f.size * 4 / 3 > props.max_body) {
+        notes.push(name + " is " + (f.size / 1e6).toFixed(1) + " MB; the server takes requests up to "
+                   + (props.max_body / 1e6 * 3 / 4).toFixed(1) + " MB of files; choose a smaller one.");
+        continue;
+      }
+      let url;
+      try {
+        url = await readAs(f, "readAsDataURL");
+      } catch (e) {
+        notes.push(name + " could not be read (" + e.message + ").");
+        continue;
+      }
+      if (kind === "image" && !(await decodes(url, kind))) {
+        notes.push(name + " could not be read as an image (damaged, or not the " + IMAGE_TYPES + " it claims to be).");
+        continue;
+      }
+      pending.push({ kind, name, mime: f.type, url });
+    }
+    fileNote(notes);
+    renderPending();
+  }
+
+  function renderPending() {
+    const box = $("pending");
+    box.replaceChildren();
+    pending.forEach((f, i) => {
+      const t = thumb(f);
+      const x = el("button", "remove", "×");
+      x.type = "button";
+      x.title = "Remove";
+      x.addEventListener("click", () => { pending.splice(i, 1); renderPending(); });
+      t.append(x);
+      box.append(t);
+    });
+  }
+
+  $("file-input").addEventListener("change", (e) => {
+    addFiles([...e.target.files]);
+    e.target.value = "";
+  });
+  document.addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])];
+    if (files.length) {
+      e.preventDefault();
+      addFiles(files);
+    }
+  });
+  let dragDepth = 0;
+  document.addEventListener("dragenter", (e) => {
+    if (!e.dataTransfer || ![...e.dataTransfer.types].includes("Files")) return;
+    dragDepth++;
+    $("drop-hint").hidden = false;
+  });
+  document.addEventListener("dragleave", () => {
+    if (--dragDepth <= 0) { dragDepth = 0; $("drop-hint").hidden = true; }
+  });
+  document.addEventListener("dragover", (e) => e.preventDefault());
+  document.addEventListener("drop", (e) => {
+    e.preventDefault();
+    dragDepth = 0;
+    $("drop-hint").hidden = true;
+    if (e.dataTransfer && e.dataTransfer.files.length) addFiles([...e.dataTransfer.files]);
+  });
+
+  // -- settings ------------------------------------------------------------------------------------
+  $("settings-button").addEventListener("click", () => {
+    $("set-system").value = settings.system || "";
+    FIELDS.forEach((f) => { $("set-" + f).value = settings[f] ?? ""; });
+    $("settings").showModal();
+  });
+  $("settings-reset").addEventListener("click", () => {
+    FIELDS.forEach((f) => { $("set-" + f).value = ""; });
+  });
+  $("settings").addEventListener("close", () => {
+    settings.system = $("set-system").value;
+    FIELDS.forEach((f) => {
+      const v = $("set-" + f).value.trim();
+      if (v === "" || !Number.isFinite(Number(v))) delete settings[f];
+      else settings[f] = v;
+    });
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  });
+  $("thinking").addEventListener("change", () => {
+    settings.thinking = $("thinking").checked;
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  });
+
+  // -- start ---------------------------------------------------------------------------------------
+  show(conversations[0] || newConversation());
+  loadProps().then(() => { if (props) renderMessages(); });
+})();
