@@ -38,6 +38,11 @@ Design:
   ``message.reasoning_content`` (streaming: ``delta.reasoning_content``), apart from ``content``,
   as vLLM and llama-server do; ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``)
   reaches the chat template, over the server's own defaults (``edgevl serve --no-thinking``).
+- Structured output (``edgevl.structured``): ``response_format`` json_object / json_schema as
+  OpenAI's, and, as vLLM's extension, ``structured_outputs`` ``{"json" | "regex" | "choice" |
+  "grammar": ...}`` (also its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+  ``guided_grammar``). Each is checked and compiled before the request queues (a bad schema or
+  grammar is a 400 in one line); compiled grammars are cached, a bounded number.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from itertools import chain
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from . import __version__
+from . import __version__, structured
 from .errors import EdgevlError, PackageError
 from .generate import model_template_kwargs, stream_events
 from .model import Model, load
@@ -486,6 +491,7 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
+    kwargs["response_format"] = _structure(req, server)
     from .processing.video import check_options as check_video_options
 
     # edgevl's extension, as the API's: {"fps": 1, "max_frames": 32, "max_pixels": 2000000}
@@ -500,6 +506,48 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         close_videos(messages)
         raise
     return messages, kwargs, stream, bool(opts.get("include_usage"))
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structure(req: dict, server: EdgevlServer):
+    """The answer's structure, compiled for the model (``structured.Compiled``), or None: from
+    ``response_format``, or vLLM's ``structured_outputs`` / ``guided_*`` extension; 400 when bad."""
+    given = [k for k in ("response_format", "structured_outputs", *GUIDED) if req.get(k) is not None]
+    rf = req.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text" and len(given) > 1:
+        given.remove("response_format")
+        rf = None
+    if len(given) > 1:
+        raise HTTPError(400, f"give one of {', '.join(given)}, not several", given[1], "invalid_response_format")
+    if not given:
+        return None
+    param = given[0]
+    try:
+        if param == "structured_outputs":
+            so = req[param]
+            if not isinstance(so, dict) or len([k for k in so if so[k] is not None]) != 1:
+                raise EdgevlError("structured_outputs must be an object with one of json, json_object, regex, "
+                                  "choice, grammar")
+            (key, value), = ((k, v) for k, v in so.items() if v is not None)
+            rf = _extension(key, value, param)
+        elif param in GUIDED:
+            rf = _extension(GUIDED[param], req[param], param)
+        structure = structured.parse(rf, where="response_format" if param == "response_format" else param)
+        return None if structure is None else structured.compiled(server.model, structure, param)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), param, "invalid_response_format") from None
+
+
+def _extension(key: str, value, param: str) -> dict:
+    if key == "json":
+        return {"type": "json_schema", "json_schema": {"schema": value}}
+    if key == "json_object":
+        return {"type": "json_object"}
+    if key in ("regex", "choice", "grammar"):
+        return {"type": key, key: value}
+    raise EdgevlError(f"{param}.{key} is not a structure; use json, json_object, regex, choice or grammar")
 
 
 def token_span(tok) -> int:

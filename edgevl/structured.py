@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,7 @@ def parse(response_format=None, json_schema_=None, where: str = "response_format
 
 _lock = threading.Lock()
 _tokenizers: dict = {}
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # a loaded tokenizer -> its file's key
 _compiled: OrderedDict = OrderedDict()
 
 
@@ -190,9 +192,16 @@ def tokenizer_for(model):
     """llguidance's view of the model's tokenizer, built from the package's own tokenizer.json once
     per file (content hash), vocabulary size and end tokens."""
     llg = _llg()
-    path = Path(model.tokenizer.folder) / "tokenizer.json"
-    text = path.read_bytes()
+    known = _keys.get(model.tokenizer)
+    if known is not None:
+        key = known[0]
+        with _lock:
+            tok = _tokenizers.get(key)
+        if tok is not None:
+            return key, tok
+    text = (Path(model.tokenizer.folder) / "tokenizer.json").read_bytes()
     key = (hashlib.sha256(text).hexdigest(), vocabulary(model), tuple(sorted(model.eos_ids)))
+    _keys[model.tokenizer] = (key,)
     with _lock:
         tok = _tokenizers.get(key)
     if tok is None:

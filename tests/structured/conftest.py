@@ -21,3 +21,20 @@ def qwen(qwen_package):
 @pytest.fixture(scope="session")
 def qwen_plain(qwen_package):
     return edgevl.load(qwen_package, speculative="none")
+
+
+@pytest.fixture(scope="module")
+def server(qwen_package):
+    """The random Qwen3.5 behind a server in this process, thinking off by default."""
+    from edgevl.server import make_server
+
+    srv, _ = make_server(edgevl.load(qwen_package), max_queue=4, thinking=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
