@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import structured
+from . import tools as tool_calls
 from .errors import EdgevlError
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
@@ -72,6 +73,7 @@ class Completion:
     generation_tokens: int
     reasoning: str = ""
     structure: str | None = None       # the kind of constrained answer (structured.KINDS), if any
+    tool_calls: list = field(default_factory=list)   # OpenAI tool_calls the answer makes (tools=)
 
     @property
     def json(self):
@@ -182,8 +184,8 @@ def _validate_messages(messages) -> None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise EdgevlError("each message needs 'role' and 'content' keys")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise EdgevlError(f"unknown message role {m['role']!r}; use system, user or assistant")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise EdgevlError(f"unknown message role {m['role']!r}; use system, user, assistant or tool")
 
 
 def template_kwargs(kwargs, switches=()) -> dict:
@@ -335,6 +337,7 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             messages = [{"role": "user", "content": content}]
             text = None
     else:
+        prompt = tool_calls.template_messages(prompt) if isinstance(prompt, list) else prompt
         _validate_messages(prompt)
         for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
             parts = _image_parts(prompt, (kind, kind + "_url"))
@@ -400,14 +403,24 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   reuse_cache: bool = True, postprocess: bool = True,
                   allow_special_in_content: bool = False, chat_template_kwargs=None,
                   thinking: bool | None = None, video=None, video_options: dict | None = None,
-                  response_format=None, json_schema=None) -> Iterator[Event]:
+                  response_format=None, json_schema=None, tools=None, tool_choice=None,
+                  parallel_tool_calls: bool | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
     ``response_format`` / ``json_schema``: the answer's structure (``structured.parse``; checked
-    and compiled before any work)."""
+    and compiled before any work). ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: OpenAI's
+    (``edgevl.tools``); the tools reach the chat template, "required" and a named function
+    constrain the answer to calls; ``complete`` reads the calls into ``Completion.tool_calls``."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     structure = structured.parse(response_format, json_schema)
+    spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
+    if spec is not None and spec.structure is not None:
+        if structure is not None:
+            raise EdgevlError(f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format")
+        structure = spec.structure
+    if spec is not None and spec.render:
+        chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": spec.render}
     compiled = structured.compiled(model, structure) if structure is not None else None
     settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
     if max_new_tokens is None:
@@ -516,10 +529,17 @@ def complete(model, prompt, image=None, **kwargs) -> Completion:
     structure = structured.parse(kwargs.pop("response_format", None), kwargs.pop("json_schema", None))
     if structure is not None:
         kwargs["response_format"] = structured.compiled(model, structure)
+    spec = tool_calls.prepare(model, kwargs.pop("tools", None), kwargs.pop("tool_choice", None),
+                              kwargs.pop("parallel_tool_calls", None))
+    kwargs["tools"] = spec
     text, thought, last = [], [], None
     for ev in stream_events(model, prompt, image=image, **kwargs):
         text.append(ev.text)
         thought.append(ev.reasoning)
         last = ev
-    return Completion("".join(text), last.boxes, last.finish_reason, last.prompt_tokens, last.generation_tokens,
-                      "".join(thought), structure.kind if structure is not None else None)
+    answer, calls, finish = "".join(text), [], last.finish_reason
+    if spec is not None and spec.parses:
+        answer, calls = tool_calls.parse(answer, spec)
+        finish = "tool_calls" if calls and finish == "stop" else finish
+    return Completion(answer, last.boxes, finish, last.prompt_tokens, last.generation_tokens,
+                      "".join(thought), structure.kind if structure is not None else None, calls)

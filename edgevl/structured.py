@@ -137,6 +137,11 @@ def grammar(text, where: str = "grammar") -> Structure:
     return Structure("grammar", g)
 
 
+def grammar_structure(lark: str, kind: str = "grammar") -> Structure:
+    """A Structure from a Lark grammar edgevl builds itself (the tool-call grammar)."""
+    return Structure(kind, _llg().LLMatcher.grammar_from_lark(lark))
+
+
 def parse(response_format=None, json_schema_=None, where: str = "response_format") -> Structure | None:
     """The structure asked for, or None for free text. ``response_format``: OpenAI's
     ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
