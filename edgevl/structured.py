@@ -180,6 +180,34 @@ def parse(response_format=None, json_schema_=None, where: str = "response_format
     raise EdgevlError(f"{where}.type must be one of text, {', '.join(KINDS)}; got {kind!r:.40}")
 
 
+def schema_file(path, flag: str = "--json-schema") -> dict:
+    """A JSON schema read from a file (the command line's ``--json-schema FILE``, chat's
+    ``/schema FILE``), as a ``response_format``; one line when missing or not JSON."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EdgevlError(f"{flag} {path}: no such file; give a JSON schema file") from None
+    except (OSError, ValueError) as e:
+        raise EdgevlError(f"{flag} {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise EdgevlError(f"{flag} {path} is not valid JSON ({e}); give a JSON schema file") from None
+    if not isinstance(schema, (dict, bool)):
+        raise EdgevlError(f"{flag} {path} must hold a JSON schema object, got a {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": p.stem, "schema": schema}}
+
+
+def cli_format(json_schema_path=None, any_json: bool = False) -> dict | None:
+    """``response_format`` from ``--json-schema FILE`` / ``--json``."""
+    if json_schema_path is not None and any_json:
+        raise EdgevlError("give --json-schema FILE or --json, not both")
+    if json_schema_path is not None:
+        return schema_file(json_schema_path)
+    return {"type": "json_object"} if any_json else None
+
+
 # -- per tokenizer: the adapter and compiled grammars (cached) ---------------------------------------
 
 _lock = threading.Lock()

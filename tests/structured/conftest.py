@@ -14,6 +14,13 @@ def qwen_package(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen_vl_package(tmp_path_factory):
+    """The same family with its vision tower (batch takes images)."""
+    root = tmp_path_factory.mktemp("structured-vl")
+    return edgevl.convert(make_qwen3_5(root / "ck", seed=6), root / "pk", dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="session")
 def qwen(qwen_package):
     return edgevl.load(qwen_package)
 
