@@ -224,3 +224,12 @@ def test_import_stays_light_and_adapter_is_built_once(qwen):
     assert a is b and a.vocab_size == qwen.vocab_size
     s = structured.parse({"type": "json_object"})
     assert structured.compiled(qwen, s).template is structured.compiled(qwen, s).template
+
+
+def test_sampling_processors_see_only_the_allowed_tokens(qwen):
+    """top-k 1 at any temperature is the greedy constrained answer: the one token kept is the best
+    allowed one (kept before masking, it would mostly be a forbidden token and leave nothing)."""
+    kw = dict(json_schema=SCHEMAS["receipt"], thinking=False, max_new_tokens=160)
+    greedy = edgevl.generate(qwen, PROMPT, temperature=0, **kw)
+    assert edgevl.generate(qwen, PROMPT, temperature=1.5, top_k=1, seed=9, **kw) == greedy
+    assert edgevl.generate(qwen, PROMPT, temperature=1.5, top_p=1e-6, seed=9, **kw) == greedy

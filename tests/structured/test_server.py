@@ -95,3 +95,17 @@ def test_text_response_format_is_free_text(server):
     code, reply, _ = post(server.server_address[1], {"messages": MSGS, "max_tokens": 8, "temperature": 0,
                                                       "response_format": {"type": "text"}})
     assert code == 200 and reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_thinking_stays_free_and_apart_the_answer_follows_the_schema(server):
+    schema = SCHEMAS["meter"]
+    code, reply, _ = post(server.server_address[1], {
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 300,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "meter", "schema": schema}}})
+    assert code == 200, reply
+    msg = reply["choices"][0]["message"]
+    assert reply["choices"][0]["finish_reason"] == "stop" and msg["reasoning_content"]
+    with pytest.raises(ValueError):
+        json.loads(msg["reasoning_content"])
+    jsonschema.validate(json.loads(msg["content"]), schema)
