@@ -43,6 +43,11 @@ Design:
   "grammar": ...}`` (also its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar``). Each is checked and compiled before the request queues (a bad schema or
   grammar is a 400 in one line); compiled grammars are cached, a bounded number.
+- Tools (``edgevl.tools``; models whose chat template has a call format, Qwen3.5's today):
+  ``tools`` are rendered by the template, calls come back as ``message.tool_calls`` (streamed:
+  ``delta.tool_calls``, name first, then argument fragments) with ``finish_reason`` "tool_calls";
+  ``tool_choice`` "required" or a named function constrains the answer to calls. Other models
+  refuse ``tools`` with a 400 naming the family, rather than ignore them.
 """
 
 from __future__ import annotations

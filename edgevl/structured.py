@@ -345,6 +345,10 @@ class Constraint:
         """``logits`` (one row) with the disallowed tokens at -inf: sampling then sees only the
         allowed ones (penalties, temperature, top-k/top-p included)."""
         x = np.asarray(logits, np.float32)
+        if self.thinking:    # free text but the end: no whole-vocabulary mask per reasoning token
+            out = x.copy()
+            out[[e for e in self.eos if e < len(out)]] = -np.inf
+            return out
         mask = self.allowed()
         n = min(len(mask), x.shape[-1])
         out = np.full(x.shape, -np.inf, np.float32)
