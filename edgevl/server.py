@@ -43,7 +43,7 @@ Design:
   "grammar": ...}`` (also its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar``). Each is checked and compiled before the request queues (a bad schema or
   grammar is a 400 in one line); compiled grammars are cached, a bounded number.
-- Tools (``edgevl.tools``; models whose chat template has a call format, Qwen3.5's today):
+- Tools (``edgevl.tools``; models whose chat template has a call format):
   ``tools`` are rendered by the template, calls come back as ``message.tool_calls`` (streamed:
   ``delta.tool_calls``, name first, then argument fragments) with ``finish_reason`` "tool_calls";
   ``tool_choice`` "required" or a named function constrains the answer to calls. Other models
@@ -399,6 +399,10 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
         content = m.get("content")
         if content is None and role == "assistant":  # e.g. an earlier tool-call turn
             content = ""
+        if (role == "tool" or (role == "assistant" and m.get("tool_calls"))) and not tool_calls.call_format(
+                server.model):   # its template would render them as something else, or not at all
+            raise HTTPError(400, f"{where}.role {role} with tool calls or results needs a model whose chat template "
+                            f"has a tool-call format; this model ({server.model.arch.name}) has none", f"{where}.role")
         extra = _tool_fields(m, role, where)
         if isinstance(content, str):
             out.append({"role": role, "content": content, **extra})

@@ -153,6 +153,8 @@ def test_a_family_without_a_call_format_refuses_tools(tmp_path):
         code, reply, _ = post(srv.server_address[1], {"messages": ASK, "tools": TOOLS})
         assert code == 400 and "has no tool-call format" in reply["error"]["message"], reply
         assert reply["error"]["param"] == "tools"
+        code, reply, _ = post(srv.server_address[1], {"messages": [*ASK, {"role": "tool", "content": "21 C"}]})
+        assert code == 400 and "tool-call format" in reply["error"]["message"], reply
     finally:
         srv.stop()
 
