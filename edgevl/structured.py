@@ -308,6 +308,9 @@ class Constraint:
     def __init__(self, matcher, vocab: int, eos, reasoning=None, thinking: bool = False):
         self.matcher, self.vocab, self.eos = matcher, int(vocab), tuple(eos)
         self.end = reasoning[1] if reasoning and None not in reasoning else None
+        # the markers route text to the reasoning: inside the answer (a JSON string may spell
+        # "<think>") one would move the rest of the answer out of it
+        self.markers = [int(t) for t in reasoning if t is not None and t < vocab] if self.end is not None else []
         self.thinking = bool(thinking and self.end is not None)
         self.log: list[str] = []      # per advanced token: "r" reasoning, "e" end marker, "m" matcher
         self._bits = np.empty((self.vocab + 31) // 32, np.int32)
@@ -335,6 +338,7 @@ class Constraint:
                 raise EdgevlError(f"constrained decoding failed ({_one_line(self.matcher.get_error())})")
             self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
             mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
+            mask[self.markers] = False
             if not mask.any():
                 raise EdgevlError("constrained decoding reached a state no token can continue; the grammar "
                                   "cannot be completed with this tokenizer")

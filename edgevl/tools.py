@@ -103,9 +103,10 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
     choice, named = _choice(tool_choice, schemas)
     spec = ToolSpec(out, choice, named, parallel, schemas=schemas)
     if choice == "required":
-        spec.structure = structured.grammar_structure(call_grammar(schemas, parallel), "tool_choice")
+        spec.structure = structured.grammar_structure(call_grammar(schemas, parallel, _tags(model)), "tool_choice")
     elif choice == "function":    # one call of that function (as OpenAI's and vLLM's named choice)
-        spec.structure = structured.grammar_structure(call_grammar({named: schemas[named]}, False), "tool_choice")
+        spec.structure = structured.grammar_structure(call_grammar({named: schemas[named]}, False, _tags(model)),
+                                                      "tool_choice")
     return spec
 
 
@@ -164,9 +165,20 @@ def _regex_escape(body: str) -> str:
     return body.replace("/", "\\/")
 
 
-def call_grammar(schemas: dict, parallel: bool = True) -> str:
+def _tags(model) -> set:
+    """The call tags the tokenizer has as tokens of their own (Qwen's ``<tool_call>``): the
+    grammar engine never spells such a token from text, and the model was trained to write it."""
+    return {t for t in (CALL_OPEN, CALL_CLOSE) if model.tokenizer.token_to_id(t) is not None}
+
+
+def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:
     """A Lark grammar of one call (or several, ``parallel``) to the functions in ``schemas``, in
-    the Qwen XML format, each function's required parameters present, in its schema's order."""
+    the Qwen XML format, each function's required parameters present, in its schema's order.
+    ``tags``: the call tags to write as the tokenizer's own tokens (``<tool_call>`` unquoted is the
+    engine's syntax for a token)."""
+    def tag(t: str) -> str:
+        return t if t in tags else _lit(t)
+
     lines, calls = [], []
     for i, (name, params) in enumerate(schemas.items()):
         props = params.get("properties", {})
@@ -179,8 +191,8 @@ def call_grammar(schemas: dict, parallel: bool = True) -> str:
             parts.append(f"({item})" if p in required else f"({item})?")
         body = " ".join(parts)
         calls.append(f"c{i}")
-        lines.append(f"c{i}: {_lit(f'{CALL_OPEN}{chr(10)}<function={name}>{chr(10)}')} {body} "
-                     f"{_lit(f'</function>{chr(10)}{CALL_CLOSE}')}")
+        lines.append(f"c{i}: {tag(CALL_OPEN)} {_lit(f'{chr(10)}<function={name}>{chr(10)}')} {body} "
+                     f"{_lit(f'</function>{chr(10)}')} {tag(CALL_CLOSE)}")
     lines.insert(0, "call: " + " | ".join(calls))
     lines.insert(0, f"start: call (\"\\n\" call){{0,{MAX_CALLS - 1}}}" if parallel else "start: call")
     return "\n".join(lines)

@@ -152,6 +152,10 @@ def test_constraint_starts_after_the_reasoning_block(qwen):
     c.rollback(2)                  # back across the end marker: free again
     assert c.free and c.allowed().sum() == len(mask) - len(qwen.eos_ids)
     assert c.valid_prefix([*words, end, tok.encode("no")[0], forbidden_id(tok)]) == len(words) + 2
+    # in the answer the markers are never allowed, even where the grammar takes their text
+    s = structured.compiled(qwen, structured.parse({"type": "regex", "regex": "[<>/a-z]{1,12}"}))
+    marked = s.constraint((think, end), thinking=False)
+    assert not marked.allowed()[think] and not marked.allowed()[end]
 
 
 def forbidden_id(tok):

@@ -214,3 +214,32 @@ def test_bad_tool_requests_are_400s(server, body, param, needle):
     assert code == 400, reply
     assert reply["error"]["param"] == param and needle in reply["error"]["message"], reply
     assert "\n" not in reply["error"]["message"]
+
+
+def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp_path):
+    """Qwen's tokenizer has <tool_call> and </tool_call> as tokens of their own: a forced call
+    uses them (the engine never spells an added token from text, and the model writes the token)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as HF
+
+    from edgevl import structured
+    from edgevl.tokenizer import Tokenizer
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen_package / f, tmp_path / f)
+    hf = HF.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_tokens(["<tool_call>", "</tool_call>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    model = SimpleNamespace(tokenizer=tok, vocab_size=tok.vocab_size, eos_ids={tok.token_to_id("<|im_end|>")},
+                            arch=SimpleNamespace(name="qwen3_5"))
+    spec = tools.prepare(model, [WEATHER], "required", False)
+    c = structured.compiled(model, spec.structure).constraint()
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call>")
+    ids = tok.encode(call)
+    assert ids[0] == tok.token_to_id("<tool_call>") and ids[-1] == tok.token_to_id("</tool_call>")
+    assert c.valid_prefix(ids) == len(ids)
+    assert c.valid_prefix(tok.encode("<tool_", special=False)) == 0   # not spelled out from text
