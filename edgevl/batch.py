@@ -56,15 +56,18 @@ from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 
+from . import structured
 from .errors import EdgevlError
 
 # What every edgevl batch output row has had from the start: an existing output whose rows lack
 # one of these is not a batch output (an input file, someone else's table) and is never touched.
 RESULT_FIELDS = ("id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
                  "seconds", "error")
-FIELDS = ("id", "image", "video", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out",
+FIELDS = ("id", "image", "video", "prompt", "answer", "reasoning", "json", "boxes", "tokens_in", "tokens_out",
           "finish_reason", "seconds", "error")
 VIDEO_COLUMN = "video"   # a table's video path column (models that take video)
+JSON_CUT = ("the token limit cut the answer before its JSON ended; raise --max-new-tokens (max_new_tokens), then "
+            "--retry-errors")
 THOUGHT_CUT = ("the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or pass "
                "--no-thinking, then --retry-errors")
 WORKER_MARGIN = 512 << 20  # a worker beyond its weights: interpreter, ncnn, image and KV buffers
@@ -105,7 +108,7 @@ def process_row(model, item: dict, options: dict) -> dict:
             text, thought, last = [], [], None
             # reuse_cache=False: an answer must not depend on which row the worker ran before
             for ev in stream_events(model, item["prompt"], image=item["source"], video=item.get("video_source"),
-                                    reuse_cache=False, **options):
+                                    reuse_cache=False, **options):   # response_format: constrained answers
                 text.append(ev.text)
                 thought.append(ev.reasoning)
                 last = ev
@@ -115,12 +118,21 @@ def process_row(model, item: dict, options: dict) -> dict:
                        finish_reason=last.finish_reason)
             if last.finish_reason == "length" and reasoning and not answer.strip():
                 row["error"] = THOUGHT_CUT  # an empty answer here is no answer, not a success
+            elif _wants_json(options.get("response_format")):
+                if last.finish_reason != "stop":
+                    row["error"] = JSON_CUT    # never half an object
+                else:
+                    row["json"] = json.loads(answer)
         except EdgevlError as e:
             row["error"] = str(e)
         except Exception as e:  # noqa: BLE001 - one bad row must not stop the others
             row["error"] = f"{type(e).__name__}: {e}"
     row["seconds"] = round(time.perf_counter() - t0, 4)
     return _clean(row)  # e.g. an error naming a file whose name is not UTF-8
+
+
+def _wants_json(response_format) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,10 +434,17 @@ def _write_atomic(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
+def _parquet_row(row: dict) -> dict:
+    v = row.get("json")
+    return row if v is None or isinstance(v, str) else {**row, "json": json.dumps(v, ensure_ascii=False)}
+
+
 def _row_schema(pa):
     box = pa.struct([("box", pa.list_(pa.int64())), ("label", pa.string())])
     return pa.schema([("id", pa.string()), ("image", pa.string()), ("video", pa.string()), ("prompt", pa.string()),
-                      ("answer", pa.string()), ("reasoning", pa.string()), ("boxes", pa.list_(box)),
+                      ("answer", pa.string()), ("reasoning", pa.string()),
+                      ("json", pa.string()),   # the parsed answer as JSON text: its shape varies by schema
+                      ("boxes", pa.list_(box)),
                       ("tokens_in", pa.int64()), ("tokens_out", pa.int64()), ("finish_reason", pa.string()),
                       ("seconds", pa.float64()), ("error", pa.string())])
 
@@ -595,7 +614,7 @@ class Sink:
         if self.parquet:
             if self._dirty or not self.path.exists():
                 pa, pq = _pyarrow()
-                table = pa.Table.from_pylist([self.rows[k] for k in ids], schema=_row_schema(pa))
+                table = pa.Table.from_pylist([_parquet_row(self.rows[k]) for k in ids], schema=_row_schema(pa))
                 _write_atomic(self.path, lambda f: pq.write_table(table, f))
             with contextlib.suppress(FileNotFoundError):
                 self.journal.unlink()
@@ -982,7 +1001,7 @@ class BatchJob:
                  max_image_patches: int | None = None, low_memory: bool = False, progress: bool = False,
                  model_options: dict | None = None, chat_template_kwargs: dict | None = None,
                  thinking: bool | None = None, allow_special_in_content: bool = False, repair: bool = False,
-                 **sampling):
+                 response_format=None, json_schema=None, **sampling):
         from .generate import template_kwargs
         from .model import Model
         from .sample import Sampler
@@ -1008,10 +1027,19 @@ class BatchJob:
         given = lambda k, default: default if sampling.get(k) is None else sampling[k]  # noqa: E731 - None: default
         Sampler(given("temperature", 0.0), given("top_k", 0), given("top_p", 1.0),
                 given("repetition_penalty", 1.0))  # a bad value fails now, not on every row
+        if json_schema is not None:
+            if response_format is not None:
+                raise EdgevlError("give either json_schema or response_format, not both")
+            response_format = {"type": "json_schema", "json_schema": {"schema": structured.json_schema(
+                json_schema).schema}}     # a plain dict: it travels to worker processes and Ray actors
+        structure = structured.parse(response_format)   # a bad one fails now, not on every row
+        if self.loaded is not None and structure is not None:
+            structured.compiled(self.loaded, structure)
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
                          "options": dict(sampling, max_image_patches=max_image_patches,
                                          chat_template_kwargs=template_kwargs(chat_template_kwargs),
-                                         thinking=thinking, allow_special_in_content=allow_special_in_content),
+                                         thinking=thinking, allow_special_in_content=allow_special_in_content,
+                                         response_format=response_format),
                          "model_options": dict(model_options or {})}   # the architecture's load-time options
         if output is not None:
             _refuse_output_is_input(rows, output)
@@ -1094,8 +1122,9 @@ def batch(model, rows, prompt: str | None = None, output=None, **kwargs) -> Iter
     it finishes and rows already there are skipped (not yielded). Options: ``workers``,
     ``threads``, ``ray`` (True or an address), ``overwrite``, ``retry_errors``, ``repair``,
     ``progress``, ``max_image_patches``, ``thinking`` (False: a direct answer from a model that can
-    think first), ``chat_template_kwargs``, ``allow_special_in_content`` and the sampling options
-    of ``generate``.
+    think first), ``chat_template_kwargs``, ``allow_special_in_content``, ``response_format`` /
+    ``json_schema`` (constrained answers; JSON ones parsed into each row's ``json`` field, a row the
+    token limit cut is an error) and the sampling options of ``generate``.
     """
     yield from BatchJob(model, rows, prompt, output, **kwargs).run()
 
@@ -1110,7 +1139,7 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
                    low_memory=a.low_memory, progress=not a.quiet, model_options=model_options,
                    thinking=a.thinking, allow_special_in_content=a.allow_special_in_content,
-                   **sampling)
+                   response_format=structured.cli_format(a.json_schema, a.json), **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
           f"thread(s), {where}", file=sys.stderr)

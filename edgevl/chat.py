@@ -14,6 +14,7 @@ with a message, and the chat goes on.
     /image PATH   attach an image to the next message      /reset       forget the conversation
     /video PATH   attach a video to the next message
     /save FILE    write the transcript as JSON              /help, /quit (or Ctrl-D)
+    /schema FILE  answer in JSON following a schema (/schema off: free text again)
 
 Ctrl-C stops an answer, or clears the line at the prompt; a second Ctrl-C at the prompt within
 ``LEAVE_WINDOW`` seconds leaves. ``/image demo`` (and ``--image demo``) attach a random demo scene.
@@ -50,6 +51,7 @@ HELP = """commands:
   /video PATH   attach a video (file, animated GIF/WebP, folder of frames) to your next message
   /reset        forget the conversation (and the KV cache); attached images stay
   /save FILE    write the transcript as JSON
+  /schema FILE  answer in JSON that follows the JSON schema in FILE (constrained); /schema off: free text
   /help         this list
   /quit         leave (Ctrl-D, or Ctrl-C twice, works too); Ctrl-C stops an answer or clears the line"""
 
@@ -127,7 +129,15 @@ class ChatSession:
         self.seed = seed
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                              repetition_penalty=repetition_penalty, stop=stop)
+        self.response_format = None   # the answers' structure (/schema), compiled
         self.reset()
+
+    def set_schema(self, path) -> None:
+        """Constrain the next answers to the JSON schema in the file at ``path`` (None: free text)."""
+        from . import structured
+
+        self.response_format = None if path is None else structured.compiled(
+            self.model, structured.parse(structured.schema_file(path, "/schema")))
 
     def reset(self, keep_attached: bool = False) -> None:
         """Forget the conversation; ``keep_attached`` keeps images attached for the next message."""
@@ -206,7 +216,8 @@ class ChatSession:
             events = stream_events(self.model, msgs, max_new_tokens=self.max_new_tokens, seed=seed,
                                    max_image_patches=self.max_image_patches, video_options=self.video_options,
                                    allow_special_in_content=self.allow_special_in_content,
-                                   chat_template_kwargs=self.chat_template_kwargs, **self.sampling)
+                                   chat_template_kwargs=self.chat_template_kwargs,
+                                   response_format=self.response_format, **self.sampling)
             for shown, ev in (with_reasoning(events, self.model.arch.reasoning_tokens) if self.show_reasoning
                               else ((e.text, e) for e in events)):
                 if ev.token is not None:
@@ -342,6 +353,12 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                         raise EdgevlError("usage: /video PATH (a video file, animated GIF/WebP or folder of frames)")
                     session.attach_video(arg)
                     say(f"[video attached to your next message: {arg}]")
+                elif cmd == "/schema":
+                    if not arg:
+                        raise EdgevlError("usage: /schema FILE (a JSON schema file) or /schema off")
+                    session.set_schema(None if arg == "off" else arg)
+                    say("[answers are free text again]" if arg == "off" else
+                        f"[answers follow the JSON schema in {arg}]")
                 elif cmd == "/save":
                     if not arg:
                         raise EdgevlError("usage: /save FILE")

@@ -96,6 +96,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
 
 
+def add_structure_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answer with JSON that follows the JSON schema in FILE (constrained; default: free text)")
+    p.add_argument("--json", action="store_true", help="answer with a JSON object (constrained; default: free text)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads("--threads"), default=None,
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
@@ -344,6 +350,9 @@ def cmd_run(a) -> int:
     if not a.prompt.strip():
         raise EdgevlError("--prompt is empty; pass some text")
     check_media(a)
+    from .structured import cli_format, parse
+
+    response_format = parse(cli_format(a.json_schema, a.json))   # a bad schema fails before the model loads
     model_path = resolve_model(a.model)
     check_package(model_path, a, video=bool(a.video))
     images = resolve_images(a)
@@ -363,7 +372,8 @@ def cmd_run(a) -> int:
     events = stream_events(model, a.prompt, image=images or None, raw=a.raw, max_image_patches=a.max_image_patches,
                            video=a.video, video_options=video_options(a),
                            allow_special_in_content=a.allow_special_in_content,
-                           thinking=a.thinking, **kwargs)
+                           thinking=a.thinking, response_format=response_format, **kwargs)
+    finish = None
     for shown, ev in (with_reasoning(events, model.arch.reasoning_tokens) if a.show_thinking
                       else ((e.text, e) for e in events)):
         if shown:
@@ -371,7 +381,7 @@ def cmd_run(a) -> int:
             sys.stdout.flush()
             text.append(ev.text)
         if ev.finish_reason:
-            boxes = ev.boxes
+            boxes, finish = ev.boxes, ev.finish_reason
             if a.verbose:
                 print(f"\n[{ev.prompt_tokens} prompt tokens, {ev.prompt_tps:.1f} tok/s; {ev.generation_tokens} "
                       f"generated, {ev.generation_tps:.1f} tok/s; finish: {ev.finish_reason}]", file=sys.stderr)
@@ -384,6 +394,8 @@ def cmd_run(a) -> int:
                 for stat in model.runtime_stats().values():
                     print(f"[{stat['summary']}]", file=sys.stderr)
     sys.stdout.write("\n")
+    if response_format is not None and finish != "stop":
+        raise EdgevlError("the answer was cut by the token limit before it was complete; raise --max-new-tokens")
     if a.draw_boxes:
         if not images:
             raise EdgevlError("--draw-boxes needs --image")
@@ -563,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw the answer's boxes on the image(s) (OUT-1.png, OUT-2.png ... for several)")
     add_video_args(r)
     r.add_argument("--raw", action="store_true", help="do not apply the chat template (text only)")
+    add_structure_args(r)
     r.add_argument("-v", "--verbose", action="store_true",
                    help="print the model, the sampling settings in effect, token counts and speed")
     add_sampling_args(r)
@@ -687,6 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sampling_args(bt)
     add_model_args(bt)
+    add_structure_args(bt)
     add_content_args(bt, show=False)  # the thinking is kept in each row's 'reasoning' field
     bt.set_defaults(fn=cmd_batch)
     return p

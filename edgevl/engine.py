@@ -29,7 +29,7 @@ import numpy as np
 from . import speculative
 from .errors import EdgevlError
 from .runtime import state_bytes
-from .sample import Sampler
+from .sample import Sampler, sample
 
 _END = object()
 # the MTP block's per-sequence fields (the block's nets are shared)
@@ -146,9 +146,11 @@ class Engine:
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
-                        max_image_patches: int | None = None, ignore_eos: bool = False) -> Stream:
+                        max_image_patches: int | None = None, ignore_eos: bool = False, constraint=None) -> Stream:
         """As ``Model.generate_tokens``: new token ids until eos, ``stop_ids``, the budget or the
-        context end; the request decodes alongside the others."""
+        context end; the request decodes alongside the others. ``constraint``
+        (``edgevl.structured.Constraint``) is this request's own: its row is sampled among the
+        tokens it allows."""
         m = self.model
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -157,7 +159,7 @@ class Engine:
         stops = (set() if ignore_eos else m.eos_ids) | {int(t) for t in (stop_ids or [])}
         s = Stream(self, {"ids": ids, "rows": rows, "infos": infos, "stops": stops, "reuse": reuse_cache,
                           "sampler": Sampler(temperature, top_k, top_p, repetition_penalty, seed),
-                          "max_new": int(max_new_tokens)})
+                          "max_new": int(max_new_tokens), "constraint": constraint})
         with self.cond:
             if self.closed:
                 raise EdgevlError("the engine is closed")
@@ -256,7 +258,7 @@ class Engine:
         if s.left <= 0:
             self._emit(s, [], True)
             return
-        tok = a["sampler"](logits, s.history)
+        tok = sample(a["sampler"], a["constraint"], logits, s.history)
         s.left -= 1
         end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
         s.tok = tok
@@ -283,7 +285,7 @@ class Engine:
                     m.note_hidden(hidden[i])
             s.history.append(int(s.tok))
             a = s.args
-            tok = a["sampler"](logits[i], s.history)
+            tok = sample(a["sampler"], a["constraint"], logits[i], s.history)
             s.left -= 1
             end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
             s.tok = tok
@@ -297,7 +299,7 @@ class Engine:
             before = (m.mtp.drafted, m.mtp.accepted)
             s.history.append(int(s.tok))
             emit, end = speculative.cycle(m, m.mtp, s.args["sampler"], s.tok, s.history, s.args["stops"],
-                                          s.left, s.trial)
+                                          s.left, s.trial, s.args["constraint"])
             s.drafted += m.mtp.drafted - before[0]
             s.accepted += m.mtp.accepted - before[1]
         s.history += emit[:-1]

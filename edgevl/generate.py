@@ -14,15 +14,22 @@ Models that think before answering (their architecture declares ``reasoning_toke
 into ``Event.text``; ``stream_generate``/``generate`` leave it out unless ``show_reasoning``.
 ``chat_template_kwargs`` reach the chat template (e.g. ``{"enable_thinking": False}``);
 ``thinking=False`` asks any model that can switch its thinking off for a direct answer.
+
+``response_format`` / ``json_schema=`` constrain the answer (``edgevl.structured``): a JSON
+schema, any JSON object, a regular expression, a choice or a grammar; a thinking model's
+reasoning stays free and the constraint starts after it. ``Completion.json`` is the parsed answer.
 """
 
 from __future__ import annotations
 
+import json as _json
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from . import structured
+from . import tools as tool_calls
 from .errors import EdgevlError
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
@@ -67,6 +74,23 @@ class Completion:
     prompt_tokens: int
     generation_tokens: int
     reasoning: str = ""
+    structure: str | None = None       # the kind of constrained answer (structured.KINDS), if any
+    tool_calls: list = field(default_factory=list)   # OpenAI tool_calls the answer makes (tools=)
+
+    @property
+    def json(self):
+        """The answer parsed, for answers constrained to JSON (``response_format`` json_object or
+        json_schema, ``json_schema=``); an answer the token limit cut is an error, not half an object."""
+        if self.structure not in ("json_object", "json_schema"):
+            raise EdgevlError("this answer was not constrained to JSON; pass json_schema= or response_format="
+                              "{\"type\": \"json_object\"}")
+        if self.finish_reason != "stop":
+            raise EdgevlError(f"the answer was cut by the token limit after {self.generation_tokens} tokens, before "
+                              "its JSON ended; raise max_new_tokens")
+        try:
+            return _json.loads(self.text)
+        except ValueError as e:    # a stop string cut it
+            raise EdgevlError(f"the answer is not whole JSON ({e}); drop the stop strings") from None
 
 
 class ReasoningSplitter:
@@ -162,8 +186,8 @@ def _validate_messages(messages) -> None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise EdgevlError("each message needs 'role' and 'content' keys")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise EdgevlError(f"unknown message role {m['role']!r}; use system, user or assistant")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise EdgevlError(f"unknown message role {m['role']!r}; use system, user, assistant or tool")
 
 
 def template_kwargs(kwargs, switches=()) -> dict:
@@ -315,6 +339,7 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             messages = [{"role": "user", "content": content}]
             text = None
     else:
+        prompt = tool_calls.template_messages(prompt) if isinstance(prompt, list) else prompt
         _validate_messages(prompt)
         for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
             parts = _image_parts(prompt, (kind, kind + "_url"))
@@ -380,12 +405,26 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   reuse_cache: bool = True, postprocess: bool = True,
                   allow_special_in_content: bool = False, chat_template_kwargs=None,
                   thinking: bool | None = None, video=None, video_options: dict | None = None,
-                  engine=None) -> Iterator[Event]:
+                  response_format=None, json_schema=None, tools=None, tool_choice=None,
+                  parallel_tool_calls: bool | None = None, engine=None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
+    ``response_format`` / ``json_schema``: the answer's structure (``structured.parse``; checked
+    and compiled before any work). ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: OpenAI's
+    (``edgevl.tools``); the tools reach the chat template, "required" and a named function
+    constrain the answer to calls; ``complete`` reads the calls into ``Completion.tool_calls``.
     ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    structure = structured.parse(response_format, json_schema)
+    spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
+    if spec is not None and spec.structure is not None:
+        if structure is not None:
+            raise EdgevlError(f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format")
+        structure = spec.structure
+    if spec is not None and spec.render:
+        chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": spec.render}
+    compiled = structured.compiled(model, structure) if structure is not None else None
     settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
     if max_new_tokens is None:
         max_new_tokens = default_max_new_tokens(model)
@@ -398,8 +437,10 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
     post = model.arch.output_processor(images) if postprocess else None
     split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
+    constraint = (compiled.constraint((split.start, split.end) if split.active else None, split.thinking)
+                  if compiled is not None else None)
     gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
-                                            reuse_cache=reuse_cache, **settings.kwargs())
+                                            reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs())
     try:
         yield from _events(model, gen, prep, t0, stop, post, split, videos)
     finally:   # a consumer that stops early (a client gone) stops the generation now
@@ -499,11 +540,21 @@ def generate(model, prompt, image=None, **kwargs) -> str:
 
 def complete(model, prompt, image=None, **kwargs) -> Completion:
     """Generate a whole answer and return it with the boxes it names and the reasoning
-    (``stream_events`` options)."""
+    (``stream_events`` options; ``Completion.json`` parses an answer constrained to JSON)."""
+    structure = structured.parse(kwargs.pop("response_format", None), kwargs.pop("json_schema", None))
+    if structure is not None:
+        kwargs["response_format"] = structured.compiled(model, structure)
+    spec = tool_calls.prepare(model, kwargs.pop("tools", None), kwargs.pop("tool_choice", None),
+                              kwargs.pop("parallel_tool_calls", None))
+    kwargs["tools"] = spec
     text, thought, last = [], [], None
     for ev in stream_events(model, prompt, image=image, **kwargs):
         text.append(ev.text)
         thought.append(ev.reasoning)
         last = ev
-    return Completion("".join(text), last.boxes, last.finish_reason, last.prompt_tokens, last.generation_tokens,
-                      "".join(thought))
+    answer, calls, finish = "".join(text), [], last.finish_reason
+    if spec is not None and spec.parses:
+        answer, calls = tool_calls.parse(answer, spec)
+        finish = "tool_calls" if calls and finish == "stop" else finish
+    return Completion(answer, last.boxes, finish, last.prompt_tokens, last.generation_tokens,
+                      "".join(thought), structure.kind if structure is not None else None, calls)

@@ -29,7 +29,7 @@ from .models.protocol import PackageView
 from .owner import Lease
 from .package import check_listed, package_path, read_manifest, verify_files
 from .runtime import Embedding, LMHead, Net, SectionedNet, check_threads, default_threads, trim_heap
-from .sample import Sampler
+from .sample import Sampler, sample
 from .tokenizer import Tokenizer
 
 # Prompts longer than this are prefilled in chunks (``prefill_chunk`` load option): activation
@@ -441,7 +441,8 @@ class Model:
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
-                        max_image_patches: int | None = None, ignore_eos: bool = False) -> Iterator[int]:
+                        max_image_patches: int | None = None, ignore_eos: bool = False,
+                        constraint=None) -> Iterator[int]:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
         ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
@@ -451,12 +452,13 @@ class Model:
         consumer); a consumer that stops early releases the thread for the next call.
         """
         gen = self._generate_tokens(input_ids, max_new_tokens, image, temperature, top_k, top_p,
-                                    repetition_penalty, seed, stop_ids, reuse_cache, max_image_patches, ignore_eos)
+                                    repetition_penalty, seed, stop_ids, reuse_cache, max_image_patches, ignore_eos,
+                                    constraint)
         owner = self.__dict__.get("_owner")
         return gen if owner is None else owner.stream(gen)
 
     def _generate_tokens(self, input_ids, max_new_tokens, image, temperature, top_k, top_p, repetition_penalty,
-                         seed, stop_ids, reuse_cache, max_image_patches, ignore_eos) -> Iterator[int]:
+                         seed, stop_ids, reuse_cache, max_image_patches, ignore_eos, constraint) -> Iterator[int]:
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
@@ -466,10 +468,11 @@ class Model:
         logits = self.prefill(input_ids, rows, reuse_cache, images=infos)
         history = list(input_ids)
         if self.mtp is not None and int(max_new_tokens) > 0:
-            yield from speculative.generate(self, self.mtp, sampler, logits, history, stops, int(max_new_tokens))
+            yield from speculative.generate(self, self.mtp, sampler, logits, history, stops, int(max_new_tokens),
+                                            constraint)
             return
         for _ in range(int(max_new_tokens)):
-            tok = sampler(logits, history)
+            tok = sample(sampler, constraint, logits, history)
             yield tok
             if tok in stops or len(self.cache_keys) + 1 >= self.max_context:  # total length = context
                 return

@@ -100,6 +100,26 @@ class Sampler:
         return p
 
 
+def sample(sampler: Sampler, constraint, logits: np.ndarray, history=()) -> int:
+    """The next token of one sequence: drawn among the tokens its ``constraint``
+    (``edgevl.structured.Constraint``; None: every token) allows, which then takes it."""
+    if constraint is None:
+        return sampler(logits, history)
+    tok = sampler(constraint.apply(logits), history)
+    constraint.advance(tok)
+    return tok
+
+
+def check(sampler: Sampler, constraint, logits: np.ndarray, history, draft: int) -> int:
+    """``Sampler.check`` among the tokens ``constraint`` allows (the drafts were cut to the ones
+    it allows before the verify pass), which then takes the token kept."""
+    if constraint is None:
+        return sampler.check(logits, history, draft)
+    tok = sampler.check(constraint.apply(logits), history, draft)
+    constraint.advance(tok)
+    return tok
+
+
 # -- defaults: the checkpoint's generation_config.json, then what the caller sets -------------------
 
 # What transformers' generate uses for a key a generation_config.json leaves out.

@@ -40,6 +40,16 @@ Design:
   ``message.reasoning_content`` (streaming: ``delta.reasoning_content``), apart from ``content``,
   as vLLM and llama-server do; ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``)
   reaches the chat template, over the server's own defaults (``edgevl serve --no-thinking``).
+- Structured output (``edgevl.structured``): ``response_format`` json_object / json_schema as
+  OpenAI's, and, as vLLM's extension, ``structured_outputs`` ``{"json" | "regex" | "choice" |
+  "grammar": ...}`` (also its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+  ``guided_grammar``). Each is checked and compiled before the request queues (a bad schema or
+  grammar is a 400 in one line); compiled grammars are cached, a bounded number.
+- Tools (``edgevl.tools``; models whose chat template has a call format):
+  ``tools`` are rendered by the template, calls come back as ``message.tool_calls`` (streamed:
+  ``delta.tool_calls``, name first, then argument fragments) with ``finish_reason`` "tool_calls";
+  ``tool_choice`` "required" or a named function constrains the answer to calls. Other models
+  refuse ``tools`` with a 400 naming the family, rather than ignore them.
 """
 
 from __future__ import annotations
@@ -67,7 +77,8 @@ from itertools import chain
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from . import __version__
+from . import __version__, structured
+from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
 from .generate import model_template_kwargs, stream_events
 from .model import Model, load
@@ -76,7 +87,7 @@ MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its fi
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
 PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
-NO_TOOLS = "tools (function calling) are not supported by this server; send the request without them"
+NO_TOOLS = "tools go in the request's tools field, not in chat_template_kwargs; send them there"
 
 
 class HTTPError(Exception):
@@ -394,19 +405,24 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
         if not isinstance(m, dict):
             raise HTTPError(400, f"{where} must be an object with role and content", where)
         role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise HTTPError(400, f"{where}.role must be system, user or assistant, got {m.get('role')!r}",
+        if role not in ("system", "user", "assistant", "tool"):
+            raise HTTPError(400, f"{where}.role must be system, user, assistant or tool, got {m.get('role')!r}",
                             f"{where}.role")
         content = m.get("content")
         if content is None and role == "assistant":  # e.g. an earlier tool-call turn
             content = ""
+        if (role == "tool" or (role == "assistant" and m.get("tool_calls"))) and not tool_calls.call_format(
+                server.model):   # its template would render them as something else, or not at all
+            raise HTTPError(400, f"{where}.role {role} with tool calls or results needs a model whose chat template "
+                            f"has a tool-call format; this model ({server.model.arch.name}) has none", f"{where}.role")
+        extra = _tool_fields(m, role, where)
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            out.append({"role": role, "content": content, **extra})
             continue
         if not isinstance(content, list):
             raise HTTPError(400, f"{where}.content must be a string or a list of parts", f"{where}.content")
         parts = []
-        out.append({"role": role, "content": parts})   # filled in place: a refusal can free its videos
+        out.append({"role": role, "content": parts, **extra})   # filled in place: a refusal can free its videos
         for j, p in enumerate(content):
             param = f"{where}.content[{j}]"
             kind = p.get("type") if isinstance(p, dict) else None
@@ -453,6 +469,42 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
     return out
 
 
+def _tool_fields(m: dict, role: str, where: str) -> dict:
+    """An assistant turn's ``tool_calls`` and a tool result's ``tool_call_id``, checked, for the
+    chat template to render back."""
+    if role == "tool":
+        cid = m.get("tool_call_id")
+        if cid is not None and not isinstance(cid, str):
+            raise HTTPError(400, f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        return {"tool_call_id": cid} if cid else {}
+    calls = m.get("tool_calls")
+    if role != "assistant" or not calls:
+        return {}
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", "{}"), str) for c in calls):
+        raise HTTPError(400, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", \"function\": "
+                        "{\"name\", \"arguments\"}} objects, arguments a JSON string", f"{where}.tool_calls")
+    try:
+        return {"tool_calls": tool_calls.template_messages([{"tool_calls": calls}])[0]["tool_calls"]}
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), f"{where}.tool_calls") from None
+
+
+def _tools(req: dict, server: EdgevlServer):
+    """The request's tools checked (``tools.ToolSpec``), or None; 400 when bad."""
+    if req.get("functions") or req.get("function_call"):
+        raise HTTPError(400, "functions / function_call (OpenAI's deprecated form) are not supported; send tools and "
+                        "tool_choice", "functions")
+    try:
+        return tool_calls.prepare(server.model, req.get("tools"), req.get("tool_choice"),
+                                  req.get("parallel_tool_calls"))
+    except EdgevlError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "parallel_tool_calls" if str(e).startswith(
+            "parallel") else "tools"
+        raise HTTPError(400, str(e), param, "invalid_tools") from None
+
+
 def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
     """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
     _check_text(req)
@@ -464,8 +516,8 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
         raise HTTPError(400, "only n=1 is supported", "n")
-    if req.get("tools") or req.get("functions"):  # ignoring them would look like a model that never calls
-        raise HTTPError(400, NO_TOOLS, "tools")
+    spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
+    # a model that never calls
     stream = req.get("stream") or False
     opts = req.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -492,12 +544,19 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         ctk = model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
     except EdgevlError as e:
         raise HTTPError(400, str(e), "chat_template_kwargs") from None
+    if spec is not None and spec.render:   # the prompt's length counts the tools the template renders
+        ctk = {**ctk, "tools": spec.render}
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
+    kwargs["response_format"] = _structure(req, server)
+    if spec is not None and spec.structure is not None and kwargs["response_format"] is not None:
+        raise HTTPError(400, f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format",
+                        "response_format", "invalid_response_format")
+    kwargs["tools"] = spec
     from .processing.video import check_options as check_video_options
 
     # edgevl's extension, as the API's: {"fps": 1, "max_frames": 32, "max_pixels": 2000000}
@@ -512,6 +571,48 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         close_videos(messages)
         raise
     return messages, kwargs, stream, bool(opts.get("include_usage"))
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structure(req: dict, server: EdgevlServer):
+    """The answer's structure, compiled for the model (``structured.Compiled``), or None: from
+    ``response_format``, or vLLM's ``structured_outputs`` / ``guided_*`` extension; 400 when bad."""
+    given = [k for k in ("response_format", "structured_outputs", *GUIDED) if req.get(k) is not None]
+    rf = req.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text" and len(given) > 1:
+        given.remove("response_format")
+        rf = None
+    if len(given) > 1:
+        raise HTTPError(400, f"give one of {', '.join(given)}, not several", given[1], "invalid_response_format")
+    if not given:
+        return None
+    param = given[0]
+    try:
+        if param == "structured_outputs":
+            so = req[param]
+            if not isinstance(so, dict) or len([k for k in so if so[k] is not None]) != 1:
+                raise EdgevlError("structured_outputs must be an object with one of json, json_object, regex, "
+                                  "choice, grammar")
+            (key, value), = ((k, v) for k, v in so.items() if v is not None)
+            rf = _extension(key, value, param)
+        elif param in GUIDED:
+            rf = _extension(GUIDED[param], req[param], param)
+        structure = structured.parse(rf, where="response_format" if param == "response_format" else param)
+        return None if structure is None else structured.compiled(server.model, structure, param)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), param, "invalid_response_format") from None
+
+
+def _extension(key: str, value, param: str) -> dict:
+    if key == "json":
+        return {"type": "json_schema", "json_schema": {"schema": value}}
+    if key == "json_object":
+        return {"type": "json_object"}
+    if key in ("regex", "choice", "grammar"):
+        return {"type": key, key: value}
+    raise EdgevlError(f"{param}.{key} is not a structure; use json, json_object, regex, choice or grammar")
 
 
 def token_span(tok) -> int:
@@ -828,7 +929,7 @@ class Handler(BaseHTTPRequestHandler):
                 with closing(stream_events(self.server.model, decoded, engine=self.server.engine, **kwargs)) as events:
                     first = next(events)  # template, images, prefill: errors here still get a status
                     if stream:
-                        self._stream(chain([first], events), include_usage)
+                        self._stream(chain([first], events), include_usage, kwargs.get("tools"))
                         return
                     evs = [first]
                     for ev in events:
@@ -844,6 +945,14 @@ class Handler(BaseHTTPRequestHandler):
                 decoded = None  # before the next request may decode its images
         head = self._head("chat.completion")
         message = {"role": "assistant", "content": "".join(e.text for e in evs)}
+        finish = evs[-1].finish_reason
+        spec = kwargs.get("tools")
+        if spec is not None and spec.parses:    # the model's calls, in OpenAI's shape
+            content, calls = tool_calls.parse(message["content"], spec)
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
         reasoning = "".join(e.reasoning for e in evs)
         if reasoning:  # the model's thinking, apart from the answer (OpenAI-compatible servers' field)
             message["reasoning_content"] = reasoning
@@ -851,7 +960,7 @@ class Handler(BaseHTTPRequestHandler):
             message["boxes"] = [b.as_json() for b in evs[-1].boxes]
         self._send(200, {**head, "choices": [{
             "index": 0, "message": message,
-            "logprobs": None, "finish_reason": evs[-1].finish_reason}], "usage": _usage(evs[-1])})
+            "logprobs": None, "finish_reason": finish}], "usage": _usage(evs[-1])})
 
     def _generation_error(self, e: Exception) -> HTTPError:
         """The answer to an error raised while the request held the model. The request's own
@@ -874,7 +983,7 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
                 "model": self.server.model_id, "system_fingerprint": None}
 
-    def _stream(self, events, include_usage: bool):
+    def _stream(self, events, include_usage: bool, tools=None):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -890,20 +999,40 @@ class Handler(BaseHTTPRequestHandler):
                                               "finish_reason": finish}]})
 
         chunk({"role": "assistant", "content": ""})
+        calls = tool_calls.CallStream(tools) if tools is not None and tools.parses else None
+
+        def text(t, end=False):
+            if calls is None:
+                if t:
+                    chunk({"content": t})
+                return bool(t)
+            evs = calls.feed(t, end)
+            for e in evs:   # content, then each call: its name first, then its argument fragments
+                if e[0] == "content":
+                    chunk({"content": e[1]})
+                elif e[0] == "name":
+                    chunk({"tool_calls": [{"index": e[1], "id": e[2], "type": "function",
+                                           "function": {"name": e[3], "arguments": ""}}]})
+                else:
+                    chunk({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
+            return bool(evs)
+
         try:
             for ev in events:
                 if ev.reasoning:
                     chunk({"reasoning_content": ev.reasoning})
-                if ev.text:
-                    chunk({"content": ev.text})
-                elif not ev.reasoning and self._client_gone():  # no write to fail on (held-back text): look
-                    raise ConnectionError("the client hung up")
+                if not text(ev.text, ev.finish_reason is not None) and not ev.reasoning and self._client_gone():
+                    raise ConnectionError("the client hung up")  # no write to fail on (held-back text): look
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
             self._event(self._generation_error(e).body())
         else:
-            chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, ev.finish_reason)
+            finish = ev.finish_reason
+            if calls is not None and finish == "stop" and any(c["function"]["arguments"].endswith("}")
+                                                             for c in calls.calls):
+                finish = "tool_calls"
+            chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, finish)
             if include_usage:
                 # extension fields for the chat page's stats: the server's own speeds (the stream's
                 # arrival times blur them) and speculative decoding's counts

@@ -25,6 +25,7 @@ import numpy as np
 from .blocks.base import DRAFT_HEAD_ROWS
 from .errors import EdgevlError
 from .runtime import Decoder, LMHead, layer_outputs
+from .sample import check, sample
 
 MODES = ("none", "mtp")
 # When drafting stops paying (docs/speculative.md, "When it turns itself off"): after
@@ -259,20 +260,22 @@ def block_outputs(mtp: Mtp, embeds_next, hidden, positions) -> np.ndarray:
     return out
 
 
-def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_new_tokens: int):
+def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_new_tokens: int, constraint=None):
     """``Model.generate_tokens``'s loop with drafting: yields the same tokens as plain decoding
-    (greedy), or tokens of the same distribution (sampling)."""
+    (greedy), or tokens of the same distribution (sampling). ``constraint``
+    (``edgevl.structured.Constraint``): drafts it forbids are dropped before the verify pass, every
+    token is taken among the ones it allows, and tokens past the answer's end are taken back."""
     mtp.drafted = mtp.accepted = 0
     trial = Trial()
     left = int(max_new_tokens)
-    tok = sampler(logits, history)
+    tok = sample(sampler, constraint, logits, history)
     yield tok
     left -= 1
     if tok in stops or len(model.cache_keys) + 1 >= model.max_context or left <= 0:
         return
     history.append(tok)
     while True:
-        emit, end = cycle(model, mtp, sampler, tok, history, stops, left, trial)
+        emit, end = cycle(model, mtp, sampler, tok, history, stops, left, trial, constraint)
         yield from emit
         history += emit
         left -= len(emit)
@@ -281,14 +284,18 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
         tok = emit[-1]
 
 
-def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: int, trial: Trial) -> tuple:
+def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: int, trial: Trial,
+          constraint=None) -> tuple:
     """One draft-and-verify cycle from ``tok``, the newest token not yet fed to the decoder:
     (the tokens it decides, 1 to K+1, and whether the answer ends with them). ``history``
-    holds the tokens up to ``tok`` (not the ones decided here)."""
+    holds the tokens up to ``tok`` (not the ones decided here); ``constraint`` as in
+    :func:`generate`."""
     fed = len(model.cache_keys)
     k = trial.length(mtp.k) if mtp.adaptive else mtp.k
     m = min(k, left, model.max_context - fed - 1) if trial.active else 0
     drafts = mtp.draft(tok, m) if m > 0 else []
+    if constraint is not None and drafts:    # a draft the grammar forbids would only be rejected
+        drafts = drafts[:constraint.valid_prefix(drafts)]
     rows = [tok, *drafts]
     # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
     # 4th row (taken back with the rejected ones) costs less than it saves
@@ -300,16 +307,18 @@ def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: i
         lg = model.logits(hidden)
         out = []
         for i, d in enumerate(drafts):
-            out.append(sampler.check(lg[i], history + out, d))
+            out.append(check(sampler, constraint, lg[i], history + out, d))
             if out[-1] != d:
                 break
         else:
-            out.append(sampler(lg[len(drafts)], history + out))
+            out.append(sample(sampler, constraint, lg[len(drafts)], history + out))
         accepted = len(out) - 1
         # where the answer ends inside this cycle (a stop token, the context, the budget)
         end = next((i + 1 for i, t in enumerate(out)
                     if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
         emit = out[:end] if end else out
+        if constraint is not None:
+            constraint.rollback(len(out) - len(emit))
         keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
         model.decoder.undo(model.cache, len(fed_rows), len(fed_rows) - keep)
         model.cache_keys.extend(rows[:keep])

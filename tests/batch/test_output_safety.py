@@ -297,7 +297,7 @@ def test_outputs_written_before_the_reasoning_field_resume(pkg, folder, tmp_path
     assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"] and rows[1] == old
     table = pq.read_table(tmp_path / "old.parquet")
     assert table.column_names == list(FIELDS)
-    assert table.to_pylist()[1] == dict(old, reasoning=None, video=None)
+    assert table.to_pylist()[1] == dict(old, reasoning=None, video=None, json=None)
 
 
 # ---------------------------------------------------------------------------------------------

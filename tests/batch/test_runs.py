@@ -66,8 +66,8 @@ def test_folder_of_30_scenes_gives_rows_equal_to_generate(pkg, scenes, reference
     rows = read_jsonl(out)
     assert_complete(rows, reference)
     r = rows[0]
-    assert list(r) == ["id", "image", "video", "prompt", "answer", "reasoning", "boxes", "tokens_in", "tokens_out",
-                       "finish_reason", "seconds", "error"]
+    assert list(r) == ["id", "image", "video", "prompt", "answer", "reasoning", "json", "boxes", "tokens_in",
+                       "tokens_out", "finish_reason", "seconds", "error"]
     assert r["image"] == r["id"] and r["prompt"] == PROMPT and r["boxes"] == [] and r["finish_reason"] == "stop"
     assert r["reasoning"] is None  # the demo model does not think
     assert r["tokens_in"] > 16 and r["tokens_out"] >= 2 and r["seconds"] > 0  # 16 image tokens + the text

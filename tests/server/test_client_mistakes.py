@@ -47,12 +47,12 @@ BAD_REQUESTS = [  # (id, body, status, words)
     # a string that reads as a boolean, whatever the template (this model's has no such switch)
     ("vision-id-string", {"messages": MSGS, "chat_template_kwargs": {"add_vision_id": "0"}}, 400,
      "add_vision_id must be true or false"),
-    # the template rendered them into the prompt, though a top-level tools field is refused
+    # the template would render them into the prompt unchecked: they belong in the tools field
     ("tools-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}}, 400,
-     "tools (function calling) are not supported by this server"),
+     "tools go in the request's tools field, not in chat_template_kwargs"),
     ("functions-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"functions": [{"name": "f"}]}}, 400,
-     "tools (function calling) are not supported by this server"),
+     "tools go in the request's tools field, not in chat_template_kwargs"),
 ]
 
 

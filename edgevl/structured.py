@@ -1,0 +1,405 @@
+"""Constrained decoding: answers that follow a JSON schema, a regular expression, a choice among
+strings or a grammar, through llguidance (a Rust grammar engine; token masks, rollback).
+
+The parts:
+
+- :func:`parse` turns what a caller asks for (``response_format`` as OpenAI's API takes it, the
+  ``json_schema=`` shortcut, edgevl's regex / choice / grammar extension) into a
+  :class:`Structure`: the kind of answer and its llguidance grammar text. Nothing model-specific.
+- :func:`compiled` checks a structure against a loaded model's tokenizer (once per tokenizer and
+  grammar, cached): a bad schema, an unsupported keyword or a grammar too large fails here, in one
+  line, before any generation.
+- :class:`Constraint` is the state of ONE sequence: the generation loop (or a batching engine,
+  once per row) asks it for the allowed tokens of that sequence's next logits row
+  (:meth:`Constraint.allowed` / :meth:`Constraint.apply`), tells it each token taken
+  (:meth:`Constraint.advance`) and takes tokens back (:meth:`Constraint.rollback`, speculative
+  decoding). Models that think first (reasoning markers) get the constraint after the reasoning
+  block; the reasoning itself is free text.
+
+JSON is written compactly, with ``", "`` and ``": "`` as the only whitespace, so whitespace can
+never make an answer run on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgevlError
+
+INSTALL = "pip install 'llguidance>=1.9'"
+# grammar text beyond this is refused before compiling (a schema is a few KB; a grammar that
+# needs MBs is an attack or a mistake), and the engine's own limits bound the compile itself
+MAX_GRAMMAR_CHARS = 256 << 10
+# the engine's bounds on compiling (its defaults, ~20 ms of lexer work at most; named so they show)
+GRAMMAR_LIMITS = {"initial_lexer_fuel": 1_000_000, "max_grammar_size": 500_000}
+COMPILED_CACHE = 64          # compiled grammars kept per process (least recently used dropped)
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# separators of constrained JSON: the formatting models saw most, and no other whitespace
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError:
+        raise EdgevlError(f"constrained output (JSON schemas, regex, grammars, tool choice) needs llguidance; {INSTALL}"
+                          ) from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What an answer must look like: ``kind`` (one of KINDS) and the llguidance grammar text.
+    ``json``: the answer is one JSON value (``Completion.json`` parses it)."""
+    kind: str
+    grammar: str
+    schema: dict | None = None
+    name: str | None = None
+
+    @property
+    def json(self) -> bool:
+        return self.kind in ("json_object", "json_schema")
+
+
+def _one_line(msg: str) -> str:
+    """llguidance's messages span lines (a caret under the place); keep the line that says what."""
+    lines = [x.strip() for x in str(msg).splitlines() if x.strip()]
+    said = [x[len("error:"):].strip() for x in lines if x.startswith("error:")]
+    head = lines[0] if lines else "unknown error"
+    return (f"{head.rstrip(':')}: {said[0]}" if said and said[0] not in head else head)[:300]
+
+
+def _schema_of(value, where: str) -> dict:
+    """A JSON schema given as a dict, a JSON string or a pydantic model class."""
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):   # pydantic v2 model class
+        value = value.model_json_schema()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise EdgevlError(f"{where} is not valid JSON ({e}); send a JSON schema object") from None
+    if isinstance(value, bool):     # JSON Schema's true/false schemas
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise EdgevlError(f"{where} must be a JSON schema object (or a pydantic model class), got "
+                          f"{type(value).__name__}")
+    return value
+
+
+def json_schema(schema, name: str | None = None, where: str = "json_schema") -> Structure:
+    schema = _schema_of(schema, where)
+    text = json.dumps(schema)
+    _check_size(text, where)
+    grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    return Structure("json_schema", grammar, schema, name)
+
+
+def _check_size(text: str, where: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise EdgevlError(f"{where} is too large to compile ({len(text)} characters, limit {MAX_GRAMMAR_CHARS}); "
+                          "send a smaller schema or grammar")
+
+
+def regex(pattern, where: str = "regex") -> Structure:
+    if not isinstance(pattern, str) or not pattern:
+        raise EdgevlError(f"{where} must be a non-empty regular expression string")
+    _check_size(pattern, where)
+    return Structure("regex", _llg().LLMatcher.grammar_from_regex(pattern))
+
+
+def choice(options, where: str = "choice") -> Structure:
+    if (not isinstance(options, (list, tuple)) or not options
+            or not all(isinstance(o, str) and o for o in options)):
+        raise EdgevlError(f"{where} must be a non-empty list of non-empty strings")
+    text = "start: " + " | ".join(json.dumps(o) for o in options)
+    _check_size(text, where)
+    return Structure("choice", _llg().LLMatcher.grammar_from_lark(text))
+
+
+def grammar(text, where: str = "grammar") -> Structure:
+    """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, ``root ::= ...``)."""
+    if not isinstance(text, str) or not text.strip():
+        raise EdgevlError(f"{where} must be a non-empty Lark or GBNF grammar string")
+    _check_size(text, where)
+    llg = _llg()
+    try:
+        g = llg.grammar_from("grammar", text)
+    except ValueError as e:
+        raise EdgevlError(f"{where} does not parse ({_one_line(e)}); fix the grammar") from None
+    return Structure("grammar", g)
+
+
+def grammar_structure(lark: str, kind: str = "grammar") -> Structure:
+    """A Structure from a Lark grammar edgevl builds itself (the tool-call grammar)."""
+    return Structure(kind, _llg().LLMatcher.grammar_from_lark(lark))
+
+
+def parse(response_format=None, json_schema_=None, where: str = "response_format") -> Structure | None:
+    """The structure asked for, or None for free text. ``response_format``: OpenAI's
+    ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}``, and edgevl's ``{"type": "regex", "regex": ...}``, ``{"type": "choice",
+    "choice": [...]}``, ``{"type": "grammar", "grammar": ...}``; a :class:`Structure` passes through.
+    ``json_schema_``: a schema dict or a pydantic model class (the API's ``json_schema=``)."""
+    if json_schema_ is not None:
+        if response_format is not None:
+            raise EdgevlError("give either json_schema or response_format, not both")
+        return json_schema(json_schema_)
+    if response_format is None or isinstance(response_format, (Structure, Compiled)):
+        return response_format
+    if not isinstance(response_format, dict):
+        raise EdgevlError(f"{where} must be an object such as {{\"type\": \"json_object\"}}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object", _llg().LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                                  overrides=JSON_OPTIONS))
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise EdgevlError(f"{where}.json_schema must be an object with a schema, e.g. {{\"name\": \"x\", "
+                              "\"schema\": {...}}")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise EdgevlError(f"{where}.json_schema.name must be a string")
+        return json_schema(spec["schema"], name, f"{where}.json_schema.schema")
+    if kind == "regex":
+        return regex(response_format.get("regex"), f"{where}.regex")
+    if kind == "choice":
+        return choice(response_format.get("choice"), f"{where}.choice")
+    if kind == "grammar":
+        return grammar(response_format.get("grammar"), f"{where}.grammar")
+    raise EdgevlError(f"{where}.type must be one of text, {', '.join(KINDS)}; got {kind!r:.40}")
+
+
+def schema_file(path, flag: str = "--json-schema") -> dict:
+    """A JSON schema read from a file (the command line's ``--json-schema FILE``, chat's
+    ``/schema FILE``), as a ``response_format``; one line when missing or not JSON."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EdgevlError(f"{flag} {path}: no such file; give a JSON schema file") from None
+    except (OSError, ValueError) as e:
+        raise EdgevlError(f"{flag} {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise EdgevlError(f"{flag} {path} is not valid JSON ({e}); give a JSON schema file") from None
+    if not isinstance(schema, (dict, bool)):
+        raise EdgevlError(f"{flag} {path} must hold a JSON schema object, got a {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": p.stem, "schema": schema}}
+
+
+def cli_format(json_schema_path=None, any_json: bool = False) -> dict | None:
+    """``response_format`` from ``--json-schema FILE`` / ``--json``."""
+    if json_schema_path is not None and any_json:
+        raise EdgevlError("give --json-schema FILE or --json, not both")
+    if json_schema_path is not None:
+        return schema_file(json_schema_path)
+    return {"type": "json_object"} if any_json else None
+
+
+# -- per tokenizer: the adapter and compiled grammars (cached) ---------------------------------------
+
+_lock = threading.Lock()
+_tokenizers: dict = {}
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # a loaded tokenizer -> its file's key
+_compiled: OrderedDict = OrderedDict()
+
+
+def vocabulary(model) -> int:
+    """Rows of the model's logits (a checkpoint may have more than its tokenizer has tokens)."""
+    return max(int(getattr(model, "vocab_size", 0) or 0), model.tokenizer.vocab_size)
+
+
+def tokenizer_for(model):
+    """llguidance's view of the model's tokenizer, built from the package's own tokenizer.json once
+    per file (content hash), vocabulary size and end tokens."""
+    llg = _llg()
+    known = _keys.get(model.tokenizer)
+    if known is not None:
+        key = known[0]
+        with _lock:
+            tok = _tokenizers.get(key)
+        if tok is not None:
+            return key, tok
+    text = (Path(model.tokenizer.folder) / "tokenizer.json").read_bytes()
+    key = (hashlib.sha256(text).hexdigest(), vocabulary(model), tuple(sorted(model.eos_ids)))
+    _keys[model.tokenizer] = (key,)
+    with _lock:
+        tok = _tokenizers.get(key)
+    if tok is None:
+        try:
+            tok = llg.LLTokenizer(text.decode(), n_vocab=key[1], eos_token=list(key[2]) or None)
+        except (ValueError, RuntimeError) as e:
+            raise EdgevlError(f"constrained output cannot use this tokenizer ({_one_line(e)})") from None
+        with _lock:
+            _tokenizers[key] = tok
+    return key, tok
+
+
+@dataclass
+class Compiled:
+    """A structure compiled for one tokenizer: makes a fresh :class:`Constraint` per sequence."""
+    structure: Structure
+    template: object          # an LLMatcher at the start of the grammar (copied per sequence)
+    vocab: int
+    eos: tuple
+
+    @property
+    def kind(self) -> str:
+        return self.structure.kind
+
+    def constraint(self, reasoning=None, thinking: bool = False) -> Constraint:
+        return Constraint(self.template.deep_copy(), self.vocab, self.eos, reasoning, thinking)
+
+
+def compiled(model, structure: Structure, where: str | None = None) -> Compiled:
+    """``structure`` checked and compiled for ``model``'s tokenizer (cached); a grammar the engine
+    refuses (bad schema, unsupported keyword, too large) is an EdgevlError naming the problem."""
+    if isinstance(structure, Compiled):
+        return structure
+    llg = _llg()
+    key, tok = tokenizer_for(model)
+    ck = (key, structure.grammar)
+    with _lock:
+        template = _compiled.get(ck)
+        if template is not None:
+            _compiled.move_to_end(ck)
+    if template is None:
+        template = llg.LLMatcher(tok, structure.grammar, log_level=0, limits=llg.LLParserLimits(**GRAMMAR_LIMITS))
+        if template.is_error():
+            raise EdgevlError(_describe(structure, template.get_error(), where))
+        with _lock:
+            _compiled[ck] = template
+            while len(_compiled) > COMPILED_CACHE:
+                _compiled.popitem(last=False)
+    return Compiled(structure, template, key[1], key[2])
+
+
+def _describe(structure: Structure, error: str, where: str | None) -> str:
+    what = where or {"json_object": "response_format", "json_schema": "the JSON schema", "regex": "the regex",
+                     "choice": "the choice", "grammar": "the grammar"}.get(structure.kind, "the grammar")
+    msg = _one_line(error)
+    if msg.startswith("Unimplemented keys"):
+        keys = msg.split(":", 1)[1].strip()
+        return f"{what} uses JSON Schema keywords constrained output does not support ({keys}); remove them"
+    if "too big" in msg or "too large" in msg or "too complex" in msg.lower():
+        return f"{what} is too large to compile in bounded time and memory ({msg}); simplify it"
+    return f"{what} cannot be used ({msg}); fix it"
+
+
+# -- one sequence --------------------------------------------------------------------------------------
+
+class Constraint:
+    """The grammar state of one sequence. ``reasoning``: the model's (start, end) reasoning marker
+    ids; while the sequence is inside a reasoning block (``thinking``: the prompt left one open)
+    every token but an end token is allowed, and the grammar starts after the end marker."""
+
+    def __init__(self, matcher, vocab: int, eos, reasoning=None, thinking: bool = False):
+        self.matcher, self.vocab, self.eos = matcher, int(vocab), tuple(eos)
+        self.end = reasoning[1] if reasoning and None not in reasoning else None
+        # the markers route text to the reasoning: inside the answer (a JSON string may spell
+        # "<think>") one would move the rest of the answer out of it
+        self.markers = [int(t) for t in reasoning if t is not None and t < vocab] if self.end is not None else []
+        self.thinking = bool(thinking and self.end is not None)
+        self.log: list[str] = []      # per advanced token: "r" reasoning, "e" end marker, "m" matcher
+        self._bits = np.empty((self.vocab + 31) // 32, np.int32)
+        self._cache = None            # (len(log), mask) of the last mask computed
+
+    @property
+    def free(self) -> bool:
+        """Inside the reasoning block: no grammar yet."""
+        return self.thinking
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: only an end token may follow."""
+        return not self.thinking and self.matcher.is_stopped()
+
+    def allowed(self) -> np.ndarray:
+        """A bool mask over the vocabulary: the tokens the next position may take."""
+        if self._cache is not None and self._cache[0] == len(self.log):
+            return self._cache[1]
+        if self.thinking:
+            mask = np.ones(self.vocab, bool)
+            mask[[e for e in self.eos if e < self.vocab]] = False   # the answer must still come
+        else:
+            if self.matcher.is_error():
+                raise EdgevlError(f"constrained decoding failed ({_one_line(self.matcher.get_error())})")
+            self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
+            mask[self.markers] = False
+            if not mask.any():
+                raise EdgevlError("constrained decoding reached a state no token can continue; the grammar "
+                                  "cannot be completed with this tokenizer")
+        self._cache = (len(self.log), mask)
+        return mask
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` (one row) with the disallowed tokens at -inf: sampling then sees only the
+        allowed ones (penalties, temperature, top-k/top-p included)."""
+        x = np.asarray(logits, np.float32)
+        if self.thinking:    # free text but the end: no whole-vocabulary mask per reasoning token
+            out = x.copy()
+            out[[e for e in self.eos if e < len(out)]] = -np.inf
+            return out
+        mask = self.allowed()
+        n = min(len(mask), x.shape[-1])
+        out = np.full(x.shape, -np.inf, np.float32)
+        out[:n] = np.where(mask[:n], x[:n], -np.inf)
+        return out
+
+    def advance(self, token: int) -> None:
+        token = int(token)
+        if self.thinking:
+            if token in self.eos:
+                raise EdgevlError("constrained decoding: an end token inside the reasoning block")
+            if token == self.end:
+                self.thinking = False
+                self.log.append("e")
+            else:
+                self.log.append("r")
+            return
+        if not self.matcher.consume_token(token):
+            raise EdgevlError(f"constrained decoding: token {token} is not allowed here "
+                              f"({_one_line(self.matcher.get_error())})")
+        self.log.append("m")
+
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` tokens advanced."""
+        if n <= 0:
+            return
+        if n > len(self.log):
+            raise EdgevlError(f"cannot roll back {n} tokens; only {len(self.log)} were taken")
+        gone = self.log[-n:]
+        del self.log[-n:]
+        m = gone.count("m")
+        if m and not self.matcher.rollback(m):
+            raise EdgevlError(f"constrained decoding could not roll back ({_one_line(self.matcher.get_error())})")
+        if "e" in gone:
+            self.thinking = True
+        self._cache = None
+
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens`` (drafts, in order) the constraint allows, without taking them."""
+        tokens = [int(t) for t in tokens]
+        taken = 0
+        try:
+            while taken < len(tokens) and self.thinking:
+                if tokens[taken] in self.eos:
+                    return taken
+                self.advance(tokens[taken])
+                taken += 1
+            return taken + (self.matcher.validate_tokens(tokens[taken:]) if taken < len(tokens) else 0)
+        finally:
+            self.rollback(taken)

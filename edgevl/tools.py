@@ -1,0 +1,331 @@
+"""Tool (function) calling the way each model was trained: the tools rendered by the model's own
+chat template, its calls parsed from its own call format into OpenAI's ``tool_calls``.
+
+Qwen3.5's format (its template's tools section) is XML-like, one block per call::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is written raw: strings as they are, other types as JSON; the parsed
+``arguments`` are typed by the function's parameter schema. ``tool_choice`` "auto" lets the model
+answer or call; "none" renders no tools; "required" and a named function constrain the answer
+with a grammar of that format built from the tools' parameter schemas (``edgevl.structured``),
+so the call always parses and its arguments validate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from . import structured
+from .errors import EdgevlError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 16      # parallel calls in one forced answer: a model that repeats itself still ends
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@dataclass
+class ToolSpec:
+    """Tools checked for one request: what the template renders and how the answer is read."""
+    tools: list                       # OpenAI tool objects, as the template takes them
+    choice: str                       # "auto" | "none" | "required" | "function"
+    name: str | None = None           # the named function
+    parallel: bool = True
+    structure: structured.Structure | None = None   # the call grammar ("required" / named)
+    schemas: dict = field(default_factory=dict)     # function name -> parameters schema
+
+    @property
+    def render(self) -> list | None:
+        """The tools for the chat template (None: none rendered)."""
+        return None if self.choice == "none" else self.tools
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+
+def call_format(model) -> str | None:
+    """The model's tool-call format, read from its chat template (None: it has none)."""
+    t = model.tokenizer.chat_template or ""
+    if CALL_OPEN in t and "<function=" in t and "<parameter=" in t:
+        return "qwen_xml"
+    return None
+
+
+def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | None:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's API takes them, checked;
+    None when no tools were given."""
+    if isinstance(tools, ToolSpec):
+        return tools
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise EdgevlError("tool_choice needs tools; send the tools the choice names")
+        return None
+    if call_format(model) is None:
+        raise EdgevlError(f"this model ({model.arch.name}) has no tool-call format in its chat template; send the "
+                          "request without tools")
+    if not isinstance(tools, list):
+        raise EdgevlError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    out, schemas = [], {}
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"),
+                                                                                               dict):
+            raise EdgevlError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\"}}}}")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise EdgevlError(f"{where}.function.name must be 1-64 letters, digits, _ . : or -, got {name!r:.40}")
+        if name in schemas:
+            raise EdgevlError(f"{where}: two tools are named {name!r}; give each function its own name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object" or not isinstance(
+                params.get("properties", {}), dict):
+            raise EdgevlError(f"{where}.function.parameters must be a JSON schema of type object with properties")
+        for p in params.get("properties", {}):
+            if not NAME.fullmatch(p):
+                raise EdgevlError(f"{where}: parameter name {p!r:.40} cannot be written in the call format; use "
+                                  "letters, digits, _ . : or -")
+        schemas[name] = params
+        out.append({"type": "function", "function": {**fn, "parameters": params}})
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    if not isinstance(parallel, bool):
+        raise EdgevlError("parallel_tool_calls must be true or false")
+    choice, named = _choice(tool_choice, schemas)
+    spec = ToolSpec(out, choice, named, parallel, schemas=schemas)
+    if choice == "required":
+        spec.structure = structured.grammar_structure(call_grammar(schemas, parallel, _tags(model)), "tool_choice")
+    elif choice == "function":    # one call of that function (as OpenAI's and vLLM's named choice)
+        spec.structure = structured.grammar_structure(call_grammar({named: schemas[named]}, False, _tags(model)),
+                                                      "tool_choice")
+    return spec
+
+
+def _choice(tool_choice, schemas) -> tuple[str, str | None]:
+    if tool_choice is None:
+        return "auto", None
+    if tool_choice in ("auto", "none", "required"):
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
+            else None
+        if not isinstance(name, str):
+            raise EdgevlError("tool_choice.function.name must be a string")
+        if name not in schemas:
+            raise EdgevlError(f"tool_choice names the function {name!r:.60}, which is not among the tools ("
+                              f"{', '.join(sorted(schemas))}); name one of them")
+        return "function", name
+    raise EdgevlError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                      "\"function\": {\"name\": ...}}")
+
+
+# -- the call grammar (Lark, with inline JSON schemas for typed values) ---------------------------------
+
+def _lit(s: str) -> str:
+    return json.dumps(s)
+
+
+def _is_string(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "string" or (isinstance(t, list) and t == ["string"]) or (
+        t is None and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]))
+
+
+def _value(rule: str, schema: dict) -> list[str]:
+    """Rules for one parameter's value followed by its closing tag: a raw string for string
+    parameters (the template writes them unquoted), JSON for the rest."""
+    close = _lit("\n</parameter>\n")
+    if _is_string(schema):
+        if "enum" in schema:
+            return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
+        if "const" in schema and isinstance(schema["const"], str):
+            return [f"{rule}: {_lit(schema['const'])} {close}"]
+        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        pattern = schema.get("pattern")
+        if pattern:
+            body = pattern.removeprefix("^").removesuffix("$")
+            return [f"{rule}: /{_regex_escape(body)}/ {close}"]
+        # lazy: the value ends at the first closing tag; any characters, newlines included
+        reps = f"{{{lo},{int(hi)}}}" if hi is not None else ("+" if lo else "*")
+        return [f"{rule}[lazy]: /(.|\\n){reps}\\n<\\/parameter>\\n/"]
+    # compact JSON, as the answers constrained by a schema (bounded whitespace)
+    return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': structured.JSON_OPTIONS})} {close}"]
+
+
+def _regex_escape(body: str) -> str:
+    return body.replace("/", "\\/")
+
+
+def _tags(model) -> set:
+    """The call tags the tokenizer has as tokens of their own (Qwen's ``<tool_call>``): the
+    grammar engine never spells such a token from text, and the model was trained to write it."""
+    return {t for t in (CALL_OPEN, CALL_CLOSE) if model.tokenizer.token_to_id(t) is not None}
+
+
+def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:
+    """A Lark grammar of one call (or several, ``parallel``) to the functions in ``schemas``, in
+    the Qwen XML format, each function's required parameters present, in its schema's order.
+    ``tags``: the call tags to write as the tokenizer's own tokens (``<tool_call>`` unquoted is the
+    engine's syntax for a token)."""
+    def tag(t: str) -> str:
+        return t if t in tags else _lit(t)
+
+    lines, calls = [], []
+    for i, (name, params) in enumerate(schemas.items()):
+        props = params.get("properties", {})
+        required = set(params.get("required", []))
+        parts = []
+        for j, (p, ps) in enumerate(props.items()):
+            rule = f"v{i}_{j}"
+            lines += _value(rule, ps if isinstance(ps, dict) else {})
+            item = f"{_lit(f'<parameter={p}>' + chr(10))} {rule}"
+            parts.append(f"({item})" if p in required else f"({item})?")
+        body = " ".join(parts)
+        calls.append(f"c{i}")
+        lines.append(f"c{i}: {tag(CALL_OPEN)} {_lit(f'{chr(10)}<function={name}>{chr(10)}')} {body} "
+                     f"{_lit(f'</function>{chr(10)}')} {tag(CALL_CLOSE)}")
+    lines.insert(0, "call: " + " | ".join(calls))
+    lines.insert(0, f"start: call (\"\\n\" call){{0,{MAX_CALLS - 1}}}" if parallel else "start: call")
+    return "\n".join(lines)
+
+
+# -- reading the model's calls --------------------------------------------------------------------------
+
+def _typed(value: str, schema: dict):
+    if _is_string(schema if isinstance(schema, dict) else {}):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class CallStream:
+    """Reads an answer as it streams: content text before the calls, and each call as it
+    completes its parts (name first, then argument fragments that join into the JSON object)."""
+
+    PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def __init__(self, spec: ToolSpec):
+        self.spec = spec
+        self.buf = ""
+        self.in_calls = False
+        self.calls: list[dict] = []
+        self._args: dict | None = None    # the current call's arguments so far
+        self._name_sent = False
+
+    def feed(self, text: str, end: bool = False) -> list[tuple]:
+        """Events the text completes: ("content", str), ("name", index, id, name),
+        ("args", index, fragment)."""
+        self.buf += text
+        out = []
+        if not self.in_calls:
+            i = self.buf.find(CALL_OPEN)
+            if i < 0:
+                keep = 0 if end else _partial(self.buf, CALL_OPEN)
+                text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                if text:
+                    out.append(("content", text))
+                return out
+            if i:
+                out.append(("content", self.buf[:i]))
+            self.buf, self.in_calls = self.buf[i:], True
+        while True:
+            ev = self._step()
+            if not ev:
+                break
+            out += ev
+        if end and self.buf.strip():
+            # text that is no call: content; but a constrained answer's rest is a call the token
+            # limit cut, never shown as half a call
+            if self.spec.structure is None:
+                out.append(("content", self.buf))
+            self.buf = ""
+        return out
+
+    def _step(self) -> list[tuple]:
+        b = self.buf
+        if self._args is None:
+            m = re.match(r"\s*<tool_call>\s*<function=([^>\n]+)>\n?", b)
+            if not m:
+                return []
+            name = m.group(1).strip()
+            self.calls.append({"id": new_id(), "type": "function", "function": {"name": name, "arguments": ""}})
+            self._args, self.buf = {}, b[m.end():]
+            k = len(self.calls) - 1
+            return [("name", k, self.calls[k]["id"], name)]
+        k = len(self.calls) - 1
+        fn = self.calls[k]["function"]
+        m = self.PARAM.match(b.lstrip("\n"))
+        if m:
+            schema = self.spec.schemas.get(fn["name"], {}).get("properties", {}).get(m.group(1).strip(), {})
+            p = m.group(1).strip()
+            self._args[p] = _typed(m.group(2), schema)
+            frag = ("{" if len(self._args) == 1 else ", ") + json.dumps(p) + ": " + json.dumps(
+                self._args[p], ensure_ascii=False)
+            fn["arguments"] += frag
+            self.buf = b.lstrip("\n")[m.end():]
+            return [("args", k, frag)]
+        m = re.match(r"\s*</function>\s*</tool_call>", b)
+        if m:
+            frag = "{}" if not self._args else "}"
+            fn["arguments"] += frag
+            self._args, self.buf = None, b[m.end():]
+            return [("args", k, frag)]
+        return []
+
+
+def _partial(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``tag`` (held back while streaming)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def parse(text: str, spec: ToolSpec) -> tuple[str, list[dict]]:
+    """(content, tool_calls) of a whole answer."""
+    s = CallStream(spec)
+    content = "".join(e[1] for e in s.feed(text, end=True) if e[0] == "content")
+    calls = [c for c in s.calls if c["function"]["arguments"].endswith("}")]
+    return (content.strip() if calls else content), calls
+
+
+def template_messages(messages: list) -> list:
+    """Messages for the chat template: an assistant turn's ``tool_calls`` arguments (a JSON
+    string in OpenAI's API) become the mapping the template iterates."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = dict((c or {}).get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise EdgevlError(f"a tool call's arguments are not JSON ({args!r:.60}); send them as "
+                                          "the JSON object the call returned") from None
+                if not isinstance(args, dict):
+                    raise EdgevlError("a tool call's arguments must be a JSON object")
+                fixed.append({**c, "function": {**fn, "arguments": args}})
+            m = {**m, "tool_calls": fixed}
+            if m.get("content") is None:
+                m["content"] = ""
+        out.append(m)
+    return out

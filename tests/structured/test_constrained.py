@@ -1,0 +1,239 @@
+"""Constrained answers from a random model: for every schema, greedy and sampled, the answer
+parses and validates (the model writes no JSON by itself); regex, choice and grammars hold;
+drafting changes nothing; the constraint starts after a thinking model's reasoning."""
+
+import json
+import re
+import subprocess
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+
+import edgevl
+from edgevl import structured
+from edgevl.errors import EdgevlError
+from support.schemas import SCHEMAS
+
+PROMPT = "Describe the image."
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_schema_answer_parses_and_validates(qwen, name):
+    schema = SCHEMAS[name]
+    for opts in (dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.3, top_p=0.95, seed=2),
+                 dict(temperature=0.8, top_k=20, repetition_penalty=1.3, seed=3)):
+        c = edgevl.complete(qwen, PROMPT, json_schema=schema, thinking=False, max_new_tokens=160, **opts)
+        assert c.finish_reason == "stop", (opts, c.text)
+        jsonschema.validate(c.json, schema)
+        assert json.loads(c.text) == c.json
+
+
+def test_unconstrained_random_model_writes_no_json(qwen):
+    """What makes the tests above prove something."""
+    text = edgevl.generate(qwen, PROMPT, thinking=False, max_new_tokens=40, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_json_object_is_an_object(qwen):
+    # any object: keys are strings of any length, which a random model may run on with (these
+    # draws close theirs within the budget)
+    for temperature, seed in ((0.3, 0), (0.7, 3), (1.0, 0)):
+        c = edgevl.complete(qwen, PROMPT, response_format={"type": "json_object"}, thinking=False,
+                            temperature=temperature, seed=seed, max_new_tokens=300)
+        assert c.finish_reason == "stop", c.text
+        assert isinstance(c.json, dict) and c.json
+        # bounded whitespace: only the separators' single spaces, never runs or newlines
+        assert "\n" not in c.text and "  " not in re.sub(r'"(\\.|[^"\\])*"', '""', c.text)
+
+
+def test_openai_response_format_and_pydantic_class(qwen):
+    schema = SCHEMAS["meter"]
+    rf = {"type": "json_schema", "json_schema": {"name": "meter", "schema": schema, "strict": True}}
+    c = edgevl.complete(qwen, PROMPT, response_format=rf, thinking=False, temperature=0)
+    jsonschema.validate(c.json, schema)
+    pydantic = pytest.importorskip("pydantic")
+
+    class Meter(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        reading: int = pydantic.Field(ge=0, le=999)
+        unit: str = pydantic.Field(pattern="^(kWh|L)$")
+
+    c = edgevl.complete(qwen, PROMPT, json_schema=Meter, thinking=False, temperature=1, seed=4)
+    Meter.model_validate(c.json)
+
+
+def test_regex_choice_and_grammars(qwen):
+    for seed in range(3):
+        kw = dict(thinking=False, temperature=1.0, seed=seed, max_new_tokens=60)
+        out = edgevl.generate(qwen, PROMPT, response_format={"type": "regex", "regex": r"[A-Z]{2}-[0-9]{2,4}"}, **kw)
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{2,4}", out), out
+        out = edgevl.generate(qwen, PROMPT, response_format={"type": "choice", "choice": ["yes", "no", "n/a"]}, **kw)
+        assert out in ("yes", "no", "n/a")
+        gbnf = 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?'
+        out = edgevl.generate(qwen, PROMPT, response_format={"type": "grammar", "grammar": gbnf}, **kw)
+        assert re.fullmatch(r"\([1-9][0-9]?([+*][1-9][0-9]?)*\)", out), out
+        lark = 'start: word (" " word){0,2}\nword: /[a-z]{1,5}/'
+        out = edgevl.generate(qwen, PROMPT, response_format={"type": "grammar", "grammar": lark}, **kw)
+        assert re.fullmatch(r"[a-z]{1,5}( [a-z]{1,5}){0,2}", out), out
+
+
+def test_drafting_gives_the_same_constrained_answer(qwen, qwen_plain):
+    assert qwen.mtp is not None and qwen_plain.mtp is None
+    for name in ("receipt", "camera_event", "pattern"):
+        kw = dict(json_schema=SCHEMAS[name], thinking=False, temperature=0, max_new_tokens=160)
+        assert edgevl.generate(qwen, PROMPT, **kw) == edgevl.generate(qwen_plain, PROMPT, **kw)
+
+
+def test_drafts_the_grammar_forbids_never_reach_the_verify_pass(qwen, qwen_plain, monkeypatch):
+    """An oracle drafter (the answer's own next tokens, every third one swapped for a token the
+    grammar forbids): accepted drafts are kept, forbidden ones are cut before the decoder runs,
+    and the answer is the one plain decoding gives."""
+    schema = SCHEMAS["receipt"]
+    kw = dict(json_schema=schema, thinking=False, temperature=0, max_new_tokens=160)
+    want = edgevl.complete(qwen_plain, PROMPT, **kw)
+    ref = qwen.tokenizer.encode(want.text) + sorted(qwen.eos_ids)[:1]
+    forbidden = qwen.tokenizer.token_to_id("<|vision_start|>")
+    start = {}
+    calls, fed = [], []
+
+    def draft(tok, m):
+        g = len(qwen.cache_keys) - start["n"]      # the pending token is the answer's g-th
+        out = list(ref[g + 1:g + 1 + m])
+        if len(calls) % 3 == 2 and out:
+            out[-1] = forbidden
+        calls.append(out)
+        return out
+
+    real_forward = qwen.decoder.forward
+
+    def forward(x, cache, pos, **k):
+        if "n" in start and "undoable" in k:      # a decode cycle's pass (not the prompt's)
+            fed.append(x.shape[0])
+        return real_forward(x, cache, pos, **k)
+
+    real_prefill = qwen.prefill
+
+    def prefill(ids, *a, **k):
+        out = real_prefill(ids, *a, **k)
+        start["n"] = len(ids)
+        return out
+
+    monkeypatch.setattr(qwen.mtp, "draft", draft)
+    monkeypatch.setattr(qwen.decoder, "forward", forward)
+    monkeypatch.setattr(qwen, "prefill", prefill)
+    monkeypatch.setattr(qwen.mtp, "adaptive", False)
+    got = edgevl.complete(qwen, PROMPT, reuse_cache=False, **kw)
+    assert got.text == want.text
+    assert qwen.mtp.accepted > 0
+    assert any(forbidden in c for c in calls)
+    # a cycle fed at most the pending token and the allowed drafts (a forbidden one never)
+    assert fed and max(fed) <= 1 + qwen.mtp.k
+
+
+def test_constraint_starts_after_the_reasoning_block(qwen):
+    tok = qwen.tokenizer
+    think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    comp = structured.compiled(qwen, structured.parse({"type": "choice", "choice": ["yes", "no"]}))
+    c = comp.constraint((think, end), thinking=True)
+    eos = sorted(qwen.eos_ids)[0]
+    mask = c.allowed()
+    assert mask.sum() == len(mask) - len(qwen.eos_ids) and not mask[eos]   # free text, but no end yet
+    words = tok.encode("some free thoughts")
+    for t in words:
+        c.advance(t)
+    c.advance(end)
+    allowed = set(np.flatnonzero(c.allowed()))
+    assert allowed and allowed <= {t for w in ("yes", "no") for t in range(len(mask))
+                                   if w.startswith(tok.decode([t])) and tok.decode([t])}
+    c.advance(tok.encode("yes")[0])
+    c.rollback(2)                  # back across the end marker: free again
+    assert c.free and c.allowed().sum() == len(mask) - len(qwen.eos_ids)
+    assert c.valid_prefix([*words, end, tok.encode("no")[0], forbidden_id(tok)]) == len(words) + 2
+    # in the answer the markers are never allowed, even where the grammar takes their text
+    s = structured.compiled(qwen, structured.parse({"type": "regex", "regex": "[<>/a-z]{1,12}"}))
+    marked = s.constraint((think, end), thinking=False)
+    assert not marked.allowed()[think] and not marked.allowed()[end]
+
+
+def forbidden_id(tok):
+    return tok.token_to_id("<|vision_start|>")
+
+
+def test_thinking_model_reasons_freely_then_answers_in_the_schema(qwen):
+    schema = SCHEMAS["meter"]
+    c = edgevl.complete(qwen, "Hi", json_schema=schema, temperature=0, max_new_tokens=300)
+    assert c.reasoning and c.finish_reason == "stop"
+    with pytest.raises(ValueError):
+        json.loads(c.reasoning)
+    jsonschema.validate(c.json, schema)
+
+
+def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
+    c = edgevl.complete(qwen, PROMPT, json_schema=SCHEMAS["receipt"], thinking=False, max_new_tokens=4)
+    assert c.finish_reason == "length"
+    with pytest.raises(EdgevlError, match="cut by the token limit.*raise max_new_tokens"):
+        _ = c.json
+    plain = edgevl.complete(qwen, PROMPT, thinking=False, max_new_tokens=2)
+    with pytest.raises(EdgevlError, match="not constrained to JSON"):
+        _ = plain.json
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(json_schema={"type": "strnig"}), "Invalid type"),
+    (dict(json_schema={"type": "object", "if": {"type": "object"}, "then": {}}), r"does not support \(.*if"),
+    (dict(json_schema={"type": "array", "uniqueItems": True}), r"does not support \(.*uniqueItems"),
+    (dict(json_schema={"$ref": "#/$defs/missing"}), "does not exist"),
+    (dict(json_schema=["not", "a", "schema"]), "must be a JSON schema object"),
+    (dict(json_schema="{not json"), "not valid JSON"),
+    (dict(json_schema={"enum": [f"value {i} of a long enumeration" for i in range(200_000)]}), "too large"),
+    (dict(response_format={"type": "regex", "regex": "[a-z"}), "unclosed character class"),
+    (dict(response_format={"type": "regex", "regex": "(?<=a)b"}), "look-around"),
+    (dict(response_format={"type": "grammar", "grammar": 'root ::= "yes | "no"'}), "does not parse"),
+    (dict(response_format={"type": "grammar", "grammar": 'start: "a" | undefined_rule'}), "unknown name"),
+    (dict(response_format={"type": "choice", "choice": []}), "non-empty list"),
+    (dict(response_format={"type": "xml"}), "type must be one of"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "with a schema"),
+    (dict(response_format={"type": "json_object"}, json_schema={}), "not both"),
+])
+def test_bad_structures_are_one_line_errors_before_any_work(qwen, kwargs, needle, monkeypatch):
+    monkeypatch.setattr(qwen, "prefill", lambda *a, **k: pytest.fail("generation started"))
+    with pytest.raises(EdgevlError) as e:
+        edgevl.generate(qwen, PROMPT, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    assert re.search(needle, msg), msg
+
+
+def test_grammar_over_the_engine_limits_is_refused(qwen, monkeypatch):
+    monkeypatch.setattr(structured, "GRAMMAR_LIMITS", {"initial_lexer_fuel": 1000})
+    with pytest.raises(EdgevlError, match="too large to compile in bounded time and memory") as e:
+        edgevl.generate(qwen, PROMPT, json_schema={"enum": [f"v{i}" for i in range(2000)]})
+    assert "\n" not in str(e.value)
+
+
+def test_missing_llguidance_says_how_to_install(qwen, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(EdgevlError, match=r"needs llguidance; pip install 'llguidance>="):
+        edgevl.generate(qwen, PROMPT, response_format={"type": "json_object"})
+
+
+def test_import_stays_light_and_adapter_is_built_once(qwen):
+    code = "import sys, edgevl; print('llguidance' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    a, b = structured.tokenizer_for(qwen)[1], structured.tokenizer_for(qwen)[1]
+    assert a is b and a.vocab_size == qwen.vocab_size
+    s = structured.parse({"type": "json_object"})
+    assert structured.compiled(qwen, s).template is structured.compiled(qwen, s).template
+
+
+def test_sampling_processors_see_only_the_allowed_tokens(qwen):
+    """top-k 1 at any temperature is the greedy constrained answer: the one token kept is the best
+    allowed one (kept before masking, it would mostly be a forbidden token and leave nothing)."""
+    kw = dict(json_schema=SCHEMAS["receipt"], thinking=False, max_new_tokens=160)
+    greedy = edgevl.generate(qwen, PROMPT, temperature=0, **kw)
+    assert edgevl.generate(qwen, PROMPT, temperature=1.5, top_k=1, seed=9, **kw) == greedy
+    assert edgevl.generate(qwen, PROMPT, temperature=1.5, top_p=1e-6, seed=9, **kw) == greedy

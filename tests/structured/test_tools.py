@@ -1,0 +1,245 @@
+"""Tool calling on Qwen3.5 (its own template's tools section and XML call format): calls forced
+by tool_choice "required" / a named function always parse and validate against their parameters;
+"auto" parses what the model writes; the call → result → answer round trip through the openai
+client, plain and streamed; families without a call format and bad choices are one-line 400s."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+import edgevl
+from edgevl import tools
+from edgevl.errors import EdgevlError
+from support.server import post
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["C", "F"]}, "hourly": {"type": "boolean"}},
+        "required": ["city", "days"]}}}
+COUNT = {"type": "function", "function": {
+    "name": "count_items", "description": "Count things on a shelf",
+    "parameters": {"type": "object", "properties": {
+        "labels": {"type": "array", "items": {"enum": ["can", "box", "jar"]}, "minItems": 1, "maxItems": 3},
+        "area": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                  "y": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["x", "y"], "additionalProperties": False},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+        "required": ["labels", "area", "code"]}}}
+TOOLS = [WEATHER, COUNT]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for c in calls:
+        assert c["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}", c["id"])
+        name = c["function"]["name"]
+        assert names is None or name in names
+        jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[name])
+
+
+def test_the_template_renders_the_tools_and_the_calls_back(qwen):
+    spec = tools.prepare(qwen, TOOLS)
+    ids = edgevl.generate.__globals__["prepare"](qwen, ASK, chat_template_kwargs={"tools": spec.render}).input_ids
+    text = qwen.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 3}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    ids = edgevl.generate.__globals__["prepare"](qwen, turn, chat_template_kwargs={"tools": spec.render}).input_ids
+    text = qwen.tokenizer.decode(ids, skip_special_tokens=False)
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>") in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+
+
+@pytest.mark.parametrize("choice, names", [
+    ("required", None),
+    ({"type": "function", "function": {"name": "count_items"}}, {"count_items"}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+])
+def test_forced_calls_always_parse_and_validate(qwen, choice, names):
+    for opts in (dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=0.9, top_p=0.9, seed=2)):
+        c = edgevl.complete(qwen, ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, thinking=False,
+                            max_new_tokens=200, **opts)
+        assert c.finish_reason == "tool_calls", c
+        assert len(c.tool_calls) == 1 and c.text == ""
+        check_calls(c.tool_calls, names)
+
+
+def test_parallel_calls_where_allowed(qwen):
+    """The call grammar takes a second call after the first only with parallel_tool_calls."""
+    from edgevl import structured
+
+    one = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+           "</parameter>\n</function>\n</tool_call>")
+    ids = qwen.tokenizer.encode(one + "\n" + one)
+    for parallel, want in ((True, len(ids)), (False, len(qwen.tokenizer.encode(one)))):
+        spec = tools.prepare(qwen, TOOLS, "required", parallel)
+        c = structured.compiled(qwen, spec.structure).constraint()
+        assert c.valid_prefix(ids) == want
+        content, calls = tools.parse(one + "\n" + one, spec)
+        assert len(calls) == 2 and content == ""
+
+
+def test_forced_call_with_drafting_is_the_plain_one(qwen, qwen_plain):
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, thinking=False, temperature=0,
+              max_new_tokens=200)
+    a, b = edgevl.complete(qwen, ASK, **kw), edgevl.complete(qwen_plain, ASK, **kw)
+    assert [c["function"] for c in a.tool_calls] == [c["function"] for c in b.tool_calls]
+
+
+def test_auto_parses_what_the_model_writes():
+    spec = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS)
+    text = ("Let me look.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=count_items>\n<parameter=labels>\n[\"can\"]\n</parameter>\n<parameter=area>\n"
+            "{\"x\": 1, \"y\": 2}\n</parameter>\n<parameter=code>\nAB12\n</parameter>\n</function>\n</tool_call>")
+    content, calls = tools.parse(text, spec)
+    assert content == "Let me look."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "New York", "days": 2, "hourly": True}, {"labels": ["can"], "area": {"x": 1, "y": 2}, "code": "AB12"}]
+    # streamed in any pieces: the same content, names first, fragments that join to the same arguments
+    s = tools.CallStream(spec)
+    events = [e for i in range(0, len(text), 7) for e in s.feed(text[i:i + 7])] + s.feed("", end=True)
+    assert "".join(e[1] for e in events if e[0] == "content").strip() == content
+    for k, c in enumerate(calls):
+        mine = [e for e in events if e[0] != "content" and e[1] == k]
+        assert mine[0][0] == "name" and mine[0][3] == c["function"]["name"]
+        assert "".join(e[2] for e in mine[1:]) == json.dumps(json.loads(c["function"]["arguments"]))
+    assert tools.parse("no calls at all <tool_", spec) == ("no calls at all <tool_", [])
+
+
+def test_auto_and_none_leave_a_plain_answer(qwen):
+    c = edgevl.complete(qwen, ASK, tools=TOOLS, thinking=False, temperature=0, max_new_tokens=12)
+    assert c.tool_calls == [] and c.finish_reason == "length" and c.text
+    c = edgevl.complete(qwen, ASK, tools=TOOLS, tool_choice="none", thinking=False, temperature=0, max_new_tokens=4)
+    assert c.tool_calls == []
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(tool_choice={"type": "function", "function": {"name": "launch"}}), "names the function 'launch', which "
+                                                                            "is not among the tools"),
+    (dict(tool_choice="sometimes"), "tool_choice must be"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "function.name must be"),
+    (dict(tools=[WEATHER, WEATHER]), "two tools are named"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+     "parameters must be a JSON schema of type object"),
+    (dict(tool_choice="required", response_format={"type": "json_object"}), "drop response_format"),
+])
+def test_bad_tool_requests_are_one_line_errors(qwen, kwargs, needle):
+    with pytest.raises(EdgevlError) as e:
+        edgevl.complete(qwen, ASK, **{"tools": TOOLS, **kwargs})
+    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_a_family_without_a_call_format_refuses_tools(tmp_path):
+    from support.youtu import tiny_checkpoint
+
+    pkg = edgevl.convert(tiny_checkpoint(tmp_path / "ck"), tmp_path / "pk", dtype="fp32", progress=False)
+    model = edgevl.load(pkg)
+    with pytest.raises(EdgevlError, match=r"this model \(youtu\S*\) has no tool-call format in its chat template"):
+        edgevl.complete(model, ASK, tools=TOOLS)
+    from edgevl.server import make_server
+
+    srv, _ = make_server(model, max_queue=1)
+    try:
+        code, reply, _ = post(srv.server_address[1], {"messages": ASK, "tools": TOOLS})
+        assert code == 400 and "has no tool-call format" in reply["error"]["message"], reply
+        assert reply["error"]["param"] == "tools"
+        code, reply, _ = post(srv.server_address[1], {"messages": [*ASK, {"role": "tool", "content": "21 C"}]})
+        assert code == 400 and "tool-call format" in reply["error"]["message"], reply
+    finally:
+        srv.stop()
+
+
+# -- through the server and the openai client ---------------------------------------------------------
+
+def test_round_trip_call_result_answer_plain_and_streamed(client):
+    messages = list(ASK)
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    check_calls([call.model_dump()], {"get_weather"})
+    # streamed: the same call, its name first, then argument fragments
+    chunks = list(client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id and len(deltas) > 2
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call and its result go back; the model answers (free text, or more calls: auto)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r2 = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, max_tokens=16)
+    assert r2.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    s2 = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, max_tokens=16,
+                                        stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in s2 if ch.choices) == (r2.choices[0].message.content
+                                                                                    or "")
+
+
+def test_required_choice_through_the_client_validates(client):
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=1, seed=seed, max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_calls([c.model_dump() for c in r.choices[0].message.tool_calls])
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": TOOLS, "tool_choice": 3}, "tool_choice", "tool_choice must be"),
+    ({"tools": "get_weather"}, "tools", "tools must be a list"),
+    ({"functions": [{"name": "f"}]}, "functions", "deprecated form"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "drop response_format"),
+    ({"chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs.tools", "tools field"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[1].tool_calls", "not JSON"),
+])
+def test_bad_tool_requests_are_400s(server, body, param, needle):
+    code, reply, _ = post(server.server_address[1], {"messages": ASK, **body})
+    assert code == 400, reply
+    assert reply["error"]["param"] == param and needle in reply["error"]["message"], reply
+    assert "\n" not in reply["error"]["message"]
+
+
+def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp_path):
+    """Qwen's tokenizer has <tool_call> and </tool_call> as tokens of their own: a forced call
+    uses them (the engine never spells an added token from text, and the model writes the token)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as HF
+
+    from edgevl import structured
+    from edgevl.tokenizer import Tokenizer
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen_package / f, tmp_path / f)
+    hf = HF.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_tokens(["<tool_call>", "</tool_call>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    model = SimpleNamespace(tokenizer=tok, vocab_size=tok.vocab_size, eos_ids={tok.token_to_id("<|im_end|>")},
+                            arch=SimpleNamespace(name="qwen3_5"))
+    spec = tools.prepare(model, [WEATHER], "required", False)
+    c = structured.compiled(model, spec.structure).constraint()
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call>")
+    ids = tok.encode(call)
+    assert ids[0] == tok.token_to_id("<tool_call>") and ids[-1] == tok.token_to_id("</tool_call>")
+    assert c.valid_prefix(ids) == len(ids)
+    assert c.valid_prefix(tok.encode("<tool_", special=False)) == 0   # not spelled out from text
