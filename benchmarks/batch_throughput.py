@@ -1,4 +1,5 @@
-"""Throughput of `edgevl batch` on the shipped demo model: local workers and Ray actors.
+"""Throughput and memory of `edgevl batch` on the shipped demo model: rows decoding together in one
+process (``--parallel``), local workers and Ray actors.
 
     python benchmarks/batch_throughput.py [--n 300] [--repeats 3] [--markdown OUT.md] [--json OUT.json]
 
@@ -6,7 +7,9 @@ Every run is a fresh `edgevl batch` process writing a new JSONL file, over N gen
 (128x128, "Describe the image.", greedy); configurations are interleaved. Two rates per run:
 end-to-end (N / the process's wall time: imports, model load, worker spawn or Ray start included)
 and steady (rows 10 %..90 % of N over the time between them, read by polling the output file).
-The cells are medians over the repeats; the load average is recorded because the machine is shared.
+Memory: the peak of the summed resident memory of the batch process and its children (workers),
+polled. The cells are medians over the repeats; the load average is recorded because the machine is
+shared.
 """
 
 from __future__ import annotations
@@ -23,20 +26,48 @@ import time
 from pathlib import Path
 
 CONFIGS = {
-    "1 worker x 1 thread": ["--workers", "1", "--threads", "1"],
-    "1 worker x 2 threads": ["--workers", "1", "--threads", "2"],
+    "1 process, 1 row at a time x 2 threads": ["--workers", "1", "--parallel", "1", "--threads", "2"],
+    "1 process, 4 rows together x 2 threads": ["--workers", "1", "--parallel", "4", "--threads", "2"],
+    "1 process, 8 rows together x 2 threads": ["--workers", "1", "--parallel", "8", "--threads", "2"],
     "2 workers x 1 thread": ["--workers", "2", "--threads", "1"],
     "2 Ray actors x 1 thread (local Ray)": ["--workers", "2", "--threads", "1", "--ray"],
 }
 
 
-def one_run(folder: Path, out: Path, n: int, extra: list[str]) -> dict:
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (Linux /proc)."""
+    kids: dict = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += kids.get(p, [])
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def one_run(folder: Path, out: Path, n: int, extra: list[str], model: list[str] = ()) -> dict:
     marks = {int(n * 0.1): None, int(n * 0.9): None}
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "edgevl", "batch", "--input", str(folder), "--prompt",
+    proc = subprocess.Popen([sys.executable, "-m", "edgevl", "batch", *model, "--input", str(folder), "--prompt",
                              "Describe the image.", "--output", str(out), "--quiet", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak, polls = 0, 0
     while proc.poll() is None:
+        if polls % 10 == 0:
+            peak = max(peak, tree_rss(proc.pid))
+        polls += 1
         lines = out.read_bytes().count(b"\n") if out.exists() else 0
         for k in marks:
             if marks[k] is None and lines >= k:
@@ -48,7 +79,8 @@ def one_run(folder: Path, out: Path, n: int, extra: list[str]) -> dict:
     if proc.returncode != 0 or len(rows) != n:
         raise SystemExit(f"run failed ({proc.returncode}, {len(rows)} rows): {err}")
     (a, ta), (b, tb) = sorted(marks.items())
-    return {"end_to_end": n / wall, "steady": (b - a) / (tb - ta), "wall_s": wall, "load": os.getloadavg()[0]}
+    return {"end_to_end": n / wall, "steady": (b - a) / (tb - ta), "wall_s": wall, "load": os.getloadavg()[0],
+            "peak_mb": peak / 2 ** 20}
 
 
 def main(argv=None) -> int:
@@ -58,8 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown")
     ap.add_argument("--json")
     ap.add_argument("--only", default="", help="run only the configurations whose name contains this")
+    ap.add_argument("--skip", default=None, help="leave out the configurations whose name contains this")
+    ap.add_argument("--package", default=None, help="another package than the demo model's")
+    ap.add_argument("--max-new-tokens", default=None, help="passed to edgevl batch")
     a = ap.parse_args(argv)
-    configs = {k: v for k, v in CONFIGS.items() if a.only in k}
+    configs = {k: v for k, v in CONFIGS.items() if a.only in k and not (a.skip and a.skip in k)}
 
     from edgevl.demo import demo_package
     from edgevl.demo.scenes import make_scene
@@ -74,18 +109,24 @@ def main(argv=None) -> int:
     for r in range(a.repeats):
         for ci, (name, extra) in enumerate(configs.items()):
             out = tmp / f"out-{r}-{ci}.jsonl"
-            res = one_run(folder, out, a.n, extra)
+            model = [a.package] if a.package else []
+            if a.max_new_tokens:
+                extra = [*extra, "--max-new-tokens", a.max_new_tokens]
+            res = one_run(folder, out, a.n, extra, model)
             results[name].append(res)
             print(f"{name}: {res['end_to_end']:.2f} img/s end-to-end, {res['steady']:.2f} steady, "
                   f"load {res['load']:.1f}", file=sys.stderr)
-    lines = [f"`edgevl batch` on the demo model, {a.n} scenes (128x128), \"Describe the image.\", greedy; "
+    what = f"`{Path(a.package).name}`" if a.package else "the demo model"
+    lines = [f"`edgevl batch` on {what}, {a.n} scenes (128x128), \"Describe the image.\", greedy; "
              f"median of {a.repeats} interleaved runs; {os.cpu_count()} logical CPUs, shared machine.", "",
-             "| configuration | images/s end-to-end | images/s steady | wall s | load avg during runs |",
-             "|---|---|---|---|---|"]
+             "| configuration | images/s end-to-end | images/s steady | wall s | peak memory MB "
+             "| load avg during runs |",
+             "|---|---|---|---|---|---|"]
     for name, rs in results.items():
-        med = {k: statistics.median(x[k] for x in rs) for k in ("end_to_end", "steady", "wall_s")}
+        med = {k: statistics.median(x[k] for x in rs) for k in ("end_to_end", "steady", "wall_s", "peak_mb")}
         loads = [x["load"] for x in rs]
         lines.append(f"| {name} | {med['end_to_end']:.1f} | {med['steady']:.1f} | {med['wall_s']:.1f} | "
+                     f"{med['peak_mb']:.0f} | "
                      f"{min(loads):.1f}–{max(loads):.1f} |")
     shutil.rmtree(tmp, ignore_errors=True)
     text = "\n".join(lines) + "\n"

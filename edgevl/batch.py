@@ -30,7 +30,8 @@ a hard link to it cannot start a second job. A line of the output that is not a 
 the job with the error offering ``repair``: it appends such lines, as they were (one per line),
 to ``OUT.rejected`` and keeps every good row.
 
-Engines: in this process (``workers=1``), ``workers`` local processes that each load the package
+Engines: in this process (``workers=1``: ``parallel`` rows decode together over one copy of the
+weights, through ``edgevl.engine``), ``workers`` local processes that each load the package
 once, or a Ray Data actor pool (``ray=True`` or an address) whose actors load the package once,
 read the images themselves and append their rows to per-actor shard files that the driver merges.
 Local workers each hold a copy of the model: more of them than the available memory holds (one
@@ -699,8 +700,29 @@ def _run_inline(settings: dict, model, todo: list[dict]) -> Iterator[dict]:
 
         model = load(settings["model"], threads=settings["threads"], low_memory=settings["low_memory"],
                      options=settings.get("model_options"))
-    for item in todo:
-        yield process_row(model, item, settings["options"])
+    parallel = min(int(settings.get("parallel") or 1), len(todo))
+    if parallel <= 1 or model.low_memory:
+        for item in todo:
+            yield process_row(model, item, settings["options"])
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .engine import Engine
+
+    # ``parallel`` rows in flight: their decode steps share one forward; rows come out in order
+    engine = Engine(model, parallel)
+    pool = ThreadPoolExecutor(parallel, thread_name_prefix="edgevl-batch")
+    options = {**settings["options"], "engine": engine}
+    try:
+        pending = [pool.submit(process_row, model, item, options) for item in todo[:parallel]]
+        for nxt in range(parallel, len(todo) + parallel):
+            row = pending.pop(0).result()
+            if nxt < len(todo):
+                pending.append(pool.submit(process_row, model, todo[nxt], options))
+            yield row
+    finally:   # stopped early (Ctrl-C, a closed generator): the rows in flight end now, unwritten
+        engine.close()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -996,7 +1018,8 @@ class BatchJob:
     ``run()`` yields the rows finished in this run; counts for a summary are attributes."""
 
     def __init__(self, model, rows, prompt: str | None = None, output=None, *, workers: int = 1,
-                 threads: int | None = None, ray=None, overwrite: bool = False, retry_errors: bool = False,
+                 parallel: int = 4, threads: int | None = None, ray=None, overwrite: bool = False,
+                 retry_errors: bool = False,
                  image_column: str = "image", prompt_column: str = "prompt", id_column: str = "id",
                  max_image_patches: int | None = None, low_memory: bool = False, progress: bool = False,
                  model_options: dict | None = None, chat_template_kwargs: dict | None = None,
@@ -1009,6 +1032,9 @@ class BatchJob:
         if workers is None or int(workers) < 1:
             raise EdgevlError(f"workers must be >= 1, got {workers}")
         self.workers = int(workers)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 256:
+            raise EdgevlError(f"parallel must be between 1 and 256, got {parallel!r:.40}")
+        self.parallel = parallel
         self.ray = None if ray in (None, False) else "local" if ray is True else str(ray)
         self.loaded = model if isinstance(model, Model) else None
         path = Path(model.path if self.loaded else model).expanduser()
@@ -1036,6 +1062,7 @@ class BatchJob:
         if self.loaded is not None and structure is not None:
             structured.compiled(self.loaded, structure)
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
+                         "parallel": parallel,
                          "options": dict(sampling, max_image_patches=max_image_patches,
                                          chat_template_kwargs=template_kwargs(chat_template_kwargs),
                                          thinking=thinking, allow_special_in_content=allow_special_in_content,
@@ -1134,15 +1161,17 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     ``model_options``: the architecture's load-time options (e.g. expert_cache_mb)."""
     if a.ray not in (None, "local") and (Path(a.ray) / "manifest.json").is_file():
         raise EdgevlError(f"--ray took {a.ray!r} as the Ray address; put MODEL before --ray or write --ray=ADDRESS")
-    job = BatchJob(model_path, a.input, a.prompt, a.output, workers=a.workers, threads=a.threads, ray=a.ray,
+    job = BatchJob(model_path, a.input, a.prompt, a.output, workers=a.workers, parallel=a.parallel,
+                   threads=a.threads, ray=a.ray,
                    overwrite=a.overwrite, retry_errors=a.retry_errors, repair=a.repair, image_column=a.image_column,
                    prompt_column=a.prompt_column, id_column=a.id_column, max_image_patches=a.max_image_patches,
                    low_memory=a.low_memory, progress=not a.quiet, model_options=model_options,
                    thinking=a.thinking, allow_special_in_content=a.allow_special_in_content,
                    response_format=structured.cli_format(a.json_schema, a.json), **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
+    inline = "" if job.workers > 1 or job.ray else f", {job.parallel} rows at a time"
     print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
-          f"thread(s), {where}", file=sys.stderr)
+          f"thread(s), {where}{inline}", file=sys.stderr)
     if job.oversubscribed():
         print(f"warning: {job.workers} workers x {job.threads} threads > {_physical_cores()} cores; ncnn slows "
               "down badly when oversubscribed", file=sys.stderr)

@@ -685,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--workers", type=_int_at_least("--workers", 1), default=1,
                     help="local worker processes, or Ray actors with --ray; each loads the model, so more than "
                          "the available memory holds is refused (default: 1)")
+    bt.add_argument("--parallel", type=_int_at_least("--parallel", 1), default=4,
+                    help="rows decoding together in this process, over one copy of the model (default: 4)")
     bt.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="run on Ray Data; without ADDRESS a local Ray is started (put MODEL before --ray; "
                          "default: no Ray)")

@@ -7,9 +7,9 @@ computed again), are prefilled, and then decode together: each step is one decod
 the newest token of every decoding request (``Decoder.forward_rows``: the weights are read once
 for all rows; attention, conv windows and host states run per sequence), and each row is sampled
 with its own request's settings. A request that ends, is cancelled or whose client went away
-leaves at the next step; the others go on. When one request is decoding alone and the package
-has an MTP block, it drafts (a verify pass of a few rows costs about one plain step), as a lone
-``generate`` does.
+leaves at the next step; the others go on. Where the package has an MTP block, a request
+decoding alone drafts, as a lone ``generate`` does; with several, each round is a drafting cycle
+for one of them in turn or a plain step over all, whichever has measured faster.
 
 The scheduler runs on its own thread and hands every piece of ncnn work to the model's owner
 thread (``edgevl.owner``), one step at a time, so other callers of the model interleave with it.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 
@@ -32,6 +33,9 @@ from .runtime import state_bytes
 from .sample import Sampler, sample
 
 _END = object()
+# every this many rounds with several requests decoding, the slower of drafting and plain steps is
+# measured again
+RECHECK = 16
 # the MTP block's per-sequence fields (the block's nets are shared)
 _MTP_FIELDS = ("cache", "rows", "embeds", "hidden", "positions", "js")
 
@@ -139,6 +143,9 @@ class Engine:
         self.closed = False
         self.clock = 0
         self.steps = self.rows = 0     # batched decoder forwards and the rows they carried
+        self.cycles = 0                # drafting cycles
+        self.rate: dict = {}           # tokens/s: of a plain step by its rows, of a drafting cycle
+        self.rounds = self.turn = 0
         self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
         self.thread.start()
 
@@ -203,8 +210,41 @@ class Engine:
             decoding = [s for s in self.active if s.tok is not None]
             if not decoding:
                 continue
-            alone = len(decoding) == 1 and not self.waiting and self.model.mtp is not None
-            self._run(self._cycle if alone else self._step, decoding)
+            if self.model.mtp is None:
+                self._run(self._step, decoding)
+            elif len(decoding) == 1:
+                self._run(self._cycle, decoding)
+            else:   # drafting one request at a time, or one plain step for all: the faster, as measured
+                self._choose(decoding)
+
+    def _choose(self, decoding: list) -> None:
+        """Run whichever gives more tokens per second, by the rates measured so far: a drafting
+        cycle for the next request in turn (its tokens per second alone), or one plain step over
+        every decoding request (rows per second at this many rows). An unmeasured choice is tried
+        first, and every ``RECHECK`` rounds the other one is tried again (rates drift with the
+        context lengths and the acceptance of the drafts)."""
+        n = len(decoding)
+        step, cycle = self.rate.get(n), self.rate.get("cycle")
+        self.rounds += 1
+        if step is None:
+            pick = "step"
+        elif cycle is None:
+            pick = "cycle"
+        else:
+            pick = "cycle" if cycle > step else "step"
+            if self.rounds % RECHECK == 0:
+                pick = "step" if pick == "cycle" else "cycle"
+        if pick == "step":
+            self._run(self._step, decoding)
+            return
+        self.turn = (self.turn + 1) % n
+        self._run(self._cycle, [decoding[self.turn]])
+
+    def _measure(self, key, tokens: int, seconds: float) -> None:
+        """Tokens per second of a kind of round (exponential average)."""
+        rate = tokens / max(seconds, 1e-6)
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _admit(self) -> None:
         """Free slots to waiting requests, in arrival order (under the lock)."""
@@ -267,6 +307,7 @@ class Engine:
     def _step(self, streams: list) -> None:
         """One forward over the newest token of each stream (one row each)."""
         m = self.model
+        t0 = time.perf_counter()
         caches = [s.slot.cache for s in streams]
         pos = np.array([[c.next_position for c in caches]], np.int64)
         hidden = m.decoder.forward_rows(m.embedding([s.tok for s in streams]), [(c, 1) for c in caches], pos)
@@ -290,11 +331,13 @@ class Engine:
             end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
             s.tok = tok
             self._emit(s, [tok], end)
+        self._measure(len(streams), len(streams), time.perf_counter() - t0)
 
     def _cycle(self, streams: list) -> None:
         """A lone stream drafts: one draft-and-verify cycle (speculative.cycle)."""
         (s,) = streams
         m = self.model
+        t0 = time.perf_counter()
         with bound(m, s.slot):
             before = (m.mtp.drafted, m.mtp.accepted)
             s.history.append(int(s.tok))
@@ -305,4 +348,6 @@ class Engine:
         s.history += emit[:-1]
         s.left -= len(emit)
         s.tok = emit[-1]
+        self.cycles += 1
+        self._measure("cycle", len(emit), time.perf_counter() - t0)
         self._emit(s, emit, end)

@@ -80,6 +80,27 @@ def test_folder_of_30_scenes_gives_rows_equal_to_generate(pkg, scenes, reference
     assert read_jsonl(out) == rows
 
 
+def test_rows_in_one_process_decode_together_and_answer_as_alone(model, scenes, reference, monkeypatch):
+    """--parallel (the default 4): several rows share each decoder forward, over one copy of the
+    weights, and every row's answer is the one it gets alone."""
+    from edgevl.engine import Engine
+
+    folder, _ = scenes
+    widths, real = [], Engine._step
+
+    def step(self, streams):
+        widths.append(len(streams))
+        return real(self, streams)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    rows = list(edgevl.batch(model, folder, PROMPT, parallel=4))
+    assert_complete(rows, reference)
+    assert max(widths) == 4 and sum(widths) > 2 * len(widths)
+    widths.clear()
+    assert [r["answer"] for r in edgevl.batch(model, folder, PROMPT, parallel=1)] == [r["answer"] for r in rows]
+    assert widths == []      # one row at a time: the model's own loop
+
+
 def _wait_lines(path, n, proc, timeout=120):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
