@@ -29,6 +29,7 @@ import numpy as np
 
 from . import speculative
 from .errors import EdgevlError
+from .model import shared_prefix
 from .runtime import state_bytes
 from .sample import Sampler, sample
 
@@ -36,31 +37,23 @@ _END = object()
 # every this many rounds with several requests decoding, the slower of drafting and plain steps is
 # measured again
 RECHECK = 16
-# the MTP block's per-sequence fields (the block's nets are shared)
-_MTP_FIELDS = ("cache", "rows", "embeds", "hidden", "positions", "js")
 
 
 class Slot:
     """One sequence's state, kept after its request ends (prefix reuse)."""
 
     def __init__(self, model):
+        self.request = None
+        self.used = 0   # when it last served (least recently used slots are taken first)
+        self.reset(model)
+
+    def reset(self, model) -> None:
+        """Empty the state (after a step that failed may have left it half-written)."""
         self.cache = model.decoder.new_cache()
         self.keys: list = []
         self.hidden_at: dict = {}
-        self.mtp = None
-        if model.mtp is not None:
-            self.mtp = {"cache": model.mtp.decoder.new_cache(), "rows": [], "embeds": [], "hidden": [],
-                        "positions": [], "js": []}
-        self.request = None
-        self.used = 0   # when it last served (least recently used slots are taken first)
-
-    def shared_prefix(self, keys) -> int:
-        n = 0
-        for a, b in zip(self.keys, keys):
-            if a != b:
-                break
-            n += 1
-        return n
+        # the MTP block's per-sequence fields (the block's nets are shared)
+        self.mtp = None if model.mtp is None else model.mtp.new_state()
 
 
 @contextmanager
@@ -70,18 +63,16 @@ def bound(model, slot: Slot):
     model.cache, model.cache_keys, model._hidden_at = slot.cache, slot.keys, slot.hidden_at
     mtp_saved = None
     if slot.mtp is not None:
-        mtp_saved = {f: getattr(model.mtp, f) for f in _MTP_FIELDS}
-        for f in _MTP_FIELDS:
-            setattr(model.mtp, f, slot.mtp[f])
+        mtp_saved = {f: getattr(model.mtp, f) for f in slot.mtp}
+        model.mtp.__dict__.update(slot.mtp)
     try:
         yield
     finally:
         slot.cache, slot.keys, slot.hidden_at = model.cache, model.cache_keys, model._hidden_at
         model.cache, model.cache_keys, model._hidden_at = saved
         if mtp_saved is not None:
-            for f in _MTP_FIELDS:
-                slot.mtp[f] = getattr(model.mtp, f)
-                setattr(model.mtp, f, mtp_saved[f])
+            slot.mtp = {f: getattr(model.mtp, f) for f in mtp_saved}
+            model.mtp.__dict__.update(mtp_saved)
 
 
 class Stream:
@@ -258,7 +249,7 @@ class Engine:
                 return
             self.waiting.popleft()
             keys = self.model._keys(s.args["ids"], s.args["rows"]) if s.args["reuse"] else []
-            slot = max(free, key=lambda sl: (sl.shared_prefix(keys), -sl.used))
+            slot = max(free, key=lambda sl: (shared_prefix(sl.keys, keys), -sl.used))
             self.clock += 1
             slot.request, slot.used, s.slot = s, self.clock, slot
             self.active.append(s)
@@ -275,7 +266,7 @@ class Engine:
             self.model._owner.call(fn, streams)
         except BaseException as e:  # noqa: BLE001 - handed to each client of the failed step
             for s in streams:
-                s.slot.__init__(self.model)
+                s.slot.reset(self.model)
                 s.out.put(e)
                 s.ended = True
 
@@ -298,11 +289,16 @@ class Engine:
         if s.left <= 0:
             self._emit(s, [], True)
             return
+        self._next(s, logits)
+
+    def _next(self, s: Stream, logits) -> None:
+        """Sample the stream's next token from its logits row and hand it out (with the end, if
+        the answer ends there: a stop token, the context, the budget)."""
+        a = s.args
         tok = sample(a["sampler"], a["constraint"], logits, s.history)
         s.left -= 1
-        end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
         s.tok = tok
-        self._emit(s, [tok], end)
+        self._emit(s, [tok], tok in a["stops"] or len(s.slot.keys) + 1 >= self.model.max_context or s.left <= 0)
 
     def _step(self, streams: list) -> None:
         """One forward over the newest token of each stream (one row each)."""
@@ -325,12 +321,7 @@ class Engine:
                               len(s.slot.keys) - 1)
                     m.note_hidden(hidden[i])
             s.history.append(int(s.tok))
-            a = s.args
-            tok = sample(a["sampler"], a["constraint"], logits[i], s.history)
-            s.left -= 1
-            end = tok in a["stops"] or len(s.slot.keys) + 1 >= m.max_context or s.left <= 0
-            s.tok = tok
-            self._emit(s, [tok], end)
+            self._next(s, logits[i])
         self._measure(len(streams), len(streams), time.perf_counter() - t0)
 
     def _cycle(self, streams: list) -> None:

@@ -58,6 +58,16 @@ def _on_owner(fn):
     return call
 
 
+def shared_prefix(a, b) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _read_generation_config(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -363,11 +373,7 @@ class Model:
         positions = self.positions(input_ids, images)
         start = 0
         if reuse_cache and self.cache_keys:
-            n = 0
-            for a, b in zip(self.cache_keys, keys):
-                if a != b:
-                    break
-                n += 1
+            n = shared_prefix(self.cache_keys, keys)
             # at least one token must run to give logits; recurrent state only goes back to a snapshot
             start = self.cache.rollback_point(min(n, len(keys) - 1))
         if start == 0:

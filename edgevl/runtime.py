@@ -921,7 +921,7 @@ class Decoder:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
         res = self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin}, [(hidden, 0)], passes)
-        for (cache, _), b, out in zip(parts, range(len(parts)), new):
+        for b, ((cache, _), out) in enumerate(zip(parts, new)):
             cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
         return from_mat(res[hidden])
 

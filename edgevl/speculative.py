@@ -143,9 +143,13 @@ class Mtp:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = self.decoder.new_cache()
-        self.rows: list[int] = []        # the decoder position of each cached row
-        self._clear()
+        self.__dict__.update(self.new_state())
+
+    def new_state(self) -> dict:
+        """The block's per-sequence state, empty (the fields ``reset`` sets; an engine keeps one
+        per slot and swaps it in)."""
+        # rows: the decoder position of each cached row; the rest: the rows waiting (``_clear``)
+        return {"cache": self.decoder.new_cache(), "rows": [], "embeds": [], "hidden": [], "positions": [], "js": []}
 
     def _clear(self) -> None:
         # rows waiting to be fed: row j needs the embedding of token j+1, so the last one waits
