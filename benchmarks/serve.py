@@ -1,20 +1,34 @@
-"""Concurrent streams through the engine that `edgevl serve` uses: aggregate tokens/s, time to first
-token and time per token (p50/p95) at 1, 2, 4 and 8 streams, against one stream of the plain API.
+"""Concurrent streams: aggregate tokens/s, time to first token and time per token (p50/p95) at 1, 2,
+4 and 8 streams, through the engine that `edgevl serve` uses, optionally through `edgevl serve`
+itself over HTTP and through llama.cpp's `llama-server -np N` on the same checkpoint, against one
+stream of the plain API.
 
     python benchmarks/serve.py PKG [--streams 1 2 4 8] [--tokens 64] [--prompt 40] [--threads 2]
-                                   [--speculative none|mtp] [--json OUT.json] [--plot OUT.png]
+        [--speculative none|mtp] [--http] [--llama-server BIN --gguf FILE [--llama-draft K]]
+        [--json OUT.json] [--plot OUT.png]
 
 Every stream gets its own random prompt of ``--prompt`` token ids and decodes ``--tokens`` tokens
-(greedy, no early stop); streams start together. Rounds run interleaved (API, then each count of
-streams) so that a machine's drift touches all of them alike.
+(greedy, no early stop); streams start together. The engine and llama-server get the token ids
+(llama-server's ``/completion``, streamed); ``--http`` sends the same ids decoded to text as one
+user message to ``edgevl serve``'s chat completions (streamed), so its prompt is the chat
+template's few tokens longer (its first chunk marks the first token, its last the end). Each
+server is started once with ``max(--streams)`` slots. Rounds run interleaved (API, then each
+system at each count of streams) so that a machine's drift touches all of them alike.
+llama-server: built as docs/benchmarks.md says, GGUF from ``edgevl bench``'s converter
+(``--compare llamacpp``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 
@@ -24,7 +38,7 @@ from edgevl.engine import Engine
 
 def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    prompts = [[int(t) for t in rng.integers(100, 5000, prompt)] for _ in range(n)]
+    prompts = [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), prompt)] for _ in range(n)]
     marks = [[] for _ in range(n)]
     t0 = time.perf_counter()
 
@@ -33,17 +47,77 @@ def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int) -> dic
         for _ in gen:
             marks[i].append(time.perf_counter())
 
+    return together(run, n, t0, marks, [0] * n)
+
+
+def together(run, n: int, t0: float, marks: list, counts: list) -> dict:
+    """``run(i)`` for each stream on its own thread, all at once; ``marks[i]``: the times stream
+    i got a chunk (the first with its first token), ``counts[i]``: its tokens (0: one per mark)."""
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    ttft = [m[0] - t0 for m in marks]
-    tpot = [(m[-1] - m[0]) / (len(m) - 1) for m in marks if len(m) > 1]
-    return {"streams": n, "tokens": sum(len(m) for m in marks), "wall_s": wall,
-            "aggregate_tps": sum(len(m) for m in marks) / wall,
+    got = [c or len(m) for c, m in zip(counts, marks)]
+    ttft = [m[0] - t0 for m in marks if m]
+    # chunks may carry several tokens: time per token over the tokens after the first chunk
+    tpot = [(m[-1] - m[0]) / max(1, g - 1) for m, g in zip(marks, got) if len(m) > 1]
+    return {"streams": n, "tokens": sum(got), "wall_s": wall, "aggregate_tps": sum(got) / wall,
             "ttft_s": ttft, "tpot_s": tpot}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list, url: str, what: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"{what} exited: {proc.stderr.read()[-2000:]}") from None
+            time.sleep(0.25)
+    proc.terminate()
+    raise SystemExit(f"{what} did not start")
+
+
+def http_round(url: str, bodies: list, path: str) -> dict:
+    """Streams ``bodies`` together (one thread each), each chunk with text or a token a mark."""
+    n = len(bodies)
+    marks = [[] for _ in range(n)]
+    counts = [0] * n
+    t0 = time.perf_counter()
+
+    def run(i):
+        req = urllib.request.Request(url + path, json.dumps(bodies[i]).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                if "choices" in ev:     # OpenAI chunks (edgevl serve): the first is sent with the first
+                    # token (after the prompt); text may be held back (whitespace, a possible stop
+                    # string), so the tokens are counted from the usage and timed to the last chunk
+                    if ev.get("usage"):
+                        counts[i] = ev["usage"]["completion_tokens"]
+                    elif not marks[i] or any(c.get("finish_reason") for c in ev["choices"]):
+                        marks[i].append(time.perf_counter())
+                else:                   # llama-server /completion: one event per token
+                    if ev.get("tokens") or ev.get("content"):
+                        marks[i].append(time.perf_counter())
+                    if ev.get("stop"):
+                        counts[i] = ev.get("tokens_predicted", len(marks[i]))
+
+    return together(run, n, t0, marks, counts)
 
 
 def main() -> None:
@@ -55,6 +129,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculative", default=None)
+    ap.add_argument("--http", action="store_true", help="also through `edgevl serve` (chat completions)")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary: also through it (-np N)")
+    ap.add_argument("--gguf", default=None, help="the checkpoint as GGUF, for --llama-server")
+    ap.add_argument("--llama-draft", type=int, default=0, help="llama-server drafts K tokens with the MTP block")
+    ap.add_argument("--label", default=None, help="the package's name in the table and plot")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
@@ -62,13 +141,58 @@ def main() -> None:
     model = edgevl.load(a.package, threads=a.threads, **opts)
     engine = Engine(model, parallel=max(a.streams))
     one_round(model, engine, 2, 8, a.prompt, 0)     # warm-up: first-use allocations
-    rows: dict = {"api": []}
-    rows.update({n: [] for n in a.streams})
-    for r in range(a.rounds):
-        rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
-        for n in a.streams:
-            rows[n].append(one_round(model, engine, n, a.tokens, a.prompt, 200 + r))
-    engine.close()
+    top = max(a.streams)
+    servers, procs = {}, []
+    try:
+        if a.http:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "edgevl", "serve", a.package, "--port", str(port), "--threads",
+                   str(a.threads), "--parallel", str(top), "--max-queue", str(top)]
+            if a.speculative:
+                cmd += ["--speculative", a.speculative]
+            procs.append(start_server(cmd, url, "edgevl serve"))
+            tok = model.tokenizer
+
+            def chat(ids, tokens=a.tokens):
+                return {"messages": [{"role": "user", "content": tok.decode(ids)}], "max_tokens": tokens,
+                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            servers["edgevl serve"] = (url, "/v1/chat/completions", chat)
+        if a.llama_server:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "-t", str(a.threads), "-tb",
+                   str(a.threads), "-np", str(top), "-c", str(top * (a.prompt + a.tokens + 64)), "--no-webui"]
+            if a.llama_draft:
+                cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(a.llama_draft)]
+            procs.append(start_server(cmd, url, "llama-server"))
+
+            def completion(ids, tokens=a.tokens):
+                return {"prompt": ids, "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                        "cache_prompt": False, "stream": True}
+            servers["llama-server"] = (url, "/completion", completion)
+
+        def prompts(n, seed):
+            rng = np.random.default_rng(seed)
+            return [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), a.prompt)]
+                    for _ in range(n)]
+
+        for url, path, body in servers.values():     # warm-up
+            http_round(url, [body(p, 8) for p in prompts(2, 0)], path)
+        rows: dict = {"api": []}
+        rows.update({("engine", n): [] for n in a.streams})
+        rows.update({(name, n): [] for name in servers for n in a.streams})
+        for r in range(a.rounds):
+            rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
+            for n in a.streams:
+                rows[("engine", n)].append(one_round(model, engine, n, a.tokens, a.prompt, 200 + r))
+                for name, (url, path, body) in servers.items():
+                    rows[(name, n)].append(http_round(url, [body(p) for p in prompts(n, 200 + r)], path))
+    finally:
+        engine.close()
+        for p in procs:
+            p.terminate()
+            p.wait(30)
 
     def summary(runs):
         ttft = np.concatenate([x["ttft_s"] for x in runs])
@@ -77,35 +201,63 @@ def main() -> None:
               for q in (50, 95)}
         return {"aggregate_tps": float(np.median([x["aggregate_tps"] for x in runs])), **ms}
 
+    systems = ["engine", *servers]
     out = {"package": a.package, "threads": a.threads, "tokens": a.tokens, "prompt": a.prompt,
-           "speculative": model.speculative, "rounds": a.rounds,
-           "api_one_stream": summary(rows["api"]), "engine": {str(n): summary(rows[n]) for n in a.streams}}
-    one = out["engine"][str(a.streams[0])]["aggregate_tps"]
+           "speculative": model.speculative, "rounds": a.rounds, "llama_draft": a.llama_draft,
+           "api_one_stream": summary(rows["api"]),
+           "systems": {s: {str(n): summary(rows[(s, n)]) for n in a.streams} for s in systems}}
+    out["engine"] = out["systems"]["engine"]
     print(f"API, one stream: {out['api_one_stream']['aggregate_tps']:.1f} tok/s")
-    print("streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
-    for n in a.streams:
-        s = out["engine"][str(n)]
-        print(f"{n:7d}  {s['aggregate_tps']:15.1f}  {s['aggregate_tps'] / one:12.2f}  "
-              f"{s['ttft_p50_ms']:6.0f}/{s['ttft_p95_ms']:<6.0f}   {s['tpot_p50_ms']:6.1f}/{s['tpot_p95_ms']:.1f}")
+    print("system        streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
+    for name in systems:
+        one = out["systems"][name][str(a.streams[0])]["aggregate_tps"]
+        for n in a.streams:
+            s = out["systems"][name][str(n)]
+            print(f"{name:13s} {n:7d}  {s['aggregate_tps']:15.1f}  {s['aggregate_tps'] / one:12.2f}  "
+                  f"{s['ttft_p50_ms']:6.0f}/{s['ttft_p95_ms']:<6.0f}   {s['tpot_p50_ms']:6.1f}/{s['tpot_p95_ms']:.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     if a.plot:
-        import matplotlib
+        plot(out, a.plot, a.label or os.path.basename(a.package.rstrip("/")))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(a.streams, [out["engine"][str(n)]["aggregate_tps"] for n in a.streams], "o-", label="edgevl engine")
-        ax.axhline(out["api_one_stream"]["aggregate_tps"], ls="--", c="gray", label="API, one stream")
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylabel("aggregate tokens/s")
-        ax.set_xticks(a.streams)
-        ax.legend()
-        ax.set_title(f"{a.package.rstrip('/').split('/')[-1]}, {a.threads} threads")
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
+def plot(out: dict, path: str, title: str) -> None:
+    """Aggregate tokens/s against concurrent streams, one line per system, drawn with Pillow."""
+    from PIL import Image, ImageDraw
+
+    streams = sorted(int(n) for n in out["engine"])
+    lines = {name: [out["systems"][name][str(n)]["aggregate_tps"] for n in streams] for name in out["systems"]}
+    api = out["api_one_stream"]["aggregate_tps"]
+    W, H, left, right, top, bottom = 720, 420, 70, 170, 40, 50
+    im = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(im)
+    d.text((left, 12), f"{title}, {out['threads']} threads: aggregate tokens/s", fill="black")
+    ymax = max(api, *(max(v) for v in lines.values())) * 1.1
+    xs = {n: left + (W - left - right) * i / max(1, len(streams) - 1) for i, n in enumerate(streams)}
+
+    def y(v):
+        return H - bottom - (H - top - bottom) * v / ymax
+
+    d.line((left, top, left, H - bottom), fill="black")
+    d.line((left, H - bottom, W - right, H - bottom), fill="black")
+    for k in range(6):
+        v = ymax * k / 5
+        d.line((left - 4, y(v), left, y(v)), fill="black")
+        d.text((8, y(v) - 6), f"{v:.0f}", fill="black")
+    for n, x in xs.items():
+        d.text((x - 4, H - bottom + 6), str(n), fill="black")
+    d.text(((left + W - right) / 2 - 50, H - bottom + 24), "concurrent streams", fill="black")
+    colors = ["#4363d8", "#911eb4", "#3cb44b", "#f58231", "#e6194b"]
+    d.line((left, y(api), W - right, y(api)), fill="gray")
+    d.text((W - right + 8, y(api) - 6), "API, one stream", fill="gray")
+    for (name, vals), c in zip(lines.items(), colors):
+        pts = [(xs[n], y(v)) for n, v in zip(streams, vals)]
+        d.line(pts, fill=c, width=3)
+        for px, py in pts:
+            d.ellipse((px - 4, py - 4, px + 4, py + 4), fill=c)
+        d.text((W - right + 8, pts[-1][1] - 6), name, fill=c)
+    im.save(path)
 
 
 if __name__ == "__main__":

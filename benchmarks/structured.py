@@ -1,6 +1,7 @@
 """What constrained decoding costs per token, and what compiling a schema costs.
 
-    python benchmarks/structured.py [--vocab 248320] [--package PKG] [--threads 2] [--json OUT]
+    python benchmarks/structured.py [--vocab 248320] [--package PKG [--llama-server BIN --gguf FILE]]
+                                    [--threads 2] [--tokens 128] [--rounds 5] [--json OUT]
 
 - ``mask``: llguidance's per-token work (mask + consume, and applying the mask to a logits row)
   while writing a typical answer, on a byte-level BPE vocabulary of ``--vocab`` tokens (Qwen3.5's
@@ -8,16 +9,26 @@
   the overhead a constrained token adds to a decode step, whatever the model.
 - ``compile``: time from schema to a ready matcher (the tokenizer adapter once, then per schema).
 - ``--package``: decode tok/s of that package with and without a constraint, side by side
-  (interleaved rounds), greedy, with its drafting off and on.
+  (interleaved rounds), greedy, with its drafting off and on. The constraint is a JSON schema
+  whose answer is an object with one unbounded string (``LONG``): it does not end within the
+  tokens asked for, so free and constrained answers have the same length.
+- ``--forced P``: the verifier accepts each draft with probability P whatever the model says
+  (the drafts are among the allowed tokens; a rejection takes the best other allowed token):
+  drafting at a given acceptance, on any checkpoint. Benchmark only.
+- ``--llama-server``: the same, through llama.cpp's ``llama-server`` on the package's checkpoint
+  as GGUF (``/completion`` with the prompt's token ids, ``json_schema`` for the constraint).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +40,8 @@ SCHEMA = {"type": "object", "properties": {
         "price": {"type": "number"}}, "required": ["name", "qty", "price"], "additionalProperties": False}},
     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
     "required": ["store", "total", "items", "date"], "additionalProperties": False}
+LONG = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+        "additionalProperties": False}
 ANSWER = ('{"store": "Corner Market", "total": 23.5, "items": [{"name": "apples", "qty": 3, "price": 4.5}, '
           '{"name": "bread", "qty": 1, "price": 3.2}, {"name": "milk", "qty": 2, "price": 1.9}], "date": "2026-03-14"}')
 
@@ -87,30 +100,98 @@ def mask_cost(vocab: int) -> dict:
             "ms_per_token": 1e3 * statistics.median(runs), "ms_per_token_min": 1e3 * min(runs)}
 
 
-def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128) -> dict:
-    """Greedy decode tok/s of ``n`` tokens, free and under a constraint that never ends within them
-    (lower-case words: the answer's length is the same either way), interleaved rounds."""
+def force_acceptance(p: float) -> None:
+    """Sampler.check accepts a draft with probability ``p`` (if allowed), else takes the best
+    other token of its (masked) row."""
+    from edgevl.sample import Sampler
+
+    rng = np.random.default_rng(1234)
+
+    def check(self, logits, history, draft):
+        x = np.array(logits, np.float32)
+        if rng.random() < p and np.isfinite(x[draft]):
+            return int(draft)
+        x[draft] = -np.inf
+        return int(np.argmax(x)) if np.isfinite(x).any() else int(draft)    # the grammar's only token
+    Sampler.check = check
+
+
+def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128, server: str | None = None,
+                 gguf: str | None = None, forced: float | None = None) -> dict:
+    """Greedy decode tok/s of ``n`` tokens, free and under the ``LONG`` schema (its answer does not
+    end within them), interleaved rounds; llama-server's in the same rounds if given."""
     import edgevl
     from edgevl import structured
     from edgevl.generate import prepare
 
-    out = {}
+    if forced is not None:
+        force_acceptance(forced)
+
+    out, models = {}, {}
     for spec in ("none", "mtp"):
         try:
-            m = edgevl.load(pkg, threads=threads, speculative=spec)
+            models[spec] = edgevl.load(pkg, threads=threads, speculative=spec)
         except edgevl.EdgevlError:
             continue
-        ids = prepare(m, "Read the receipt.", thinking=False).input_ids
-        comp = structured.compiled(m, structured.parse({"type": "regex", "regex": "[a-z ]+"}))
+    m0 = next(iter(models.values()))
+    ids = prepare(m0, "Read the receipt.", thinking=False).input_ids
+    comp = {s: structured.compiled(m, structured.parse(None, LONG)) for s, m in models.items()}
+    proc = url = None
+    if server:
+        proc, url = start_llama(server, gguf, threads, len(ids) + n + 64)
+    try:
         for _ in range(rounds):
-            for name in ("free", "constrained"):
-                c = comp.constraint() if name == "constrained" else None
-                gen = m.generate_tokens(ids, n, reuse_cache=False, ignore_eos=True, constraint=c)
-                next(gen)
-                t = time.perf_counter()
-                k = sum(1 for _ in gen)
-                out.setdefault(f"{spec} {name}", []).append(k / (time.perf_counter() - t))
-    return {k: statistics.median(v) for k, v in out.items()}
+            for spec, m in models.items():
+                for name in ("free", "constrained"):
+                    c = comp[spec].constraint() if name == "constrained" else None
+                    gen = m.generate_tokens(ids, n, reuse_cache=False, ignore_eos=True, constraint=c)
+                    next(gen)
+                    t = time.perf_counter()
+                    k = sum(1 for _ in gen)
+                    out.setdefault(f"edgevl {spec} {name}", []).append(k / (time.perf_counter() - t))
+            if url:
+                for name in ("free", "constrained"):
+                    body = {"prompt": [int(i) for i in ids], "n_predict": n, "temperature": 0, "top_k": 1,
+                            "ignore_eos": True, "cache_prompt": False}
+                    if name == "constrained":
+                        body["json_schema"] = LONG
+                    req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                                 {"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=1800) as r:
+                        t = json.loads(r.read())["timings"]
+                    out.setdefault(f"llama.cpp {name}", []).append(t["predicted_per_second"])
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    res = {k: statistics.median(v) for k, v in out.items()}
+    for who in ("edgevl none", "edgevl mtp", "llama.cpp"):
+        if f"{who} free" in res:
+            res[f"{who} ratio"] = res[f"{who} constrained"] / res[f"{who} free"]
+    if "llama.cpp constrained" in res and "edgevl none constrained" in res:
+        res["edgevl none constrained / llama.cpp constrained"] = (res["edgevl none constrained"]
+                                                                  / res["llama.cpp constrained"])
+    return res
+
+
+def start_llama(server: str, gguf: str, threads: int, ctx: int):
+    """llama-server on a free port, once it answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "-m", gguf, "--port", str(port), "-t", str(threads), "-tb", str(threads),
+                             "-c", str(ctx), "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.25)
+    proc.terminate()
+    raise SystemExit("llama-server did not start")
 
 
 def main() -> None:
@@ -118,11 +199,18 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=248320)
     p.add_argument("--package", default=None)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--llama-server", default=None)
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--forced", type=float, default=None, help="accept each draft with this probability")
+    p.add_argument("--skip-mask", action="store_true", help="only the decode speeds")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    res = {"mask": mask_cost(a.vocab)}
+    res = {} if a.skip_mask else {"mask": mask_cost(a.vocab)}
     if a.package:
-        res["decode"] = decode_speed(a.package, a.threads)
+        res["decode"] = decode_speed(a.package, a.threads, a.rounds, a.tokens, a.llama_server, a.gguf, a.forced)
+        res["forced"] = a.forced
     print(json.dumps(res, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1) + "\n")

@@ -3,10 +3,12 @@
 An :class:`Engine` owns ``parallel`` slots, each one sequence's decoder state (KV caches,
 recurrent and host states, the MTP block's rows). Requests take a free slot (the one whose cached
 tokens share the longest prefix with the prompt, so a repeated system prompt or image is not
-computed again), are prefilled, and then decode together: each step is one decoder forward over
-the newest token of every decoding request (``Decoder.forward_rows``: the weights are read once
-for all rows; attention, conv windows and host states run per sequence), and each row is sampled
-with its own request's settings. A request that ends, is cancelled or whose client went away
+computed again), are prefilled one chunk per round (with a round of the decoding requests after
+each chunk, so a long prompt delays them by one chunk, not by all of it), and then decode
+together: each step is one decoder forward over the newest token of every decoding request
+(``Decoder.forward_rows``: the weights are read once for all rows; attention runs per sequence
+on its own KV cache, the conv windows and delta-rule steps of all rows together on the host),
+and each row is sampled with its own request's settings. A request that ends, is cancelled or whose client went away
 leaves at the next step; the others go on. Where the package has an MTP block, a request
 decoding alone drafts, as a lone ``generate`` does; with several, each round is a drafting cycle
 for one of them in turn or a plain step over all, whichever has measured faster.
@@ -89,6 +91,7 @@ class Stream:
         # decoding state (scheduler thread)
         self.slot: Slot | None = None
         self.tok: int | None = None
+        self.filling = None          # its prompt's chunks still to run (Model.prefill_chunks)
         self.left = 0
         self.history: list = []
         self.trial = speculative.Trial()
@@ -137,6 +140,7 @@ class Engine:
         self.cycles = 0                # drafting cycles
         self.rate: dict = {}           # tokens/s: of a plain step by its rows, of a drafting cycle
         self.rounds = self.turn = 0
+        self.filled = False            # the last round ran a chunk of a prompt
         self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
         self.thread.start()
 
@@ -191,14 +195,23 @@ class Engine:
                 if self.closed:
                     for s in [*self.waiting, *self.active]:
                         s.out.put(EdgevlError("the server is shutting down"))
-                    return
-                self._admit()
+                        s.cancelled = True
+                    closing = True
+                else:
+                    closing = False
+                    self._admit()
             self._drop_finished()
+            if closing:
+                return
             fresh = [s for s in self.active if s.tok is None]
-            if fresh:   # one prompt per round: the decoding requests wait for at most one prefill
+            decoding = [s for s in self.active if s.tok is not None]
+            if fresh and not (decoding and self.filled):
+                # one chunk of one prompt per round, and with requests decoding, a round of theirs
+                # after each: a long prompt delays their next token by one chunk, not by all of it
+                self.filled = True
                 self._run(self._prefill, [fresh[0]])
                 continue
-            decoding = [s for s in self.active if s.tok is not None]
+            self.filled = False
             if not decoding:
                 continue
             if self.model.mtp is None:
@@ -256,6 +269,10 @@ class Engine:
 
     def _drop_finished(self) -> None:
         for s in [s for s in self.active if s.cancelled or s.ended]:
+            if s.filling is not None:   # a prompt cut short: its slot's cache goes back to whole
+                self._run(self._stop_filling, [s])
+            if s.cancelled:     # a reader still waiting (closed from another thread) is let go
+                s.out.put(_END)
             self.active.remove(s)
             s.slot.request = None
 
@@ -266,6 +283,7 @@ class Engine:
             self.model._owner.call(fn, streams)
         except BaseException as e:  # noqa: BLE001 - handed to each client of the failed step
             for s in streams:
+                s.filling = None
                 s.slot.reset(self.model)
                 s.out.put(e)
                 s.ended = True
@@ -279,10 +297,18 @@ class Engine:
 
     # -- owner-thread work ------------------------------------------------------------------------
     def _prefill(self, streams: list) -> None:
+        """The next chunk of a prompt (the model's own chunks); after the last, its first token."""
         (s,) = streams
         m, a = self.model, s.args
         with bound(m, s.slot):
-            logits = m.prefill(a["ids"], a["rows"], a["reuse"], images=a["infos"])
+            if s.filling is None:
+                s.filling = m.prefill_chunks(a["ids"], a["rows"], a["reuse"], images=a["infos"])
+            try:
+                next(s.filling)
+                return
+            except StopIteration as done:
+                logits = done.value
+            s.filling = None
             s.prefill_tokens = m.last_prefill_tokens
         s.history = list(a["ids"])
         s.left = a["max_new"]
@@ -290,6 +316,12 @@ class Engine:
             self._emit(s, [], True)
             return
         self._next(s, logits)
+
+    def _stop_filling(self, streams: list) -> None:
+        (s,) = streams
+        with bound(self.model, s.slot):
+            s.filling.close()
+        s.filling = None
 
     def _next(self, s: Stream, logits) -> None:
         """Sample the stream's next token from its logits row and hand it out (with the end, if

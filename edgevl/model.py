@@ -361,6 +361,19 @@ class Model:
 
         ``images`` are the processor infos of the prompt's images (architectures whose positions
         depend on image grids need them)."""
+        chunks = self.prefill_chunks(input_ids, image_rows, reuse_cache, images)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_chunks(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True,
+                       images=()):
+        """:meth:`prefill` one chunk of the prompt at a time (owner thread): a generator that
+        yields after each chunk but the last and returns the logits. Between chunks the model
+        may run other work on other caches (``edgevl.engine`` decodes other requests there); a
+        generator closed before the end leaves the cache as whole as before it."""
         if len(input_ids) == 0:
             raise EdgevlError("the prompt is empty; pass some text")
         if len(input_ids) >= self.max_context:
@@ -391,6 +404,8 @@ class Model:
         with self._whole_or_nothing():
             s = start
             for e in cuts:
+                if s > start:
+                    yield
                 # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed
                 # smaller caches as heap holes (a 2B model, a 1000-token prompt in 512-token
                 # chunks: 0.84 -> 0.45 GB of prefill memory)

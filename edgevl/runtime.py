@@ -305,15 +305,17 @@ def blob_order(param_path) -> tuple[dict, set]:
     return order, set(order) - used
 
 
-def param_layers(param_path) -> list[tuple[str, str, list, list]]:
-    """From a .param file: (type, name, input blobs, output blobs) per layer, in graph order."""
+def param_layers(param_path) -> list[tuple[str, str, list, list, dict]]:
+    """From a .param file: (type, name, input blobs, output blobs, {param id: value text}) per
+    layer, in graph order."""
     out = []
     with open(param_path) as f:
         for line in f.read().split("\n")[2:]:
             parts = line.split()
             if len(parts) >= 4:
                 n_in, n_out = int(parts[2]), int(parts[3])
-                out.append((parts[0], parts[1], parts[4: 4 + n_in], parts[4 + n_in: 4 + n_in + n_out]))
+                params = dict(kv.split("=", 1) for kv in parts[4 + n_in + n_out:] if "=" in kv)
+                out.append((parts[0], parts[1], parts[4: 4 + n_in], parts[4 + n_in: 4 + n_in + n_out], params))
     return out
 
 
@@ -439,7 +441,8 @@ class KVState:
 
 class RecurrentState:
     """A recurrent layer's fixed-size state (e.g. a conv window and a matrix per head): fed in
-    (zeros at the start), extracted as plain fp32 Mats. Not truncatable: going back to an
+    (zeros at the start), extracted as plain fp32 Mats (or float32 arrays, where the host
+    computed it: ``Decoder.forward_rows`` extends conv windows itself). Not truncatable: going back to an
     earlier length restores a snapshot taken there."""
 
     kind = "recurrent"
@@ -769,7 +772,9 @@ class Decoder:
     extracted blobs as ncnn Mats (valid during the call; no numpy copies); with ``"ids": true``
     it also gets ``ids=``, the token ids of the rows, e.g. to tell image-embedding rows from text
     rows: a prompt's rows carry them; None when the caller gave none (a decode step, whose row
-    is a text embedding whatever its id)."""
+    is a text embedding whatever its id). A state's hook may also have ``undo(state, r)`` (take
+    the last rows back) and ``rows(blobs, states, **args)`` (one row of each of several sequences
+    at once, for :meth:`forward_rows`)."""
 
     def __init__(self, net: Net, info: dict, rope, hooks: dict | None = None):
         self.net, self.info = net, info
@@ -895,28 +900,67 @@ class Decoder:
             return run
 
         def recurrent(step):
-            p, pre, post, conv = step["pass"], step["extract"][0], step["post"], step["conv"]
-            rest, hook = step["extract"][1:], self.hooks[step["pass"]["hook"]]
+            """Two host passes: the rows entering the conv go out, each sequence's window is
+            extended on the host, and the columns the conv reads go back in for all sequences
+            side by side (the valid conv then runs once, as in one graph; the outputs that
+            straddle two sequences are skipped); then each sequence's rows of the conv output
+            take its host step."""
+            p, pre, post, conv, k = step["pass"], step["extract"][0], step["post"], step["conv"], step["kernel"]
+            rest, hook, args = step["extract"][1:], self.hooks[p["hook"]], p.get("args", {})
+            kept = {}
 
-            def run(blobs):
-                outs = []
-                for b, (cache, n) in enumerate(parts):
+            def widen(blobs):
+                x, olds = blobs[pre], []
+                for cache, _ in parts:
                     window = cache.layers[conv]
-                    r = self.net.execute({pre: rows(blobs[pre], b), **window.feeds()},
-                                         [(window.outputs[0], 0), (post, 0)])
-                    new[b][window.outputs[0]] = r[window.outputs[0]]
-                    got = hook({post: r[post], **{x: to_mat(rows(blobs[x], b)) for x in rest}}, seq=n,
-                               state=cache.layers[int(p["state"])], **p.get("args", {}))
-                    outs.append({k: v if isinstance(v, np.ndarray) else from_mat(v) for k, v in got.items()})
-                return {k: np.concatenate([o[k] for o in outs], axis=outs[0][k].ndim - 2) for k in outs[0]}
-            return run
+                    old = window.feeds()[window.inputs[0]]
+                    olds.append(old if isinstance(old, np.ndarray) else from_mat(old))
+                w = olds[0].shape[-1]
+                if all(n == 1 for _, n in parts):   # decode rows: a column each
+                    reads = np.empty((x.shape[1], len(parts), k), np.float32)
+                    for b, (cache, _) in enumerate(parts):
+                        old = olds[b].reshape(-1, w)
+                        reads[:, b, :k - 1] = old[:, w + 1 - k:]
+                        win = np.empty_like(old)
+                        win[:, :-1] = old[:, 1:]
+                        win[:, -1] = x[b]
+                        new[b][cache.layers[conv].outputs[0]] = win
+                    reads[:, :, k - 1] = x.T
+                    reads = reads.reshape(x.shape[1], -1)
+                else:
+                    segments = []
+                    for b, (cache, _) in enumerate(parts):
+                        full = np.concatenate([olds[b].reshape(-1, w), rows(x, b).T], axis=1)
+                        new[b][cache.layers[conv].outputs[0]] = full[:, -w:]
+                        segments.append(full[:, w - (k - 1):])
+                    reads = np.concatenate(segments, axis=1)
+                kept.update((r, blobs[r]) for r in rest)
+                return {step["reads"]: reads}
+
+            def core(blobs):
+                y, outs, at = blobs[post], [], 0
+                if hasattr(hook, "rows") and all(n == 1 for _, n in parts):
+                    # one row per sequence: the host step takes them together (the conv's
+                    # output for sequence b is column b * k)
+                    got = hook.rows({post: y[::k], **{x: kept[x] for x in rest}},
+                                    states=[cache.layers[int(p["state"])] for cache, _ in parts], **args)
+                    kept.clear()
+                    return got
+                for b, (cache, n) in enumerate(parts):
+                    got = hook({post: y[at:at + n], **{x: rows(kept[x], b) for x in rest}}, seq=n,
+                               state=cache.layers[int(p["state"])], **args)
+                    at += n + k - 1
+                    outs.append({x: v if isinstance(v, np.ndarray) else from_mat(v) for x, v in got.items()})
+                kept.clear()
+                return {x: np.concatenate([o[x] for o in outs], axis=outs[0][x].ndim - 2) for x in outs[0]}
+            return [(step["extract"], widen), ([post], core)]
 
         passes = []
         for step in plan:
             if step["kind"] == "attention":
                 passes.append((step["extract"], attention(step)))
             elif step["kind"] == "recurrent":
-                passes.append((step["extract"], recurrent(step)))
+                passes += recurrent(step)
             elif step["pass"].get("when", "always") == "always" or total > 1:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
@@ -942,7 +986,7 @@ class Decoder:
         state_in = {n: k for k, spec in enumerate(self.info["state"]) for n in spec["inputs"]}
         state_out = {n: k for k, spec in enumerate(self.info["state"]) for n in spec["outputs"]}
         plan = []
-        for kind, _, ins, outs in layers:
+        for kind, _, ins, outs, _ in layers:
             if kind != "SDPA":
                 continue
             if len(ins) < 5 or ins[-1] not in state_in:
@@ -955,13 +999,25 @@ class Decoder:
                 plan.append({"kind": "pass", "extract": list(p["extract"]), "pass": p})
                 continue
             # a recurrent layer: extract[0] is its conv window's output, extract[1] the conv's
-            # output (the core's first input); the window's input joins the rows in a Concat
+            # output (the core's first input); the window's input joins the rows in a Concat,
+            # whose last columns (through Split/Crop) the depthwise conv reads
             conv = state_out[p["extract"][0]]
             window_in = self.info["state"][conv]["inputs"][0]
             concat = next(lay for lay in consumers[window_in] if lay[0] == "Concat")
             pre = producer[next(b for b in concat[2] if b != window_in)][2][0]
+            seen, todo, dw = set(), list(concat[3]), None
+            while todo and dw is None:
+                for lay in consumers.get(todo.pop(0), []):
+                    if lay[0] == "ConvolutionDepthWise1D":
+                        dw = lay
+                    elif lay[0] in ("Split", "Crop") and lay[1] not in seen:
+                        seen.add(lay[1])
+                        todo += lay[3]
+            if dw is None or any(dw[4].get(k, d) != d for k, d in (("2", "1"), ("3", "1"), ("4", "0"))):
+                raise EdgevlError("this decoder graph's recurrent layer has no plain causal conv; it "
+                                  "cannot decode several sequences together")
             plan.append({"kind": "recurrent", "extract": [pre, *p["extract"][2:]], "post": p["extract"][1],
-                         "conv": conv, "pass": p})
+                         "conv": conv, "reads": dw[2][0], "kernel": int(dw[4].get("1", "1")), "pass": p})
         order = self.net.order
         plan.sort(key=lambda st: max(order.get(b, 0) for b in st["extract"]))
         self._row_plan = plan

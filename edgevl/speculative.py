@@ -114,12 +114,21 @@ class DraftHead:
             self.blobs = [outs[f"lm_head.{i}"][0] for i in range(n)]
             self.rows = shards[n - 1]["rows"][1]
 
-    def __call__(self, hidden: np.ndarray) -> int:
+    def __call__(self, hidden: np.ndarray, allowed: np.ndarray | None = None) -> int | None:
+        """The draft: the argmax, among the ``allowed`` tokens if given (None: none of them is
+        in the rows this head covers)."""
         if self.blobs is None:
-            return int(np.argmax(self.head(hidden)[-1]))
-        name = self.head.info["inputs"]["hidden"]
-        res = self.head.net.run({name: np.atleast_2d(hidden)[-1:]}, self.blobs)
-        return int(np.argmax(np.concatenate([r.reshape(-1) for r in res])))
+            row = self.head(hidden)[-1]
+        else:
+            name = self.head.info["inputs"]["hidden"]
+            res = self.head.net.run({name: np.atleast_2d(hidden)[-1:]}, self.blobs)
+            row = np.concatenate([r.reshape(-1) for r in res])
+        if allowed is not None:
+            n = min(len(row), len(allowed))
+            row = np.where(allowed[:n], row[:n], -np.inf)
+            if not np.isfinite(row).any():
+                return None
+        return int(np.argmax(row))
 
 
 class Mtp:
@@ -182,9 +191,11 @@ class Mtp:
         self.positions += [positions[:, i] for i in range(positions.shape[1])]
         self.js += range(first, first + len(hidden))
 
-    def draft(self, token: int, m: int) -> list[int]:
+    def draft(self, token: int, m: int, constraint=None) -> list[int]:
         """Feed the waiting rows (the last one with ``token``, the decoder's pending token) and
-        draft ``m`` tokens after it."""
+        draft up to ``m`` tokens after it; with a ``constraint`` (its state after ``token``) each
+        draft is the block's best among the tokens the grammar allows after the drafts before it
+        (a draft it forbids could only be rejected)."""
         model = self.model
         if not self.js:
             return []
@@ -196,12 +207,26 @@ class Mtp:
         self.rows += self.js
         nxt = int(pos[:, -1].max()) + 1
         self._clear()
-        drafts = [self.head(out[-1:])]
+        drafts, taken = [], 0
         last = out[-1:]
-        for i in range(1, m):   # recursive: the block's own output and draft as the next row
-            x = np.concatenate([model.embedding([drafts[-1]]), last], 1)
-            last, _ = self.decoder.forward(x, self.cache, np.full((1, 1), nxt + i - 1, np.int64))
-            drafts.append(self.head(last))
+        try:
+            for i in range(m):
+                if i:   # recursive: the block's own output and draft as the next row
+                    x = np.concatenate([model.embedding([drafts[-1]]), last], 1)
+                    last, _ = self.decoder.forward(x, self.cache, np.full((1, 1), nxt + i - 1, np.int64))
+                if constraint is None:
+                    drafts.append(self.head(last))
+                    continue
+                d = None if constraint.done else self.head(last, constraint.allowed())
+                if d is None:
+                    break
+                drafts.append(d)
+                if i + 1 < m:
+                    constraint.advance(d)
+                    taken += 1
+        finally:
+            if taken:
+                constraint.rollback(taken)
         if m > 1:
             self.cache.rollback(len(self.rows))
         return drafts
@@ -297,7 +322,7 @@ def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: i
     fed = len(model.cache_keys)
     k = trial.length(mtp.k) if mtp.adaptive else mtp.k
     m = min(k, left, model.max_context - fed - 1) if trial.active else 0
-    drafts = mtp.draft(tok, m) if m > 0 else []
+    drafts = mtp.draft(tok, m, constraint=constraint) if m > 0 else []
     if constraint is not None and drafts:    # a draft the grammar forbids would only be rejected
         drafts = drafts[:constraint.valid_prefix(drafts)]
     rows = [tok, *drafts]

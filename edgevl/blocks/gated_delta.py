@@ -421,51 +421,63 @@ class DeltaRuleCore(WindowedCore):
         return o, state
 
     def _step(self, qkv, ba, gates, state):
-        """One token (``torch_recurrent_gated_delta_rule`` with the update deferred), all heads
-        at once in fp32: the l2norms and gates, q^T S_t and k^T S_t from S0 and the window,
-        delta = beta (v - k^T S_t), o = q^T S_t + (q.k) delta; the window takes (k, delta, c).
+        o, = self.step_rows(qkv, ba, gates, [state])
+        return o, state
+
+    def step_rows(self, qkv, ba, gates, states: list) -> list:
+        """One token of each of several sequences (``torch_recurrent_gated_delta_rule`` with the
+        update deferred): row b of qkv [B, 2Kd+Vd] and ba [B, 2Hv] on ``states[b]``; returns
+        each sequence's output [1, Vd]. All heads at once in fp32: the l2norms and gates, q^T S_t
+        and k^T S_t from S0 and the window, delta = beta (v - k^T S_t), o = q^T S_t + (q.k) delta;
+        the window takes (k, delta, c).
 
         Written for few numpy calls: a decode step runs with caches cold (the layer's weights
         streamed through them since the last step), where each call costs ~10 us — that, not
-        the arithmetic, is most of the 0.3-0.4 ms per layer. Window slots not yet used hold zero
-        keys, so the window terms need no slicing to the pending count."""
+        the arithmetic, is most of the 0.3-0.4 ms per layer. What does not read a sequence's
+        own state runs once for all rows. Window slots not yet used hold zero keys, so the
+        window terms need no slicing to the pending count."""
         d = self.d
-        s0, wk, wd, wc, c, n = state
         neg_a, qk_scale, sign, offset = gates[2:]
-        hk, dk, hv = d.key_heads, d.key_dim, d.value_heads
-        x = np.asarray(qkv, np.float32).reshape(-1)
-        qk = x[:2 * d.keys].reshape(2 * hk, 1, dk)                     # q's heads, then k's
-        r = np.matmul(qk, qk.transpose(0, 2, 1)).reshape(-1)          # squared norms
+        hk, dk, hv, dv = d.key_heads, d.key_dim, d.value_heads, d.value_dim
+        rows = len(states)
+        x = np.asarray(qkv, np.float32).reshape(rows, -1)
+        qk = x[:, :2 * d.keys].reshape(rows * 2 * hk, 1, dk)          # q's heads, then k's
+        r = np.matmul(qk, qk.transpose(0, 2, 1)).reshape(rows, 2 * hk)  # squared norms
         r += L2NORM_EPS
         np.sqrt(r, out=r)
         np.divide(qk_scale, r, out=r)
-        qk = (qk.reshape(2 * hk, dk) * r[:, None]).reshape(2, hk, dk)
+        qk = (qk.reshape(rows, 2 * hk, dk) * r[:, :, None]).reshape(rows, 2, hk, dk)
         if hv != hk:                            # value head h reads key head h // (Hv/Hk)
-            qk = qk.repeat(hv // hk, axis=1)
-        qk = qk.transpose(1, 0, 2)                                       # (Hv, 2, Dk): q, k
-        sp = np.asarray(ba, np.float32).reshape(-1) * sign
+            qk = qk.repeat(hv // hk, axis=2)
+        qk = qk.transpose(0, 2, 1, 3)                                    # (B, Hv, 2, Dk): q, k
+        sp = np.asarray(ba, np.float32).reshape(rows, -1) * sign
         sp += offset
         np.logaddexp(np.float32(0), sp, out=sp)          # [softplus(-b), softplus(a + dt_bias)]
-        ct = c.reshape(hv) + neg_a * sp[hv:]                             # log-decay since S0
-        fac = np.exp(ct[:, None] - wc[:, 0])                             # (Hv, W): e^(c_t - c_j)
-        base = np.matmul(qk, s0)                                         # (Hv, 2, Dv)
-        base *= np.exp(ct)[:, None, None]
-        dots = np.matmul(qk, wk.transpose(0, 2, 1))                      # (Hv, 2, W)
-        dots *= fac[:, None, :]
-        base += np.matmul(dots, wd)
-        delta = x[2 * d.keys:].reshape(hv, d.value_dim) - base[:, 1]
-        delta *= np.exp(-sp[:hv])[:, None]                              # beta = sigmoid(b)
-        o = delta * np.matmul(qk[:, :1], qk[:, 1:].transpose(0, 2, 1)).reshape(hv, 1)   # (q.k) delta
-        o += base[:, 0]
-        i = int(n[0])
-        wk[:, i] = qk[:, 1]
-        wd[:, i] = delta
-        c[...] = ct.reshape(c.shape)
-        wc[:, 0, i] = ct
-        n[0] = i + 1
-        if i + 1 == self.window:
-            self.fold(state)
-        return o.reshape(1, -1), state
+        base = np.empty((rows, hv, 2, dv), np.float32)
+        ct = np.empty((rows, hv), np.float32)
+        for b, (s0, wk, wd, wc, c, _) in enumerate(states):
+            ct[b] = c.reshape(hv) + neg_a * sp[b, hv:]                   # log-decay since S0
+            fac = np.exp(ct[b, :, None] - wc[:, 0])                      # (Hv, W): e^(c_t - c_j)
+            own = np.matmul(qk[b], s0)                                   # (Hv, 2, Dv)
+            own *= np.exp(ct[b])[:, None, None]
+            dots = np.matmul(qk[b], wk.transpose(0, 2, 1))               # (Hv, 2, W)
+            dots *= fac[:, None, :]
+            own += np.matmul(dots, wd)
+            base[b] = own
+        delta = x[:, 2 * d.keys:].reshape(rows, hv, dv) - base[:, :, 1]
+        delta *= np.exp(-sp[:, :hv])[:, :, None]                         # beta = sigmoid(b)
+        o = delta * np.matmul(qk[:, :, :1], qk[:, :, 1:].transpose(0, 1, 3, 2)).reshape(rows, hv, 1)
+        o += base[:, :, 0]                                               # + (q.k) delta
+        for b, (_, wk, wd, wc, c, n) in enumerate(states):
+            i = int(n[0])
+            wk[:, i] = qk[b, :, 1]
+            wd[:, i] = delta[b]
+            c[...] = ct[b].reshape(c.shape)
+            wc[:, 0, i] = ct[b]
+            n[0] = i + 1
+            if i + 1 == self.window:
+                self.fold(states[b])
+        return [o[b].reshape(1, -1) for b in range(rows)]
 
     def _steps(self, qkv, ba, gates, state):
         """Several tokens at once, each as :meth:`_step` would run it, for a speculative verify
@@ -558,7 +570,15 @@ def core_hook(core: DeltaRuleCore, gates: dict):
         core.drop_last(st, r)
         state.set(st)
 
-    hook.undo = undo
+    def rows(blobs, states, layer, qkv, ba, out):
+        """One token of each of several sequences (row b on ``states[b]``) in one call."""
+        sts = [core.as_state(s.get()) for s in states]
+        o = core.step_rows(blobs[qkv], blobs[ba], gates[layer], sts)
+        for s, st in zip(states, sts):
+            s.set(st)
+        return {out: np.concatenate(o)}
+
+    hook.undo, hook.rows = undo, rows
     return hook
 
 

@@ -135,6 +135,58 @@ def test_a_new_request_reuses_a_slot_that_holds_its_prefix(packages):
         engine.close()
 
 
+def test_a_long_prompt_is_prefilled_between_the_other_requests_steps(packages, monkeypatch):
+    """A prompt of several chunks runs one chunk per round with the decoding requests' steps in
+    between (they wait one chunk, not the whole prompt), and both get their alone tokens."""
+    model = _model(packages, "youtu")
+    short, long_ = prepare(model, "Describe a cat."), prepare(model, " ".join(CORPUS[:6]))
+    assert len(long_.input_ids) > 3 * 16        # prefill_chunk=16: several chunks
+    want = [alone(model, short, 30), alone(model, long_, 5)]
+    rounds = []
+    for name in ("_prefill", "_step"):
+        real = getattr(Engine, name)
+
+        def log(self, streams, real=real, name=name):
+            rounds.append((name, streams[0].args["ids"] == long_.input_ids))
+            return real(self, streams)
+        monkeypatch.setattr(Engine, name, log)
+    engine = Engine(model, parallel=2)
+    try:
+        first = engine.generate_tokens(short.input_ids, 30, ignore_eos=True)
+        got = [next(first), next(first)]
+        second = engine.generate_tokens(long_.input_ids, 5, ignore_eos=True)
+        assert list(second) == want[1]
+        got += list(first)
+        assert got == want[0]
+    finally:
+        engine.close()
+    chunks = [i for i, r in enumerate(rounds) if r == ("_prefill", True)]
+    assert len(chunks) >= 3
+    between = [r[0] for r in rounds[chunks[0]:chunks[-1]]]
+    assert between.count("_step") >= len(chunks) - 1    # a step after each chunk but the last
+
+
+def test_a_request_that_leaves_mid_prompt_leaves_its_slot_whole(packages, monkeypatch):
+    model = _model(packages, "qwen3_5")
+    long_ = prepare(model, " ".join(CORPUS[:6]))
+    real = Engine._prefill
+    engine = Engine(model, parallel=1)
+
+    def leave_after_one_chunk(self, streams):
+        real(self, streams)
+        if streams[0].args["max_new"] == 7:
+            streams[0].close()
+    monkeypatch.setattr(Engine, "_prefill", leave_after_one_chunk)
+    try:
+        gone = engine.generate_tokens(long_.input_ids, 7, ignore_eos=True)
+        assert list(gone) == []
+        slot = engine.slots[0]
+        assert slot.cache.length == len(slot.keys) < len(long_.input_ids)
+        assert list(engine.generate_tokens(long_.input_ids, 6, ignore_eos=True)) == alone(model, long_, 6)
+    finally:
+        engine.close()
+
+
 def test_engine_options_are_checked(packages):
     model = _model(packages, "youtu")
     for bad in (0, -1, 1.5, True, 1000):

@@ -54,8 +54,9 @@ def test_package_fault_is_a_server_error_in_one_line(server, monkeypatch, capfd,
     request is served (from a fresh cache: the failed step may have left it half-written)."""
     model = server.model
     port = server.server_address[1]
-    # a decode step is one forward over every decoding request's row
-    owner, name = (model, "prefill") if where == "prefill" else (model.decoder, "forward_rows")
+    # a prompt's chunks are decoder forwards of one sequence; a decode step is one forward over
+    # every decoding request's row
+    owner, name = model.decoder, "forward" if where == "prefill" else "forward_rows"
     monkeypatch.setattr(owner, name, fail_after(0 if where == "prefill" else 2, getattr(owner, name)))
     capfd.readouterr()
     body = {"messages": MSGS, "max_tokens": 8}
