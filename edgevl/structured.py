@@ -300,6 +300,12 @@ def _describe(structure: Structure, error: str, where: str | None) -> str:
 
 # -- one sequence --------------------------------------------------------------------------------------
 
+# masks a sequence keeps (a verify pass's rows: at most the drafts and the token after them) and
+# the most tokens a mask's key spans before a new base is taken
+MASKS_KEPT = 10
+MASK_KEY = 64
+
+
 class Constraint:
     """The grammar state of one sequence. ``reasoning``: the model's (start, end) reasoning marker
     ids; while the sequence is inside a reasoning block (``thinking``: the prompt left one open)
@@ -314,7 +320,12 @@ class Constraint:
         self.thinking = bool(thinking and self.end is not None)
         self.log: list[str] = []      # per advanced token: "r" reasoning, "e" end marker, "m" matcher
         self._bits = np.empty((self.vocab + 31) // 32, np.int32)
-        self._cache = None            # (len(log), mask) of the last mask computed
+        self.path: list[int] = []     # the tokens advanced, in order
+        # masks of recent states, keyed by the tokens taken since path[:_base] (a prefix no
+        # rollback has gone below since): drafting computes the masks of the states its drafts
+        # lead to, and the verify pass that follows finds them here
+        self._base: int | None = None
+        self._masks: dict = {}
 
     @property
     def free(self) -> bool:
@@ -328,8 +339,9 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """A bool mask over the vocabulary: the tokens the next position may take."""
-        if self._cache is not None and self._cache[0] == len(self.log):
-            return self._cache[1]
+        key = None if self._base is None or len(self.path) < self._base else tuple(self.path[self._base:])
+        if key in self._masks:
+            return self._masks[key]
         if self.thinking:
             mask = np.ones(self.vocab, bool)
             mask[[e for e in self.eos if e < self.vocab]] = False   # the answer must still come
@@ -342,7 +354,11 @@ class Constraint:
             if not mask.any():
                 raise EdgevlError("constrained decoding reached a state no token can continue; the grammar "
                                   "cannot be completed with this tokenizer")
-        self._cache = (len(self.log), mask)
+        if key is None or len(key) > MASK_KEY:     # start a new base here
+            self._masks, self._base, key = {}, len(self.path), ()
+        self._masks[key] = mask
+        if len(self._masks) > MASKS_KEPT:
+            del self._masks[next(iter(self._masks))]
         return mask
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
@@ -369,11 +385,13 @@ class Constraint:
                 self.log.append("e")
             else:
                 self.log.append("r")
+            self.path.append(token)
             return
         if not self.matcher.consume_token(token):
             raise EdgevlError(f"constrained decoding: token {token} is not allowed here "
                               f"({_one_line(self.matcher.get_error())})")
         self.log.append("m")
+        self.path.append(token)
 
     def rollback(self, n: int) -> None:
         """Take back the last ``n`` tokens advanced."""
@@ -383,12 +401,14 @@ class Constraint:
             raise EdgevlError(f"cannot roll back {n} tokens; only {len(self.log)} were taken")
         gone = self.log[-n:]
         del self.log[-n:]
+        del self.path[-n:]
+        if self._base is not None and len(self.path) < self._base:
+            self._masks, self._base = {}, None
         m = gone.count("m")
         if m and not self.matcher.rollback(m):
             raise EdgevlError(f"constrained decoding could not roll back ({_one_line(self.matcher.get_error())})")
         if "e" in gone:
             self.thinking = True
-        self._cache = None
 
     def valid_prefix(self, tokens) -> int:
         """How many of ``tokens`` (drafts, in order) the constraint allows, without taking them."""

@@ -181,6 +181,52 @@ def test_constraint_starts_after_the_reasoning_block(qwen):
     assert not marked.allowed()[think] and not marked.allowed()[end]
 
 
+def test_masks_of_states_seen_before_are_reused_and_right(qwen):
+    """A state reached again (drafts taken back, then the verify pass taking the same tokens) reuses
+    its mask; every mask, reused or not, is the one a fresh constraint computes on that path."""
+    comp = structured.compiled(qwen, structured.parse(None, SCHEMAS["receipt"]))
+    c = comp.constraint()
+
+    class Counting:     # the matcher, counting the masks it computes
+        def __init__(self, m):
+            self.m, self.masks = m, 0
+
+        def unsafe_compute_mask_ptr(self, *a):
+            self.masks += 1
+            return self.m.unsafe_compute_mask_ptr(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+    c.matcher = Counting(c.matcher)
+
+    def fresh(path):
+        f = comp.constraint()
+        for t in path:
+            f.advance(t)
+        return f.allowed()
+
+    rng = np.random.default_rng(0)
+    path = []
+    for _ in range(12):     # a draft of 3 tokens, taken back, then 1-3 of them taken again
+        drafts = []
+        for _ in range(3):
+            drafts.append(int(rng.choice(np.flatnonzero(c.allowed()))))
+            c.advance(drafts[-1])
+        c.rollback(3)
+        before = c.matcher.masks
+        keep = int(rng.integers(1, 4))
+        for t in drafts[:keep]:
+            np.testing.assert_array_equal(c.allowed(), fresh(path))
+            c.advance(t)
+            path.append(t)
+        assert c.matcher.masks == before          # every state on the way was seen in drafting
+        np.testing.assert_array_equal(c.allowed(), fresh(path))
+        if c.done:
+            break
+    assert len(path) > 8
+
+
 def forbidden_id(tok):
     return tok.token_to_id("<|vision_start|>")
 
