@@ -77,11 +77,14 @@ def reference_inputs(model, proc, messages, images, videos, **template_kwargs):
         text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", "\0", 1).replace("\0", groups)
         pv += [vid.patch_rows(np.stack(s.frames[k:k + 2]), cfg) for k in range(0, len(s.frames), 2)]
         grids.append([t, h, w])
-    token, proc.video_token = proc.video_token, None    # its check counts pads, which are expanded here
+    # its checks count pads (in the text, and in the ids), which are expanded here: a token and an
+    # id that never occur turn them off
+    saved = proc.video_token, proc.video_token_id
+    proc.video_token, proc.video_token_id = "<|no video token here|>", -1
     try:
         enc = proc(text=[text], images=images or None, return_tensors="pt")
     finally:
-        proc.video_token = token
+        proc.video_token, proc.video_token_id = saved
     ids = enc["input_ids"]
     enc["pixel_values_videos"] = torch.from_numpy(np.concatenate(pv))
     enc["video_grid_thw"] = torch.tensor(grids)
