@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -74,7 +75,10 @@ def free_port() -> int:
 
 
 def start_server(cmd: list, url: str, what: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """``cmd`` started, once ``url``/health answers. Its log goes to a file, not a pipe: nobody
+    reads the pipe while the benchmark runs, and a server blocks once its log fills it."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     for _ in range(1200):
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
@@ -82,7 +86,9 @@ def start_server(cmd: list, url: str, what: str) -> subprocess.Popen:
                     return proc
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit(f"{what} exited: {proc.stderr.read()[-2000:]}") from None
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-2000:]
+                raise SystemExit(f"{what} exited: {tail}") from None
             time.sleep(0.25)
     proc.terminate()
     raise SystemExit(f"{what} did not start")

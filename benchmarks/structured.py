@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -175,23 +173,14 @@ def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128, server: 
 
 
 def start_llama(server: str, gguf: str, threads: int, ctx: int):
-    """llama-server on a free port, once it answers /health."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "-m", gguf, "--port", str(port), "-t", str(threads), "-tb", str(threads),
-                             "-c", str(ctx), "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    """llama-server on a free port, once it answers /health (``serve.py``'s helpers)."""
+    from serve import free_port, start_server
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.25)
-    proc.terminate()
-    raise SystemExit("llama-server did not start")
+    cmd = [server, "-m", gguf, "--port", str(port), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+           "-np", "1", "--no-webui"]
+    return start_server(cmd, url, "llama-server"), url
 
 
 def main() -> None:

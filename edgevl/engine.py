@@ -8,8 +8,8 @@ each chunk, so a long prompt delays them by one chunk, not by all of it), and th
 together: each step is one decoder forward over the newest token of every decoding request
 (``Decoder.forward_rows``: the weights are read once for all rows; attention runs per sequence
 on its own KV cache, the conv windows and delta-rule steps of all rows together on the host),
-and each row is sampled with its own request's settings. A request that ends, is cancelled or whose client went away
-leaves at the next step; the others go on. Where the package has an MTP block, a request
+and each row is sampled with its own request's settings. A request that ends, is cancelled or
+whose client went away leaves at the next step; the others go on. Where the package has an MTP block, a request
 decoding alone drafts, as a lone ``generate`` does; with several, each round is a drafting cycle
 for one of them in turn or a plain step over all, whichever has measured faster.
 

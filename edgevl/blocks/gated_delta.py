@@ -421,13 +421,12 @@ class DeltaRuleCore(WindowedCore):
         return o, state
 
     def _step(self, qkv, ba, gates, state):
-        o, = self.step_rows(qkv, ba, gates, [state])
-        return o, state
+        return self.step_rows(qkv, ba, gates, [state]), state
 
-    def step_rows(self, qkv, ba, gates, states: list) -> list:
+    def step_rows(self, qkv, ba, gates, states: list) -> np.ndarray:
         """One token of each of several sequences (``torch_recurrent_gated_delta_rule`` with the
         update deferred): row b of qkv [B, 2Kd+Vd] and ba [B, 2Hv] on ``states[b]``; returns
-        each sequence's output [1, Vd]. All heads at once in fp32: the l2norms and gates, q^T S_t
+        the outputs [B, Vd], row b sequence b's. All heads at once in fp32: the l2norms and gates, q^T S_t
         and k^T S_t from S0 and the window, delta = beta (v - k^T S_t), o = q^T S_t + (q.k) delta;
         the window takes (k, delta, c).
 
@@ -477,7 +476,7 @@ class DeltaRuleCore(WindowedCore):
             n[0] = i + 1
             if i + 1 == self.window:
                 self.fold(states[b])
-        return [o[b].reshape(1, -1) for b in range(rows)]
+        return o.reshape(rows, -1)
 
     def _steps(self, qkv, ba, gates, state):
         """Several tokens at once, each as :meth:`_step` would run it, for a speculative verify
@@ -576,7 +575,7 @@ def core_hook(core: DeltaRuleCore, gates: dict):
         o = core.step_rows(blobs[qkv], blobs[ba], gates[layer], sts)
         for s, st in zip(states, sts):
             s.set(st)
-        return {out: np.concatenate(o)}
+        return {out: o}
 
     hook.undo, hook.rows = undo, rows
     return hook
