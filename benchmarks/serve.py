@@ -4,8 +4,8 @@ itself over HTTP and through llama.cpp's `llama-server -np N` on the same checkp
 stream of the plain API.
 
     python benchmarks/serve.py PKG [--streams 1 2 4 8] [--tokens 64] [--prompt 40] [--threads 2]
-        [--speculative none|mtp] [--http] [--llama-server BIN --gguf FILE [--llama-draft K]]
-        [--json OUT.json] [--plot OUT.png]
+        [--speculative none|mtp] [--plain] [--forced P] [--http] [--llama-server BIN --gguf FILE
+        [--llama-draft K]] [--json OUT.json] [--plot OUT.png]
 
 Every stream gets its own random prompt of ``--prompt`` token ids and decodes ``--tokens`` tokens
 (greedy, no early stop); streams start together. The engine and llama-server get the token ids
@@ -14,8 +14,10 @@ user message to ``edgevl serve``'s chat completions (streamed), so its prompt is
 template's few tokens longer (its first chunk marks the first token, its last the end). Each
 server is started once with ``max(--streams)`` slots. Rounds run interleaved (API, then each
 system at each count of streams) so that a machine's drift touches all of them alike.
-llama-server: built as docs/benchmarks.md says, GGUF from ``edgevl bench``'s converter
-(``--compare llamacpp``).
+``--plain`` adds the engine with drafting off on the same loaded model (drafting on against off at
+each count of streams); ``--forced P`` makes the verifier in this process accept each draft with
+probability P (random checkpoints' blocks draft at no realistic rate). llama-server: built as
+docs/benchmarks.md says, GGUF from ``edgevl bench``'s converter (``--compare llamacpp``).
 """
 
 from __future__ import annotations
@@ -139,14 +141,29 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama-server binary: also through it (-np N)")
     ap.add_argument("--gguf", default=None, help="the checkpoint as GGUF, for --llama-server")
     ap.add_argument("--llama-draft", type=int, default=0, help="llama-server drafts K tokens with the MTP block")
+    ap.add_argument("--forced", type=float, default=None,
+                    help="in this process, accept each draft with this probability (benchmarks/structured.py)")
+    ap.add_argument("--plain", action="store_true",
+                    help="also the engine with drafting off (plain batched steps), on the same loaded model")
     ap.add_argument("--label", default=None, help="the package's name in the table and plot")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
+    if a.forced is not None and (a.http or a.llama_server):
+        ap.error("--forced changes the verifier in this process only; it cannot apply to --http or --llama-server")
+    if a.forced is not None:
+        from structured import force_acceptance
+
+        force_acceptance(a.forced)
     opts = {} if a.speculative is None else {"speculative": a.speculative}
     model = edgevl.load(a.package, threads=a.threads, **opts)
     engine = Engine(model, parallel=max(a.streams))
     one_round(model, engine, 2, 8, a.prompt, 0)     # warm-up: first-use allocations
+    engines = {"engine": engine}
+    if a.plain:
+        plain = engines["engine, no drafting"] = Engine(model, parallel=max(a.streams))
+        plain._cycle = plain._step
+        plain._choose = lambda decoding, **_: plain._run(plain._step, decoding)
     top = max(a.streams)
     servers, procs = {}, []
     try:
@@ -186,16 +203,17 @@ def main() -> None:
         for url, path, body in servers.values():     # warm-up
             http_round(url, [body(p, 8) for p in prompts(2, 0)], path)
         rows: dict = {"api": []}
-        rows.update({("engine", n): [] for n in a.streams})
-        rows.update({(name, n): [] for name in servers for n in a.streams})
+        rows.update({(name, n): [] for name in [*engines, *servers] for n in a.streams})
         for r in range(a.rounds):
             rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
             for n in a.streams:
-                rows[("engine", n)].append(one_round(model, engine, n, a.tokens, a.prompt, 200 + r))
+                for name, e in engines.items():
+                    rows[(name, n)].append(one_round(model, e, n, a.tokens, a.prompt, 200 + r))
                 for name, (url, path, body) in servers.items():
                     rows[(name, n)].append(http_round(url, [body(p) for p in prompts(n, 200 + r)], path))
     finally:
-        engine.close()
+        for e in engines.values():
+            e.close()
         for p in procs:
             p.terminate()
             p.wait(30)
@@ -207,19 +225,19 @@ def main() -> None:
               for q in (50, 95)}
         return {"aggregate_tps": float(np.median([x["aggregate_tps"] for x in runs])), **ms}
 
-    systems = ["engine", *servers]
+    systems = [*engines, *servers]
     out = {"package": a.package, "threads": a.threads, "tokens": a.tokens, "prompt": a.prompt,
-           "speculative": model.speculative, "rounds": a.rounds, "llama_draft": a.llama_draft,
+           "speculative": model.speculative, "rounds": a.rounds, "llama_draft": a.llama_draft, "forced": a.forced,
            "api_one_stream": summary(rows["api"]),
            "systems": {s: {str(n): summary(rows[(s, n)]) for n in a.streams} for s in systems}}
     out["engine"] = out["systems"]["engine"]
     print(f"API, one stream: {out['api_one_stream']['aggregate_tps']:.1f} tok/s")
-    print("system        streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
+    print("system               streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
     for name in systems:
         one = out["systems"][name][str(a.streams[0])]["aggregate_tps"]
         for n in a.streams:
             s = out["systems"][name][str(n)]
-            print(f"{name:13s} {n:7d}  {s['aggregate_tps']:15.1f}  {s['aggregate_tps'] / one:12.2f}  "
+            print(f"{name:20s} {n:7d}  {s['aggregate_tps']:15.1f}  {s['aggregate_tps'] / one:12.2f}  "
                   f"{s['ttft_p50_ms']:6.0f}/{s['ttft_p95_ms']:<6.0f}   {s['tpot_p50_ms']:6.1f}/{s['tpot_p95_ms']:.1f}")
     if a.json:
         with open(a.json, "w") as f:

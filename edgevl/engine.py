@@ -9,9 +9,10 @@ together: each step is one decoder forward over the newest token of every decodi
 (``Decoder.forward_rows``: the weights are read once for all rows; attention runs per sequence
 on its own KV cache, the conv windows and delta-rule steps of all rows together on the host),
 and each row is sampled with its own request's settings. A request that ends, is cancelled or
-whose client went away leaves at the next step; the others go on. Where the package has an MTP block, a request
-decoding alone drafts, as a lone ``generate`` does; with several, each round is a drafting cycle
-for one of them in turn or a plain step over all, whichever has measured faster.
+whose client went away leaves at the next step; the others go on. Where the package has an MTP
+block, a request decoding alone drafts, as a lone ``generate`` does; with several, each round is
+either a drafting round (each drafts after its pending token, and one forward verifies the rows of
+all) or a plain step, whichever has measured faster at that many requests.
 
 The scheduler runs on its own thread and hands every piece of ncnn work to the model's owner
 thread (``edgevl.owner``), one step at a time, so other callers of the model interleave with it.
@@ -36,9 +37,9 @@ from .runtime import state_bytes
 from .sample import Sampler, sample
 
 _END = object()
-# every this many rounds with several requests decoding, the slower of drafting and plain steps is
-# measured again
-RECHECK = 16
+# with several requests decoding, the slower of drafting and plain steps is measured again after
+# this many rounds, and after twice as many each time it is still the slower, up to RECHECK_MAX
+RECHECK, RECHECK_MAX = 16, 128
 
 
 class Slot:
@@ -137,9 +138,11 @@ class Engine:
         self.closed = False
         self.clock = 0
         self.steps = self.rows = 0     # batched decoder forwards and the rows they carried
-        self.cycles = 0                # drafting cycles
-        self.rate: dict = {}           # tokens/s: of a plain step by its rows, of a drafting cycle
-        self.rounds = self.turn = 0
+        self.cycles = 0                # drafting cycles and rounds
+        # tokens/s: of a plain step by its rows, of a drafting round by its requests
+        self.rate: dict = {}
+        self.checks: dict = {}         # per count of requests: (rounds to the next look at the slower
+                                       # kind, rounds between looks, the faster kind)
         self.filled = False            # the last round ran a chunk of a prompt
         self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
         self.thread.start()
@@ -189,60 +192,93 @@ class Engine:
     # -- the scheduler -----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self.cond:
-                while not self.closed and not self.waiting and not self.active:
-                    self.cond.wait()
-                if self.closed:
-                    for s in [*self.waiting, *self.active]:
-                        s.out.put(EdgevlError("the server is shutting down"))
-                        s.cancelled = True
-                    closing = True
-                else:
-                    closing = False
-                    self._admit()
-            self._drop_finished()
-            if closing:
-                return
-            fresh = [s for s in self.active if s.tok is None]
-            decoding = [s for s in self.active if s.tok is not None]
-            if fresh and not (decoding and self.filled):
-                # one chunk of one prompt per round, and with requests decoding, a round of theirs
-                # after each: a long prompt delays their next token by one chunk, not by all of it
-                self.filled = True
-                self._run(self._prefill, [fresh[0]])
-                continue
-            self.filled = False
-            if not decoding:
-                continue
-            if self.model.mtp is None:
-                self._run(self._step, decoding)
-            elif len(decoding) == 1:
-                self._run(self._cycle, decoding)
-            else:   # drafting one request at a time, or one plain step for all: the faster, as measured
-                self._choose(decoding)
+            try:
+                if not self._round():
+                    return
+            except Exception as e:  # noqa: BLE001 - a fault of the scheduler itself (not of a step,
+                # which _run hands to its requests): the requests under way end with it, not hang
+                for s in list(self.active):
+                    s.filling = None
+                    s.slot.reset(self.model)
+                    s.out.put(EdgevlError(f"the engine failed: {e}"))
+                    s.ended = True
 
-    def _choose(self, decoding: list) -> None:
-        """Run whichever gives more tokens per second, by the rates measured so far: a drafting
-        cycle for the next request in turn (its tokens per second alone), or one plain step over
-        every decoding request (rows per second at this many rows). An unmeasured choice is tried
-        first, and every ``RECHECK`` rounds the other one is tried again (rates drift with the
-        context lengths and the acceptance of the drafts)."""
+    def _round(self) -> bool:
+        """One round of the scheduler: admit, drop the finished, run a prompt chunk or a decode
+        round. False once the engine is closed."""
+        with self.cond:
+            while not self.closed and not self.waiting and not self.active:
+                self.cond.wait()
+            if self.closed:
+                for s in [*self.waiting, *self.active]:
+                    s.out.put(EdgevlError("the server is shutting down"))
+                    s.cancelled = True
+                closing = True
+            else:
+                closing = False
+                self._admit()
+        self._drop_finished()
+        if closing:
+            return False
+        fresh = [s for s in self.active if s.tok is None]
+        decoding = [s for s in self.active if s.tok is not None]
+        if fresh and not (decoding and self.filled):
+            # one chunk of one prompt per round, and with requests decoding, a round of theirs
+            # after each: a long prompt delays their next token by one chunk, not by all of it
+            self.filled = True
+            self._run(self._prefill, [fresh[0]])
+            return True
+        self.filled = False
+        if not decoding:
+            return True
+        if self.model.mtp is not None and len(decoding) == 1:
+            self._run(self._cycle, decoding)
+        elif self.model.mtp is None or not any(s.trial.active for s in decoding):
+            self._run(self._step, decoding)
+        else:   # every request drafting in one verify pass, or a plain step: the faster, as measured
+            self._choose(decoding, waiting=bool(fresh))
+        return True
+
+    def _choose(self, decoding: list, waiting: bool = False) -> None:
+        """Run whichever gives more tokens per second at this many requests, by the rates
+        measured so far: a drafting round (each request's drafts, then one verify pass over all
+        of them) or a plain step (one row each). A plain step is measured first; then, where
+        both were measured at another count of requests, the nearest such count's winner runs
+        (:meth:`_settled`); where neither was, a drafting round, unless prompts are ``waiting``
+        for their chunks (the count is about to change, and a slow round between two chunks
+        delays a first token). The other
+        kind is tried again after ``RECHECK`` rounds, and after twice as many each time it stays
+        behind (up to ``RECHECK_MAX``): rates drift with the context lengths and the acceptance
+        of the drafts, and each look at the slower costs a round."""
         n = len(decoding)
-        step, cycle = self.rate.get(n), self.rate.get("cycle")
-        self.rounds += 1
+        step, draft = self.rate.get(n), self.rate.get(("draft", n))
         if step is None:
-            pick = "step"
-        elif cycle is None:
-            pick = "cycle"
-        else:
-            pick = "cycle" if cycle > step else "step"
-            if self.rounds % RECHECK == 0:
-                pick = "step" if pick == "cycle" else "cycle"
-        if pick == "step":
             self._run(self._step, decoding)
             return
-        self.turn = (self.turn + 1) % n
-        self._run(self._cycle, [decoding[self.turn]])
+        lead = self._settled(n) if draft is None else "draft" if draft > step else "step"
+        if lead is None:
+            self._run(self._step if waiting else self._draft, decoding)
+            return
+        left, every, before = self.checks.get(n, (RECHECK, RECHECK, lead))
+        if lead != before:
+            left, every = min(left, RECHECK), RECHECK
+        left -= 1
+        pick = lead
+        if left <= 0:
+            every = min(2 * every, RECHECK_MAX)
+            pick, left = "step" if lead == "draft" else "draft", every
+        self.checks[n] = (left, every, lead)
+        self._run(self._draft if pick == "draft" else self._step, decoding)
+
+    def _settled(self, n: int) -> str | None:
+        """Which kind won at the nearest count of requests where both were measured (None: none
+        was): a count of requests lasts only a few rounds as requests come and go, too few to
+        look at the slower kind at each."""
+        both = [k for k in self.rate if isinstance(k, int) and ("draft", k) in self.rate]
+        if not both:
+            return None
+        k = min(both, key=lambda k: (abs(k - n), k))
+        return "draft" if self.rate[("draft", k)] > self.rate[k] else "step"
 
     def _measure(self, key, tokens: int, seconds: float) -> None:
         """Tokens per second of a kind of round (exponential average)."""
@@ -353,14 +389,59 @@ class Engine:
                               len(s.slot.keys) - 1)
                     m.note_hidden(hidden[i])
             s.history.append(int(s.tok))
+            if not s.trial.active:      # drafting is off: these count towards trying it again
+                s.trial.update(0, 0, 1)
             self._next(s, logits[i])
         self._measure(len(streams), len(streams), time.perf_counter() - t0)
+
+    def _draft(self, streams: list) -> None:
+        """A drafting round for several streams: each drafts after its pending token (as many as
+        pay for it, none while its drafting is off; the block's passes and draft heads run over
+        all of them together), one forward verifies every stream's rows, and each keeps its
+        accepted drafts and a token of the decoder's own (speculative.settle, as a lone cycle)."""
+        m = self.model
+        t0 = time.perf_counter()
+        # a request's first drafts feed its whole prompt to the block: not a round's usual cost
+        catching_up = any(len(s.slot.mtp["js"]) > m.mtp.k + 1 for s in streams)
+        for s in streams:
+            s.history.append(int(s.tok))
+        # the block drafts for all of them together (each pass over one row of each)
+        counts = [speculative.draft_count(m, m.mtp, s.left, len(s.slot.keys), s.trial) for s in streams]
+        drafts = m.mtp.draft_rows([s.slot.mtp for s in streams], [s.tok for s in streams], counts,
+                                  [s.args["constraint"] for s in streams])
+        rows = [[s.tok, *speculative.allowed(d, s.args["constraint"])] for s, d in zip(streams, drafts)]
+        caches = [s.slot.cache for s in streams]
+        pos = np.concatenate([np.arange(c.next_position, c.next_position + len(r), dtype=np.int64)
+                              for c, r in zip(caches, rows)])[None]
+        hidden = m.decoder.forward_rows(m.embedding([t for r in rows for t in r]),
+                                        [(c, len(r)) for c, r in zip(caches, rows)], pos, undoable=True)
+        logits = m.head(hidden)
+        self.steps += 1
+        self.rows += len(hidden)
+        self.cycles += 1
+        at = tokens = 0
+        for s, r in zip(streams, rows):
+            n = len(r)
+            with bound(m, s.slot):
+                before = (m.mtp.drafted, m.mtp.accepted)
+                emit, end = speculative.settle(m, m.mtp, s.args["sampler"], r, n, hidden[at:at + n],
+                                               logits[at:at + n], pos[:, at:at + n], s.history, s.args["stops"],
+                                               s.left, s.trial, s.args["constraint"])
+                s.drafted += m.mtp.drafted - before[0]
+                s.accepted += m.mtp.accepted - before[1]
+            at += n
+            tokens += len(emit)
+            s.history += emit[:-1]
+            s.left -= len(emit)
+            s.tok = emit[-1]
+            self._emit(s, emit, end)
+        if not catching_up:
+            self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
 
     def _cycle(self, streams: list) -> None:
         """A lone stream drafts: one draft-and-verify cycle (speculative.cycle)."""
         (s,) = streams
         m = self.model
-        t0 = time.perf_counter()
         with bound(m, s.slot):
             before = (m.mtp.drafted, m.mtp.accepted)
             s.history.append(int(s.tok))
@@ -372,5 +453,4 @@ class Engine:
         s.left -= len(emit)
         s.tok = emit[-1]
         self.cycles += 1
-        self._measure("cycle", len(emit), time.perf_counter() - t0)
         self._emit(s, emit, end)

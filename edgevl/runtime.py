@@ -860,16 +860,23 @@ class Decoder:
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
 
-    def forward_rows(self, embeds: np.ndarray, parts: list, positions: np.ndarray, ids=None) -> np.ndarray:
+    def forward_rows(self, embeds: np.ndarray, parts: list, positions: np.ndarray, ids=None,
+                     undoable: bool = False) -> np.ndarray:
         """One forward over the rows of several sequences: ``parts`` lists ``(cache, rows)`` in
         row order, ``positions`` [axes, rows] and ``ids`` (or None) cover all rows. Every weight
         is read once for all of them; what belongs to one sequence — its attention over its own
         KV cache, its conv window and host state — runs per sequence on the same graph (a
         sub-run fed that layer's inputs runs only that layer). Each cache is updated in place;
-        returns the final hidden states [rows, H]."""
+        returns the final hidden states [rows, H]. ``undoable``: as in :meth:`forward`, each
+        cache's last rows may be taken back afterwards (:meth:`undo`)."""
         if isinstance(self.net, SectionedNet):
             raise EdgevlError("low-memory mode runs one sequence at a time; run without --low-memory "
                               "to decode several together")
+        if undoable:
+            for cache, _ in parts:
+                for s in cache.layers:
+                    if isinstance(s, RecurrentState) and not isinstance(s, HostState):
+                        s.before = s.mats
         plan = self.row_plan()
         total = int(embeds.shape[0])
         bounds = np.cumsum([0] + [int(n) for _, n in parts])
@@ -907,6 +914,7 @@ class Decoder:
             take its host step."""
             p, pre, post, conv, k = step["pass"], step["extract"][0], step["post"], step["conv"], step["kernel"]
             rest, hook, args = step["extract"][1:], self.hooks[p["hook"]], p.get("args", {})
+            undo = {"undoable": True} if undoable else {}
             kept = {}
 
             def widen(blobs):
@@ -939,7 +947,7 @@ class Decoder:
 
             def core(blobs):
                 y, outs, at = blobs[post], [], 0
-                if hasattr(hook, "rows") and all(n == 1 for _, n in parts):
+                if hasattr(hook, "rows") and all(n == 1 for _, n in parts) and not undoable:
                     # one row per sequence: the host step takes them together (the conv's
                     # output for sequence b is column b * k)
                     got = hook.rows({post: y[::k], **{x: kept[x] for x in rest}},
@@ -948,7 +956,7 @@ class Decoder:
                     return got
                 for b, (cache, n) in enumerate(parts):
                     got = hook({post: y[at:at + n], **{x: rows(kept[x], b) for x in rest}}, seq=n,
-                               state=cache.layers[int(p["state"])], **args)
+                               state=cache.layers[int(p["state"])], **args, **undo)
                     at += n + k - 1
                     outs.append({x: v if isinstance(v, np.ndarray) else from_mat(v) for x, v in got.items()})
                 kept.clear()

@@ -117,18 +117,32 @@ class DraftHead:
     def __call__(self, hidden: np.ndarray, allowed: np.ndarray | None = None) -> int | None:
         """The draft: the argmax, among the ``allowed`` tokens if given (None: none of them is
         in the rows this head covers)."""
+        return self.many(np.atleast_2d(hidden)[-1:], [allowed])[0]
+
+    def many(self, hidden: np.ndarray, allowed: list) -> list:
+        """The draft of each row of ``hidden`` [B, H] (one head pass for all), row b's among the
+        tokens ``allowed[b]`` allows where that is not None."""
+        hidden = np.ascontiguousarray(hidden, np.float32)
         if self.blobs is None:
-            row = self.head(hidden)[-1]
+            lg = self.head(hidden)
         else:
             name = self.head.info["inputs"]["hidden"]
-            res = self.head.net.run({name: np.atleast_2d(hidden)[-1:]}, self.blobs)
-            row = np.concatenate([r.reshape(-1) for r in res])
-        if allowed is not None:
-            n = min(len(row), len(allowed))
-            row = np.where(allowed[:n], row[:n], -np.inf)
-            if not np.isfinite(row).any():
-                return None
-        return int(np.argmax(row))
+            res = self.head.net.run({name: hidden}, self.blobs)
+            lg = np.concatenate([r.reshape(len(hidden), -1) for r in res], axis=1)
+        out = []
+        for row, ok in zip(lg, allowed):
+            if ok is not None:
+                n = min(len(row), len(ok))
+                row = np.where(ok[:n], row[:n], -np.inf)
+                if not np.isfinite(row).any():
+                    out.append(None)
+                    continue
+            out.append(int(np.argmax(row)))
+        return out
+
+
+# the block's per-sequence fields (Mtp.new_state)
+STATE_FIELDS = ("cache", "rows", "embeds", "hidden", "positions", "js")
 
 
 class Mtp:
@@ -158,7 +172,7 @@ class Mtp:
         """The block's per-sequence state, empty (the fields ``reset`` sets; an engine keeps one
         per slot and swaps it in)."""
         # rows: the decoder position of each cached row; the rest: the rows waiting (``_clear``)
-        return {"cache": self.decoder.new_cache(), "rows": [], "embeds": [], "hidden": [], "positions": [], "js": []}
+        return {"cache": self.decoder.new_cache(), **{f: [] for f in STATE_FIELDS[1:]}}
 
     def _clear(self) -> None:
         # rows waiting to be fed: row j needs the embedding of token j+1, so the last one waits
@@ -196,40 +210,80 @@ class Mtp:
         draft up to ``m`` tokens after it; with a ``constraint`` (its state after ``token``) each
         draft is the block's best among the tokens the grammar allows after the drafts before it
         (a draft it forbids could only be rejected)."""
-        model = self.model
-        if not self.js:
-            return []
-        self.embeds.append(model.embedding([token])[0])
-        axes = max(len(p) for p in self.positions)
-        pos = np.stack([np.broadcast_to(p, (axes,)) for p in self.positions], 1)
-        x = np.concatenate([np.stack(self.embeds), np.stack(self.hidden)], 1)
-        out, _ = self.decoder.forward(x, self.cache, pos)
-        self.rows += self.js
-        nxt = int(pos[:, -1].max()) + 1
-        self._clear()
-        drafts, taken = [], 0
-        last = out[-1:]
+        state = {f: getattr(self, f) for f in STATE_FIELDS}
         try:
-            for i in range(m):
-                if i:   # recursive: the block's own output and draft as the next row
-                    x = np.concatenate([model.embedding([drafts[-1]]), last], 1)
-                    last, _ = self.decoder.forward(x, self.cache, np.full((1, 1), nxt + i - 1, np.int64))
-                if constraint is None:
-                    drafts.append(self.head(last))
-                    continue
-                d = None if constraint.done else self.head(last, constraint.allowed())
-                if d is None:
-                    break
-                drafts.append(d)
-                if i + 1 < m:
-                    constraint.advance(d)
-                    taken += 1
+            return self.draft_rows([state], [token], [m], [constraint])[0]
         finally:
-            if taken:
-                constraint.rollback(taken)
-        if m > 1:
-            self.cache.rollback(len(self.rows))
+            self.__dict__.update(state)
+
+    def draft_rows(self, states: list, tokens: list, ms: list, constraints: list) -> list:
+        """:meth:`draft` for several sequences at once (the block's per-sequence ``states``, as
+        :meth:`new_state` makes them, updated in place): each block pass and each draft head runs
+        once over one row of every sequence still drafting. Returns each one's drafts."""
+        model = self.model
+        drafts: list = [[] for _ in states]
+        go = [b for b, st in enumerate(states) if ms[b] > 0 and st["js"]]
+        if not go:
+            return drafts
+        xs, poss = [], []
+        for b in go:
+            st = states[b]
+            axes = max(len(p) for p in st["positions"])
+            xs.append(np.concatenate([np.stack(st["embeds"] + [model.embedding([tokens[b]])[0]]),
+                                      np.stack(st["hidden"])], 1))
+            poss.append(np.stack([np.broadcast_to(p, (axes,)) for p in st["positions"]], 1))
+        out = self._forward([states[b]["cache"] for b in go], xs, poss)
+        nxt, lasts, at = {}, {}, 0
+        for b, x, pos in zip(go, xs, poss):
+            st = states[b]
+            st["rows"] += st["js"]
+            st["embeds"], st["hidden"], st["positions"], st["js"] = [], [], [], []
+            nxt[b] = int(pos[:, -1].max()) + 1
+            at += len(x)
+            lasts[b] = out[at - 1]
+        taken = dict.fromkeys(go, 0)
+        live = list(go)
+        try:
+            for i in range(max(ms[b] for b in go)):
+                if i:   # recursive: the block's own output and draft as the next row
+                    out = self._forward([states[b]["cache"] for b in live],
+                                        [np.concatenate([model.embedding([drafts[b][-1]]), lasts[b][None]], 1)
+                                         for b in live],
+                                        [np.full((1, 1), nxt[b] + i - 1, np.int64) for b in live])
+                    lasts.update(zip(live, out))
+                if any(constraints[b] is not None and constraints[b].done for b in live):
+                    live = [b for b in live if constraints[b] is None or not constraints[b].done]
+                if not live:
+                    break
+                got = self.head.many(np.stack([lasts[b] for b in live]),
+                                     [None if constraints[b] is None else constraints[b].allowed() for b in live])
+                for b, d in zip(live, got):
+                    if d is None:
+                        continue
+                    drafts[b].append(d)
+                    if constraints[b] is not None and i + 1 < ms[b]:
+                        constraints[b].advance(d)
+                        taken[b] += 1
+                live = [b for b, d in zip(live, got) if d is not None and i + 1 < ms[b]]
+                if not live:
+                    break
+        finally:
+            for b in go:
+                if taken[b]:
+                    constraints[b].rollback(taken[b])
+        for b in go:
+            if ms[b] > 1:
+                states[b]["cache"].rollback(len(states[b]["rows"]))
         return drafts
+
+    def _forward(self, caches: list, xs: list, positions: list) -> np.ndarray:
+        """The block over each sequence's rows ``xs[b]`` at ``positions[b]`` on ``caches[b]``:
+        their outputs, in order (one sequence: a plain forward)."""
+        if len(caches) == 1:
+            return self.decoder.forward(xs[0], caches[0], positions[0])[0]
+        axes = max(len(p) for p in positions)
+        pos = np.concatenate([np.broadcast_to(p, (axes, p.shape[1])) for p in positions], 1)
+        return self.decoder.forward_rows(np.concatenate(xs), [(c, len(x)) for c, x in zip(caches, xs)], pos)
 
 
 class Trial:
@@ -319,38 +373,63 @@ def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: i
     (the tokens it decides, 1 to K+1, and whether the answer ends with them). ``history``
     holds the tokens up to ``tok`` (not the ones decided here); ``constraint`` as in
     :func:`generate`."""
-    fed = len(model.cache_keys)
-    k = trial.length(mtp.k) if mtp.adaptive else mtp.k
-    m = min(k, left, model.max_context - fed - 1) if trial.active else 0
-    drafts = mtp.draft(tok, m, constraint=constraint) if m > 0 else []
-    if constraint is not None and drafts:    # a draft the grammar forbids would only be rejected
-        drafts = drafts[:constraint.valid_prefix(drafts)]
-    rows = [tok, *drafts]
+    rows = propose(model, mtp, tok, left, trial, constraint)
     # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
     # 4th row (taken back with the rejected ones) costs less than it saves
     fed_rows = rows + rows[-1:] if len(rows) == 3 and mtp.pad else rows
     start = model.cache.next_position
     pos = np.arange(start, start + len(fed_rows), dtype=np.int64)[None]
     with model._whole_or_nothing():
-        hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=bool(drafts))
-        lg = model.logits(hidden)
-        out = []
-        for i, d in enumerate(drafts):
-            out.append(check(sampler, constraint, lg[i], history + out, d))
-            if out[-1] != d:
-                break
-        else:
-            out.append(sample(sampler, constraint, lg[len(drafts)], history + out))
-        accepted = len(out) - 1
-        # where the answer ends inside this cycle (a stop token, the context, the budget)
-        end = next((i + 1 for i, t in enumerate(out)
-                    if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
-        emit = out[:end] if end else out
-        if constraint is not None:
-            constraint.rollback(len(out) - len(emit))
-        keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
-        model.decoder.undo(model.cache, len(fed_rows), len(fed_rows) - keep)
-        model.cache_keys.extend(rows[:keep])
+        hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=len(rows) > 1)
+        return settle(model, mtp, sampler, rows, len(fed_rows), hidden, model.logits(hidden), pos, history, stops,
+                      left, trial, constraint)
+
+
+def propose(model, mtp: Mtp, tok: int, left: int, trial: Trial, constraint=None) -> list[int]:
+    """A cycle's rows: ``tok`` and the drafts after it (as many as ``trial`` says pay, none while
+    drafting is off; with a ``constraint``, only those the grammar allows)."""
+    m = draft_count(model, mtp, left, len(model.cache_keys), trial)
+    return [tok, *allowed(mtp.draft(tok, m, constraint=constraint) if m > 0 else [], constraint)]
+
+
+def draft_count(model, mtp: Mtp, left: int, fed: int, trial: Trial) -> int:
+    """How many drafts to make after ``fed`` tokens with ``left`` to go."""
+    k = trial.length(mtp.k) if mtp.adaptive else mtp.k
+    return min(k, left, model.max_context - fed - 1) if trial.active else 0
+
+
+def allowed(drafts: list, constraint=None) -> list:
+    """The drafts up to the first one the grammar forbids (which could only be rejected)."""
+    if constraint is not None and drafts:
+        return drafts[:constraint.valid_prefix(drafts)]
+    return drafts
+
+
+def settle(model, mtp: Mtp, sampler, rows: list, fed_rows: int, hidden, lg, pos, history: list, stops: set,
+           left: int, trial: Trial, constraint=None) -> tuple:
+    """The verify pass's outcome for the ``rows`` of :func:`propose` (fed first among the
+    ``fed_rows`` rows the decoder took; ``hidden``, logits ``lg`` and positions ``pos`` of
+    those): the drafts checked in order, the rows after the first rejection (or past the
+    answer's end) taken back, the block given the kept rows. Returns as :func:`cycle`."""
+    fed = len(model.cache_keys)
+    drafts = rows[1:]
+    out = []
+    for i, d in enumerate(drafts):
+        out.append(check(sampler, constraint, lg[i], history + out, d))
+        if out[-1] != d:
+            break
+    else:
+        out.append(sample(sampler, constraint, lg[len(drafts)], history + out))
+    accepted = len(out) - 1
+    # where the answer ends inside this cycle (a stop token, the context, the budget)
+    end = next((i + 1 for i, t in enumerate(out)
+                if t in stops or fed + i + 2 >= model.max_context or i + 1 >= left), None)
+    emit = out[:end] if end else out
+    if constraint is not None:
+        constraint.rollback(len(out) - len(emit))
+    keep = len(emit) if end else accepted + 1      # rows fed before the last emitted token
+    model.decoder.undo(model.cache, fed_rows, fed_rows - keep)
+    model.cache_keys.extend(rows[:keep])
     model.note_hidden(hidden[keep - 1])
     # a draft counts where its target is part of the answer (not past its end)
     d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)

@@ -75,6 +75,21 @@ def consume(stream, into: list, cancel_after: int | None = None) -> None:
             return
 
 
+def start(engine, reqs, stop_at) -> list:
+    """Each request's stream (request 2 ends at the token ``stop_at``)."""
+    return [engine.generate_tokens(p.input_ids, n, image=p.encoded, ignore_eos=True,
+                                   stop_ids=[stop_at] if i == 2 else None) for i, (p, n) in enumerate(reqs)]
+
+
+def read_all(jobs) -> None:
+    """``consume(*job)`` for each job, all at once (a thread each)."""
+    threads = [threading.Thread(target=consume, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
 @pytest.mark.parametrize("family", [f for f, _ in CASES])
 def test_batched_greedy_tokens_are_the_ones_each_request_gets_alone(packages, family):
     model = _model(packages, family)
@@ -86,23 +101,17 @@ def test_batched_greedy_tokens_are_the_ones_each_request_gets_alone(packages, fa
     engine = Engine(model, parallel=3)    # fewer slots than requests: some wait, slots are reused
     try:
         got = [[] for _ in reqs]
-        streams = [engine.generate_tokens(p.input_ids, n, image=p.encoded, ignore_eos=True,
-                                          stop_ids=[stop_at] if i == 2 else None) for i, (p, n) in enumerate(reqs)]
+        streams = start(engine, reqs, stop_at)
         # a client that goes away after 4 tokens: the others go on
         gone = engine.generate_tokens(reqs[1][0].input_ids, 200, ignore_eos=True)
-        threads = [threading.Thread(target=consume, args=(s, g)) for s, g in zip(streams, got)]
         left = []
-        threads.append(threading.Thread(target=consume, args=(gone, left, 4)))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        read_all([(s, g) for s, g in zip(streams, got)] + [(gone, left, 4)])
         for i, (g, w) in enumerate(zip(got, want)):
             assert g == w, f"request {i}: {g} != {w}"
         assert left == alone(model, reqs[1][0], 4)
         assert engine.rows > engine.steps > 0      # several requests shared decoder forwards
-        if model.mtp is not None:      # and drafting cycles were measured against plain steps
-            assert engine.cycles > 0 and "cycle" in engine.rate
+        if model.mtp is not None:      # and drafting rounds were measured against plain steps
+            assert engine.cycles > 0 and any(isinstance(k, tuple) for k in engine.rate)
     finally:
         engine.close()
 
@@ -115,6 +124,85 @@ def test_drafting_runs_for_a_lone_request_and_output_is_unchanged(packages):
         s = engine.generate_tokens(prep.input_ids, n, ignore_eos=True)
         assert list(s) == alone(model, prep, n)
         assert s.drafted > 0 and engine.steps == 0      # alone: draft-and-verify cycles, no plain steps
+    finally:
+        engine.close()
+
+
+def test_requests_draft_together_in_one_verify_pass_and_output_is_unchanged(packages, monkeypatch):
+    """Every round a drafting round: each request's drafts (accepted or not, an image's M-RoPE
+    positions, a stop token) are verified in one forward with the others', and each request
+    still gets the tokens it gets alone."""
+    model = _model(packages, "qwen3_5")
+    reqs = requests(model)
+    want = [alone(model, p, n) for p, n in reqs]
+    stop_at = want[2][6]
+    want[2] = want[2][:want[2].index(stop_at) + 1]
+    rounds = []
+    draft = Engine._draft
+
+    def counted(self, streams):
+        before = sum(s.accepted for s in streams), sum(s.drafted for s in streams)
+        draft(self, streams)
+        rounds.append((len(streams), sum(s.accepted for s in streams) - before[0],
+                       sum(s.drafted for s in streams) - before[1]))
+
+    monkeypatch.setattr(Engine, "_draft", counted)
+    monkeypatch.setattr(Engine, "_choose", lambda self, decoding, **_: self._run(self._draft, decoding))
+    engine = Engine(model, parallel=len(reqs))
+    try:
+        got = [[] for _ in reqs]
+        read_all(list(zip(start(engine, reqs, stop_at), got)))
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"request {i}: {g} != {w}"
+        together = [r for r in rounds if r[0] > 1]
+        assert together and sum(a for _, a, _ in together) > 0            # drafts accepted together
+        assert sum(d - a for _, a, d in together) > 0                     # and some taken back
+    finally:
+        engine.close()
+
+
+def test_drafting_rounds_or_plain_steps_by_the_rates_measured(packages):
+    from edgevl import engine as eng
+
+    engine = Engine(_model(packages, "qwen3_5"), parallel=2)
+    try:
+        picks = []
+        engine._run = lambda fn, streams: picks.append(fn.__name__)
+        engine._choose([None] * 4)                      # nothing measured: a plain step first,
+        engine.rate[4] = 10.0
+        engine._choose([None] * 4, waiting=True)        # (not while prompts wait for their chunks)
+        engine._choose([None] * 4)                      # then a drafting round
+        assert picks == ["_step", "_step", "_draft"]
+        engine.rate[("draft", 4)] = 5.0                 # drafting measured slower
+        picks.clear()
+        for _ in range(500):
+            engine._choose([None] * 4)
+        looks = [i + 1 for i, p in enumerate(picks) if p == "_draft"]
+        r, m = eng.RECHECK, eng.RECHECK_MAX
+        want, at, every = [], 0, r
+        while at + every <= 500:
+            at += every
+            want.append(at)
+            every = min(2 * every, m)
+        assert looks == want
+        engine.rate[("draft", 4)] = 20.0                # drafting now faster: it runs, and plain
+        picks.clear()                                   # steps are looked at after RECHECK rounds again
+        for _ in range(3 * r):
+            engine._choose([None] * 4)
+        assert [i + 1 for i, p in enumerate(picks) if p == "_step"] == [r, 3 * r]
+        # unmeasured at 6 requests: the nearest count measured both ways (5, not 2) has plain
+        # steps ahead, so drafting is not tried at 6 for RECHECK rounds
+        engine.rate.clear()
+        engine.rate.update({2: 10.0, ("draft", 2): 15.0, 5: 10.0, ("draft", 5): 5.0, 6: 12.0})
+        picks.clear()
+        for _ in range(r):
+            engine._choose([None] * 6)
+        assert picks == ["_step"] * (r - 1) + ["_draft"]
+        # unmeasured at 3: the nearest is 2, where drafting won
+        engine.rate[3] = 9.0
+        picks.clear()
+        engine._choose([None] * 3)
+        assert picks == ["_draft"]
     finally:
         engine.close()
 
@@ -211,6 +299,43 @@ def test_a_failing_step_ends_only_its_requests(packages, monkeypatch):
         monkeypatch.setattr(model.decoder, "forward_rows", fail)
         with pytest.raises(RuntimeError, match="boom"):
             list(engine.generate_tokens(prep.input_ids, 10, ignore_eos=True))
+        monkeypatch.undo()
+        assert list(engine.generate_tokens(prep.input_ids, 6, ignore_eos=True)) == alone(model, prep, 6)
+    finally:
+        engine.close()
+
+
+def test_a_fault_of_the_scheduler_ends_the_requests_under_way_not_the_engine(packages, monkeypatch):
+    """Not a step's failure (handed to that step's requests) but one in the scheduler itself:
+    its requests get a one-line error instead of waiting for ever, and the engine serves on."""
+    model = _model(packages, "youtu")
+    prep = requests(model)[1][0]
+    engine = Engine(model, parallel=2)
+    try:
+        real = Engine._drop_finished
+        calls = []
+
+        def fault(self):
+            if len(self.active) == 2 and not calls:     # once both requests are under way
+                calls.append(1)
+                raise RuntimeError("boom")
+            return real(self)
+
+        monkeypatch.setattr(Engine, "_drop_finished", fault)
+        streams = [engine.generate_tokens(prep.input_ids, 10, ignore_eos=True) for _ in range(2)]
+        errors = [None, None]
+
+        def read(i):
+            try:
+                list(streams[i])
+            except EdgevlError as e:
+                errors[i] = str(e)
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+        assert errors == ["the engine failed: boom"] * 2
         monkeypatch.undo()
         assert list(engine.generate_tokens(prep.input_ids, 6, ignore_eos=True)) == alone(model, prep, 6)
     finally:

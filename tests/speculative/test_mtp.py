@@ -59,12 +59,14 @@ def spoil_every(n: int):
     """A draft head whose every n-th draft is wrong (its argmax + 1): rejections, whatever the
     model's text."""
     calls = [0]
-    real = speculative.DraftHead.__call__
+    real = speculative.DraftHead.many
 
-    def head(self, hidden):
-        calls[0] += 1
-        t = real(self, hidden)
-        return (t + 1) % self.head.info["extra"]["shards"][-1]["rows"][1] if calls[0] % n == 0 else t
+    def head(self, hidden, allowed):
+        out = []
+        for t in real(self, hidden, allowed):
+            calls[0] += 1
+            out.append((t + 1) % self.head.info["extra"]["shards"][-1]["rows"][1] if calls[0] % n == 0 else t)
+        return out
     return head
 
 
@@ -84,7 +86,7 @@ def test_greedy_output_identical_to_plain_decoding(packages, case, prompt, k, mo
     stats = spec.runtime_stats()["speculative"]
     assert stats["accepted"] > 0 and stats["drafted"] >= N_NEW // ((k or 3) + 1), stats
     # with some drafts wrong: rows taken back at every place in a cycle, the same output
-    monkeypatch.setattr(speculative.DraftHead, "__call__", spoil_every(3))
+    monkeypatch.setattr(speculative.DraftHead, "many", spoil_every(3))
     got = list(spec.generate_tokens(prep.input_ids, N_NEW, image=prep.encoded, ignore_eos=True, reuse_cache=False))
     assert got == want
     stats = spec.runtime_stats()["speculative"]

@@ -87,6 +87,34 @@ def test_drafting_gives_the_same_constrained_answer(qwen, qwen_plain):
         assert edgevl.generate(qwen, PROMPT, **kw) == edgevl.generate(qwen_plain, PROMPT, **kw)
 
 
+def test_constrained_requests_drafting_together_answer_as_alone(qwen, qwen_plain, monkeypatch):
+    """In the engine, every round a drafting round over all requests (their drafts steered by
+    each one's own grammar, one verify pass): each answer is the one plain decoding gives alone."""
+    import threading
+
+    from edgevl.engine import Engine
+
+    asks = [(PROMPT, SCHEMAS["receipt"]), ("Name the objects.", SCHEMAS["camera_event"]), ("Say hello.", None)]
+    kws = [dict(json_schema=schema, thinking=False, temperature=0, max_new_tokens=120) for _, schema in asks]
+    want = [edgevl.generate(qwen_plain, prompt, **kw) for (prompt, _), kw in zip(asks, kws)]
+    monkeypatch.setattr(Engine, "_choose", lambda self, decoding, **_: self._run(self._draft, decoding))
+    engine = Engine(qwen, parallel=3)
+    got = [None] * len(asks)
+
+    def ask(i):
+        got[i] = edgevl.generate(qwen, asks[i][0], engine=engine, **kws[i])
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == want
+        assert engine.cycles > 0 and any(len(s.mtp["rows"]) for s in engine.slots)
+    finally:
+        engine.close()
+
+
 def test_the_block_drafts_among_the_tokens_the_grammar_allows(qwen, monkeypatch):
     """Each draft is the block's best token among those the grammar allows after the drafts
     before it (the random block's own best is mostly forbidden), and drafting leaves the
