@@ -924,16 +924,16 @@ class Decoder:
                     old = window.feeds()[window.inputs[0]]
                     olds.append(old if isinstance(old, np.ndarray) else from_mat(old))
                 w = olds[0].shape[-1]
-                if all(n == 1 for _, n in parts):   # decode rows: a column each
-                    reads = np.empty((x.shape[1], len(parts), k), np.float32)
+                if all(n == 1 for _, n in parts):
+                    # decode rows: the new windows side by side are what the conv reads (each
+                    # sequence's output is the last of its window's), and each sequence keeps
+                    # its own as a view: no copy out of them, none into a separate input
+                    reads = np.empty((x.shape[1], len(parts), w + 1), np.float32)
                     for b, (cache, _) in enumerate(parts):
-                        old = olds[b].reshape(-1, w)
-                        reads[:, b, :k - 1] = old[:, w + 1 - k:]
-                        win = np.empty_like(old)
-                        win[:, :-1] = old[:, 1:]
-                        win[:, -1] = x[b]
-                        new[b][cache.layers[conv].outputs[0]] = win
-                    reads[:, :, k - 1] = x.T
+                        reads[:, b, :-1] = olds[b].reshape(-1, w)
+                        new[b][cache.layers[conv].outputs[0]] = reads[:, b, 1:]
+                    reads[:, :, -1] = x.T
+                    kept["starts"] = np.arange(len(parts)) * (w + 1) + w + 1 - k
                     reads = reads.reshape(x.shape[1], -1)
                 else:
                     segments = []
@@ -941,23 +941,24 @@ class Decoder:
                         full = np.concatenate([olds[b].reshape(-1, w), rows(x, b).T], axis=1)
                         new[b][cache.layers[conv].outputs[0]] = full[:, -w:]
                         segments.append(full[:, w - (k - 1):])
+                    # sequence b's outputs start where its segment does (k - 1 columns of window)
+                    kept["starts"] = np.cumsum([0] + [n + k - 1 for _, n in parts[:-1]])
                     reads = np.concatenate(segments, axis=1)
                 kept.update((r, blobs[r]) for r in rest)
                 return {step["reads"]: reads}
 
             def core(blobs):
-                y, outs, at = blobs[post], [], 0
+                y, outs, starts = blobs[post], [], kept.pop("starts")
                 if hasattr(hook, "rows") and all(n == 1 for _, n in parts) and not undoable:
-                    # one row per sequence: the host step takes them together (the conv's
-                    # output for sequence b is column b * k)
-                    got = hook.rows({post: y[::k], **{x: kept[x] for x in rest}},
+                    # one row per sequence: the host step takes them together
+                    got = hook.rows({post: y[starts], **{x: kept[x] for x in rest}},
                                     states=[cache.layers[int(p["state"])] for cache, _ in parts], **args)
                     kept.clear()
                     return got
                 for b, (cache, n) in enumerate(parts):
+                    at = int(starts[b])
                     got = hook({post: y[at:at + n], **{x: rows(kept[x], b) for x in rest}}, seq=n,
                                state=cache.layers[int(p["state"])], **args, **undo)
-                    at += n + k - 1
                     outs.append({x: v if isinstance(v, np.ndarray) else from_mat(v) for x, v in got.items()})
                 kept.clear()
                 return {x: np.concatenate([o[x] for o in outs], axis=outs[0][x].ndim - 2) for x in outs[0]}
