@@ -246,10 +246,11 @@ class Engine:
         both were measured at another count of requests, the nearest such count's winner runs
         (:meth:`_settled`); where neither was, a drafting round, unless prompts are ``waiting``
         for their chunks (the count is about to change, and a slow round between two chunks
-        delays a first token). The other
-        kind is tried again after ``RECHECK`` rounds, and after twice as many each time it stays
-        behind (up to ``RECHECK_MAX``): rates drift with the context lengths and the acceptance
-        of the drafts, and each look at the slower costs a round."""
+        delays a first token). The other kind is tried again after ``RECHECK`` rounds times the
+        square of the ratio of the two rates, and after twice as many each time it stays behind
+        (up to ``RECHECK_MAX``): rates drift with the context lengths and the acceptance of the
+        drafts, and a look at the slower costs a round at its speed (the further behind, the
+        dearer and the less likely to have caught up)."""
         n = len(decoding)
         step, draft = self.rate.get(n), self.rate.get(("draft", n))
         if step is None:
@@ -259,13 +260,15 @@ class Engine:
         if lead is None:
             self._run(self._step if waiting else self._draft, decoding)
             return
-        left, every, before = self.checks.get(n, (RECHECK, RECHECK, lead))
+        gap = 1.0 if draft is None else max(step, draft) / min(step, draft)
+        soon = min(RECHECK_MAX, int(RECHECK * gap * gap))
+        left, every, before = self.checks.get(n, (soon, soon, lead))
         if lead != before:
-            left, every = min(left, RECHECK), RECHECK
+            left, every = min(left, soon), soon
         left -= 1
         pick = lead
         if left <= 0:
-            every = min(2 * every, RECHECK_MAX)
+            every = min(max(2 * every, soon), RECHECK_MAX)
             pick, left = "step" if lead == "draft" else "draft", every
         self.checks[n] = (left, every, lead)
         self._run(self._draft if pick == "draft" else self._step, decoding)

@@ -100,7 +100,9 @@ class ReasoningSplitter:
     are dropped, as the chat template does when it reads an answer back."""
 
     def __init__(self, tokenizer, markers, prompt_ids):
-        self.detok = StreamDecoder(tokenizer)
+        # a tool call's tags stay in the text even where the tokenizer has them as special tokens
+        self.detok = StreamDecoder(tokenizer, keep=[i for i in map(tokenizer.token_to_id, tool_calls.TAGS)
+                                                    if i is not None])
         self.start = self.end = None
         if markers:
             self.start, self.end = (tokenizer.token_to_id(m) for m in markers)

@@ -172,16 +172,27 @@ class StreamDecoder:
     alone gives U+FFFD. We re-decode a short window and hold back text ending in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, keep=()):
         self.t, self.skip = tokenizer, skip_special_tokens
+        # special tokens written out all the same (call tags a checkpoint marks special: the
+        # answer's parser reads them from the text)
+        self.drop = None
+        if skip_special_tokens and keep:
+            ids = {tokenizer.token_to_id(t) for t in tokenizer.special_tokens}
+            self.drop = ids - {int(i) for i in keep}
         self.ids: list[int] = []
         self.prefix = 0   # start of the decode window
         self.read = 0     # ids before this are already emitted
 
+    def _decode(self, ids) -> str:
+        if self.drop is None:
+            return self.t.decode(ids, self.skip)
+        return self.t.decode([i for i in ids if i not in self.drop], False)
+
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        prev = self.t.decode(self.ids[self.prefix:self.read], self.skip)
-        cur = self.t.decode(self.ids[self.prefix:], self.skip)
+        prev = self._decode(self.ids[self.prefix:self.read])
+        cur = self._decode(self.ids[self.prefix:])
         if len(cur) > len(prev) and not cur.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return cur[len(prev):]
@@ -189,7 +200,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """The rest; a character cut off by the end of generation is dropped, not shown as U+FFFD."""
-        prev = self.t.decode(self.ids[self.prefix:self.read], self.skip)
-        cur = self.t.decode(self.ids[self.prefix:], self.skip)
+        prev = self._decode(self.ids[self.prefix:self.read])
+        cur = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return cur[len(prev):].rstrip("\ufffd")

@@ -29,6 +29,7 @@ from . import structured
 from .errors import EdgevlError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+TAGS = (CALL_OPEN, CALL_CLOSE)
 MAX_CALLS = 16      # parallel calls in one forced answer: a model that repeats itself still ends
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -168,7 +169,7 @@ def _regex_escape(body: str) -> str:
 def _tags(model) -> set:
     """The call tags the tokenizer has as tokens of their own (Qwen's ``<tool_call>``): the
     grammar engine never spells such a token from text, and the model was trained to write it."""
-    return {t for t in (CALL_OPEN, CALL_CLOSE) if model.tokenizer.token_to_id(t) is not None}
+    return {t for t in TAGS if model.tokenizer.token_to_id(t) is not None}
 
 
 def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:

@@ -173,7 +173,7 @@ def test_drafting_rounds_or_plain_steps_by_the_rates_measured(packages):
         engine._choose([None] * 4, waiting=True)        # (not while prompts wait for their chunks)
         engine._choose([None] * 4)                      # then a drafting round
         assert picks == ["_step", "_step", "_draft"]
-        engine.rate[("draft", 4)] = 5.0                 # drafting measured slower
+        engine.rate[("draft", 4)] = 9.9                 # drafting measured slower
         picks.clear()
         for _ in range(500):
             engine._choose([None] * 4)
@@ -185,11 +185,17 @@ def test_drafting_rounds_or_plain_steps_by_the_rates_measured(packages):
             want.append(at)
             every = min(2 * every, m)
         assert looks == want
-        engine.rate[("draft", 4)] = 20.0                # drafting now faster: it runs, and plain
+        engine.rate[("draft", 4)] = 10.1                # drafting now faster: it runs, and plain
         picks.clear()                                   # steps are looked at after RECHECK rounds again
         for _ in range(3 * r):
             engine._choose([None] * 4)
         assert [i + 1 for i, p in enumerate(picks) if p == "_step"] == [r, 3 * r]
+        # far behind (a quarter of the rate): first looked at after RECHECK * 16 rounds (capped)
+        engine.rate.update({5: 10.0, ("draft", 5): 2.5})
+        picks.clear()
+        for _ in range(m):
+            engine._choose([None] * 5)
+        assert picks.index("_draft") + 1 == min(m, 16 * r)
         # unmeasured at 6 requests: the nearest count measured both ways (5, not 2) has plain
         # steps ahead, so drafting is not tried at 6 for RECHECK rounds
         engine.rate.clear()

@@ -243,3 +243,30 @@ def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp
     assert ids[0] == tok.token_to_id("<tool_call>") and ids[-1] == tok.token_to_id("</tool_call>")
     assert c.valid_prefix(ids) == len(ids)
     assert c.valid_prefix(tok.encode("<tool_", special=False)) == 0   # not spelled out from text
+
+
+def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tmp_path):
+    """Decoding skips special tokens: were a checkpoint to mark <tool_call> special, its calls
+    would vanish from the text the parser reads. The answer keeps them; other specials still go."""
+    import shutil
+
+    from tokenizers import Tokenizer as HF
+
+    from edgevl.generate import ReasoningSplitter
+    from edgevl.tokenizer import Tokenizer
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen_package / f, tmp_path / f)
+    hf = HF.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_special_tokens(["<tool_call>", "</tool_call>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call>")
+    ids = tok.encode("Let me look.\n\n" + call) + [tok.token_to_id("<|im_end|>")]
+    assert tok.token_to_id("<tool_call>") in ids and "<tool_call>" not in tok.decode(ids)
+    split = ReasoningSplitter(tok, None, [])
+    text = "".join(split.add(t)[0] for t in ids) + split.flush()[0]
+    assert text == "Let me look.\n\n" + call
+    content, calls = tools.parse(text, tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS))
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather"]
