@@ -219,20 +219,11 @@ def test_bad_tool_requests_are_400s(server, body, param, needle):
 def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp_path):
     """Qwen's tokenizer has <tool_call> and </tool_call> as tokens of their own: a forced call
     uses them (the engine never spells an added token from text, and the model writes the token)."""
-    import shutil
     from types import SimpleNamespace
 
-    from tokenizers import Tokenizer as HF
-
     from edgevl import structured
-    from edgevl.tokenizer import Tokenizer
 
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(qwen_package / f, tmp_path / f)
-    hf = HF.from_file(str(tmp_path / "tokenizer.json"))
-    hf.add_tokens(["<tool_call>", "</tool_call>"])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(tmp_path)
+    tok = tokenizer_with_tags(qwen_package, tmp_path, special=False)
     model = SimpleNamespace(tokenizer=tok, vocab_size=tok.vocab_size, eos_ids={tok.token_to_id("<|im_end|>")},
                             arch=SimpleNamespace(name="qwen3_5"))
     spec = tools.prepare(model, [WEATHER], "required", False)
@@ -248,19 +239,9 @@ def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp
 def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tmp_path):
     """Decoding skips special tokens: were a checkpoint to mark <tool_call> special, its calls
     would vanish from the text the parser reads. The answer keeps them; other specials still go."""
-    import shutil
-
-    from tokenizers import Tokenizer as HF
-
     from edgevl.generate import ReasoningSplitter
-    from edgevl.tokenizer import Tokenizer
 
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(qwen_package / f, tmp_path / f)
-    hf = HF.from_file(str(tmp_path / "tokenizer.json"))
-    hf.add_special_tokens(["<tool_call>", "</tool_call>"])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(tmp_path)
+    tok = tokenizer_with_tags(qwen_package, tmp_path, special=True)
     call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
             "</parameter>\n</function>\n</tool_call>")
     ids = tok.encode("Let me look.\n\n" + call) + [tok.token_to_id("<|im_end|>")]
@@ -270,3 +251,20 @@ def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tm
     assert text == "Let me look.\n\n" + call
     content, calls = tools.parse(text, tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS))
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def tokenizer_with_tags(package, folder, special: bool):
+    """The package's tokenizer with <tool_call> and </tool_call> as tokens of their own (special
+    ones or plain added ones), in ``folder``."""
+    import shutil
+
+    from tokenizers import Tokenizer as HF
+
+    from edgevl.tokenizer import Tokenizer
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(package / f, folder / f)
+    hf = HF.from_file(str(folder / "tokenizer.json"))
+    (hf.add_special_tokens if special else hf.add_tokens)(["<tool_call>", "</tool_call>"])
+    hf.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
