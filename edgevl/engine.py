@@ -141,6 +141,7 @@ class Engine:
         self.cycles = 0                # drafting cycles and rounds
         # tokens/s: of a plain step by its rows, of a drafting round by its requests
         self.rate: dict = {}
+        self.first: set = set()        # kinds of round whose first sample was seen (not counted)
         self.checks: dict = {}         # per count of requests: (rounds to the next look at the slower
                                        # kind, rounds between looks, the faster kind)
         self.filled = False            # the last round ran a chunk of a prompt
@@ -246,11 +247,10 @@ class Engine:
         both were measured at another count of requests, the nearest such count's winner runs
         (:meth:`_settled`); where neither was, a drafting round, unless prompts are ``waiting``
         for their chunks (the count is about to change, and a slow round between two chunks
-        delays a first token). The other kind is tried again after ``RECHECK`` rounds times the
-        square of the ratio of the two rates, and after twice as many each time it stays behind
-        (up to ``RECHECK_MAX``): rates drift with the context lengths and the acceptance of the
-        drafts, and a look at the slower costs a round at its speed (the further behind, the
-        dearer and the less likely to have caught up)."""
+        delays a first token). The other kind is tried again after ``RECHECK`` rounds, and after
+        twice as many each time it stays behind (up to ``RECHECK_MAX``): rates drift with the
+        context lengths and the acceptance of the drafts, and a sample is noisy (a look later
+        mends a wrong lead), while each look at the slower costs a round at its speed."""
         n = len(decoding)
         step, draft = self.rate.get(n), self.rate.get(("draft", n))
         if step is None:
@@ -260,15 +260,13 @@ class Engine:
         if lead is None:
             self._run(self._step if waiting else self._draft, decoding)
             return
-        gap = 1.0 if draft is None else max(step, draft) / min(step, draft)
-        soon = min(RECHECK_MAX, int(RECHECK * gap * gap))
-        left, every, before = self.checks.get(n, (soon, soon, lead))
+        left, every, before = self.checks.get(n, (RECHECK, RECHECK, lead))
         if lead != before:
-            left, every = min(left, soon), soon
+            left, every = min(left, RECHECK), RECHECK
         left -= 1
         pick = lead
         if left <= 0:
-            every = min(max(2 * every, soon), RECHECK_MAX)
+            every = min(2 * every, RECHECK_MAX)
             pick, left = "step" if lead == "draft" else "draft", every
         self.checks[n] = (left, every, lead)
         self._run(self._draft if pick == "draft" else self._step, decoding)
@@ -284,9 +282,15 @@ class Engine:
         return "draft" if self.rate[("draft", k)] > self.rate[k] else "step"
 
     def _measure(self, key, tokens: int, seconds: float) -> None:
-        """Tokens per second of a kind of round (exponential average)."""
+        """Tokens per second of a kind of round (exponential average). The first plain step at a
+        count of rows and the engine's first drafting round do not count: ncnn sets up new shapes
+        and buffers then (seen: 2x a step's time at 8 rows), and would bias the choice for long."""
         rate = tokens / max(seconds, 1e-6)
         old = self.rate.get(key)
+        first = key if isinstance(key, int) else "draft"
+        if old is None and first not in self.first:
+            self.first.add(first)
+            return
         self.rate[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _admit(self) -> None:
