@@ -438,10 +438,7 @@ class Engine:
                 s.accepted += m.mtp.accepted - before[1]
             at += n
             tokens += len(emit)
-            s.history += emit[:-1]
-            s.left -= len(emit)
-            s.tok = emit[-1]
-            self._emit(s, emit, end)
+            self._took(s, emit, end)
         if not catching_up:
             self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
 
@@ -456,8 +453,12 @@ class Engine:
                                           s.left, s.trial, s.args["constraint"])
             s.drafted += m.mtp.drafted - before[0]
             s.accepted += m.mtp.accepted - before[1]
+        self.cycles += 1
+        self._took(s, emit, end)
+
+    def _took(self, s: Stream, emit: list, end: bool) -> None:
+        """A stream's tokens from a drafting cycle or round: the last is its new pending token."""
         s.history += emit[:-1]
         s.left -= len(emit)
         s.tok = emit[-1]
-        self.cycles += 1
         self._emit(s, emit, end)

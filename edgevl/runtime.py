@@ -608,6 +608,13 @@ class Cache:
             self._go_back(p)
         return p
 
+    def keep_windows(self) -> None:
+        """Before a forward whose last rows may be taken back: each window state keeps what it
+        holds now (``RecurrentState.undo`` rebuilds from it)."""
+        for s in self.layers:
+            if isinstance(s, RecurrentState) and not isinstance(s, HostState):
+                s.before = s.mats
+
     def snapshot(self) -> None:
         """Remember the recurrent state at the current length (a turn boundary)."""
         if self.truncatable or self.length == 0 or self.length in self._snapshots:
@@ -839,9 +846,7 @@ class Decoder:
         the last rows may be taken back afterwards (:meth:`undo`; up to ``undo_rows`` rows)."""
         seq, past = embeds.shape[0], cache.length
         if undoable:
-            for s in cache.layers:
-                if isinstance(s, RecurrentState) and not isinstance(s, HostState):
-                    s.before = s.mats
+            cache.keep_windows()
         positions = np.asarray(positions).reshape(-1, seq)
         cos, sin = self.rope(positions)
         names = self.info["inputs"]
@@ -874,9 +879,7 @@ class Decoder:
                               "to decode several together")
         if undoable:
             for cache, _ in parts:
-                for s in cache.layers:
-                    if isinstance(s, RecurrentState) and not isinstance(s, HostState):
-                        s.before = s.mats
+                cache.keep_windows()
         plan = self.row_plan()
         total = int(embeds.shape[0])
         bounds = np.cumsum([0] + [int(n) for _, n in parts])

@@ -177,9 +177,11 @@ class StreamDecoder:
         # special tokens written out all the same (call tags a checkpoint marks special: the
         # answer's parser reads them from the text)
         self.drop = None
+        keep = {int(i) for i in keep}
         if skip_special_tokens and keep:
             ids = {tokenizer.token_to_id(t) for t in tokenizer.special_tokens}
-            self.drop = ids - {int(i) for i in keep}
+            if ids & keep:
+                self.drop = ids - keep
         self.ids: list[int] = []
         self.prefix = 0   # start of the decode window
         self.read = 0     # ids before this are already emitted
