@@ -45,11 +45,19 @@ WANT = [("get_weather", {"city": "北京 (Beijing)", "days": 3, "hourly": False}
 
 def extract(sdist: str, into: Path) -> Path:
     """llama.cpp's folder from the sdist: the vocabulary, its test strings and gguf-py."""
-    with tarfile.open(sdist) as tar:
-        root = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
-        names = [n for n in tar.getnames() if n.startswith(root + "models/ggml-vocab-qwen35.gguf")
-                 or n.startswith(root + "gguf-py/")]
-        tar.extractall(into, members=[tar.getmember(n) for n in names], filter="data")
+    try:
+        with tarfile.open(sdist) as tar:
+            root = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+            names = [n for n in tar.getnames() if n.startswith(root + "models/ggml-vocab-qwen35.gguf")
+                     or n.startswith(root + "gguf-py/")]
+            if root + "models/ggml-vocab-qwen35.gguf" not in names:
+                raise SystemExit(f"{sdist} has no {root}models/ggml-vocab-qwen35.gguf; give the llama-cpp-python "
+                                 "sdist (pip download llama-cpp-python --no-binary :all: --no-deps)")
+            tar.extractall(into, members=[tar.getmember(n) for n in names], filter="data")
+    except (OSError, tarfile.TarError) as e:
+        why = " ".join(str(e).split())
+        raise SystemExit(f"cannot read {sdist} as an sdist archive ({why}); give the llama-cpp-python sdist "
+                         "(pip download llama-cpp-python --no-binary :all: --no-deps)") from None
     return into / root
 
 
@@ -136,7 +144,8 @@ def read_back(tok, folder: Path, special: bool) -> bool:
 
 def main() -> None:
     if len(sys.argv) != 2:
-        raise SystemExit(__doc__)
+        raise SystemExit("usage: python scripts/tool_calls_real_vocab.py llama_cpp_python-X.tar.gz (the "
+                         "llama-cpp-python sdist)")
     with tempfile.TemporaryDirectory() as tmp:
         llama = extract(sys.argv[1], Path(tmp))
         results = []
