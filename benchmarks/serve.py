@@ -11,7 +11,8 @@ Every stream gets its own random prompt of ``--prompt`` token ids and decodes ``
 (greedy, no early stop); streams start together. The engine and llama-server get the token ids
 (llama-server's ``/completion``, streamed); ``--http`` sends the same ids decoded to text as one
 user message to ``edgevl serve``'s chat completions (streamed), so its prompt is the chat
-template's few tokens longer (its first chunk marks the first token, its last the end). Each
+template's few tokens longer (its first chunk marks the first token, its last the end); the API is
+then also run on that templated prompt, for the server's single stream to compare with. Each
 server is started once with ``max(--streams)`` slots. Rounds run interleaved (API, then each
 system at each count of streams) so that a machine's drift touches all of them alike.
 ``--plain`` adds the engine with drafting off on the same loaded model (drafting on against off at
@@ -37,11 +38,13 @@ import numpy as np
 
 import edgevl
 from edgevl.engine import Engine
+from edgevl.generate import prepare
 
 
-def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int) -> dict:
+def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int, prompts=None) -> dict:
     rng = np.random.default_rng(seed)
-    prompts = [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), prompt)] for _ in range(n)]
+    if prompts is None:
+        prompts = [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), prompt)] for _ in range(n)]
     marks = [[] for _ in range(n)]
     t0 = time.perf_counter()
 
@@ -202,10 +205,14 @@ def main() -> None:
 
         for url, path, body in servers.values():     # warm-up
             http_round(url, [body(p, 8) for p in prompts(2, 0)], path)
-        rows: dict = {"api": []}
+        rows: dict = {"api": [], "api_chat": []}
         rows.update({(name, n): [] for name in [*engines, *servers] for n in a.streams})
         for r in range(a.rounds):
             rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
+            if a.http:      # the prompt the server computes: the same text in the chat template
+                text = model.tokenizer.decode(prompts(1, 200 + r)[0])
+                ids = prepare(model, [{"role": "user", "content": text}]).input_ids
+                rows["api_chat"].append(one_round(model, None, 1, a.tokens, a.prompt, 0, prompts=[ids]))
             for n in a.streams:
                 for name, e in engines.items():
                     rows[(name, n)].append(one_round(model, e, n, a.tokens, a.prompt, 200 + r))
@@ -229,9 +236,14 @@ def main() -> None:
     out = {"package": a.package, "threads": a.threads, "tokens": a.tokens, "prompt": a.prompt,
            "speculative": model.speculative, "rounds": a.rounds, "llama_draft": a.llama_draft, "forced": a.forced,
            "api_one_stream": summary(rows["api"]),
+           **({"api_one_stream_chat_prompt": summary(rows["api_chat"])} if rows["api_chat"] else {}),
            "systems": {s: {str(n): summary(rows[(s, n)]) for n in a.streams} for s in systems}}
     out["engine"] = out["systems"]["engine"]
     print(f"API, one stream: {out['api_one_stream']['aggregate_tps']:.1f} tok/s")
+    if rows["api_chat"]:
+        c = out["api_one_stream_chat_prompt"]
+        print(f"API, one stream, the server's chat prompt: {c['aggregate_tps']:.1f} tok/s, TTFT p50 "
+              f"{c['ttft_p50_ms']:.0f} ms")
     print("system               streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
     for name in systems:
         one = out["systems"][name][str(a.streams[0])]["aggregate_tps"]

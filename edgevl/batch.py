@@ -694,6 +694,9 @@ def _physical_cores() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
+AHEAD = 4
+
+
 def _run_inline(settings: dict, model, todo: list[dict]) -> Iterator[dict]:
     if model is None:
         from .model import load
@@ -705,21 +708,33 @@ def _run_inline(settings: dict, model, todo: list[dict]) -> Iterator[dict]:
         for item in todo:
             yield process_row(model, item, settings["options"])
         return
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     from .engine import Engine
 
-    # ``parallel`` rows in flight: their decode steps share one forward; rows come out in order
+    # ``parallel`` rows in flight, their decode steps sharing forwards; when one ends the next
+    # starts (a short answer does not wait for a long one to free its slot), and rows come out
+    # in input order: up to AHEAD x parallel finished rows wait for a slow one before it
     engine = Engine(model, parallel)
     pool = ThreadPoolExecutor(parallel, thread_name_prefix="edgevl-batch")
     options = {**settings["options"], "engine": engine}
+    running: dict = {}
+    done: dict = {}
+    nxt = 0
+
+    def start(out: int) -> None:
+        nonlocal nxt
+        while nxt < len(todo) and len(running) < parallel and nxt - out < AHEAD * parallel:
+            running[pool.submit(process_row, model, todo[nxt], options)] = nxt
+            nxt += 1
     try:
-        pending = [pool.submit(process_row, model, item, options) for item in todo[:parallel]]
-        for nxt in range(parallel, len(todo) + parallel):
-            row = pending.pop(0).result()
-            if nxt < len(todo):
-                pending.append(pool.submit(process_row, model, todo[nxt], options))
-            yield row
+        for out in range(len(todo)):
+            start(out)
+            while out not in done:
+                for f in wait(list(running), return_when=FIRST_COMPLETED)[0]:
+                    done[running.pop(f)] = f.result()
+                start(out)
+            yield done.pop(out)
     finally:   # stopped early (Ctrl-C, a closed generator): the rows in flight end now, unwritten
         engine.close()
         pool.shutdown(wait=True, cancel_futures=True)

@@ -3,9 +3,10 @@
 An :class:`Engine` owns ``parallel`` slots, each one sequence's decoder state (KV caches,
 recurrent and host states, the MTP block's rows). Requests take a free slot (the one whose cached
 tokens share the longest prefix with the prompt, so a repeated system prompt or image is not
-computed again), are prefilled one chunk per round (with a round of the decoding requests after
-each chunk, so a long prompt delays them by one chunk, not by all of it), and then decode
-together: each step is one decoder forward over the newest token of every decoding request
+computed again), are prefilled a chunk per round (the chunks of several prompts and a row of
+each decoding request in one forward, so a long prompt delays the others by one chunk, not by all
+of it), and then decode together: each step is one decoder forward over the newest token of every
+decoding request
 (``Decoder.forward_rows``: the weights are read once for all rows; attention runs per sequence
 on its own KV cache, the conv windows and delta-rule steps of all rows together on the host),
 and each row is sampled with its own request's settings. A request that ends, is cancelled or
@@ -40,6 +41,12 @@ _END = object()
 # with several requests decoding, the slower of drafting and plain steps is measured again after
 # this many rounds, and after twice as many each time it is still the slower, up to RECHECK_MAX
 RECHECK, RECHECK_MAX = 16, 128
+# prompts join one forward while their rows together stay within this many (the first always
+# runs, however long its chunk): a few rows cost little more than one (the weights are read once),
+# but past a few dozen a forward's time grows with its rows (compute-bound on a CPU: 0.8B shape,
+# 2 threads, 32 rows 10 ms a row, 128 rows 8), and putting longer prompts together would only
+# delay the first of them
+PROMPT_ROWS = 32
 
 
 class Slot:
@@ -92,7 +99,8 @@ class Stream:
         # decoding state (scheduler thread)
         self.slot: Slot | None = None
         self.tok: int | None = None
-        self.filling = None          # its prompt's chunks still to run (Model.prefill_chunks)
+        self.filling = None          # its prompt's chunks still to run (Model.prompt_chunks)
+        self.chunk = None            # and the next of them (a PromptChunk)
         self.left = 0
         self.history: list = []
         self.trial = speculative.Trial()
@@ -144,7 +152,9 @@ class Engine:
         self.first: set = set()        # kinds of round whose first sample was seen (not counted)
         self.checks: dict = {}         # per count of requests: (rounds to the next look at the slower
                                        # kind, rounds between looks, the faster kind)
-        self.filled = False            # the last round ran a chunk of a prompt
+        self.prompt_rows = PROMPT_ROWS   # prompts join a round while their rows fit (_chunks)
+        self.prompts = 0               # forwards that computed prompt chunks, and those chunks
+        self.chunks = 0
         self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
         self.thread.start()
 
@@ -199,7 +209,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a fault of the scheduler itself (not of a step,
                 # which _run hands to its requests): the requests under way end with it, not hang
                 for s in list(self.active):
-                    s.filling = None
+                    self._owner_drop(s)
                     s.slot.reset(self.model)
                     s.out.put(EdgevlError(f"the engine failed: {e}"))
                     s.ended = True
@@ -223,13 +233,12 @@ class Engine:
             return False
         fresh = [s for s in self.active if s.tok is None]
         decoding = [s for s in self.active if s.tok is not None]
-        if fresh and not (decoding and self.filled):
-            # one chunk of one prompt per round, and with requests decoding, a round of theirs
-            # after each: a long prompt delays their next token by one chunk, not by all of it
-            self.filled = True
-            self._run(self._prefill, [fresh[0]])
+        chunks = self._chunks(fresh)
+        if chunks:
+            # prompts' chunks and a row of each decoding request in one forward: a long prompt
+            # delays their next token by one chunk, not by all of it
+            self._run(self._mixed, chunks + decoding)
             return True
-        self.filled = False
         if not decoding:
             return True
         if self.model.mtp is not None and len(decoding) == 1:
@@ -237,20 +246,38 @@ class Engine:
         elif self.model.mtp is None or not any(s.trial.active for s in decoding):
             self._run(self._step, decoding)
         else:   # every request drafting in one verify pass, or a plain step: the faster, as measured
-            self._choose(decoding, waiting=bool(fresh))
+            self._choose(decoding)
         return True
 
-    def _choose(self, decoding: list, waiting: bool = False) -> None:
+    def _chunks(self, fresh: list) -> list:
+        """The prompts whose next chunks this round computes (with a row of each decoding
+        request, in one forward): as many as fit in ``prompt_rows`` rows, in arrival order (the
+        first always runs, however long its chunk). Each prompt's chunks come from its own
+        ``Model.prompt_chunks``; a prompt that cannot run (e.g. one longer than the context)
+        ends only its request."""
+        budget, chunks = self.prompt_rows, []
+        for s in fresh:
+            if s.chunk is None:
+                self._run(self._start, [s])
+                if s.ended:
+                    continue
+            rows = len(s.chunk.ids)
+            if chunks and rows > budget:
+                break
+            budget -= rows
+            chunks.append(s)
+        return chunks
+
+    def _choose(self, decoding: list) -> None:
         """Run whichever gives more tokens per second at this many requests, by the rates
         measured so far: a drafting round (each request's drafts, then one verify pass over all
         of them) or a plain step (one row each). A plain step is measured first; then, where
         both were measured at another count of requests, the nearest such count's winner runs
-        (:meth:`_settled`); where neither was, a drafting round, unless prompts are ``waiting``
-        for their chunks (the count is about to change, and a slow round between two chunks
-        delays a first token). The other kind is tried again after ``RECHECK`` rounds, and after
-        twice as many each time it stays behind (up to ``RECHECK_MAX``): rates drift with the
-        context lengths and the acceptance of the drafts, and a sample is noisy (a look later
-        mends a wrong lead), while each look at the slower costs a round at its speed."""
+        (:meth:`_settled`); where neither was, a drafting round. The other kind is tried again
+        after ``RECHECK`` rounds, and after twice as many each time it stays behind (up to
+        ``RECHECK_MAX``): rates drift with the context lengths and the acceptance of the
+        drafts, and a sample is noisy (a look later mends a wrong lead), while each look at the
+        slower costs a round at its speed."""
         n = len(decoding)
         step, draft = self.rate.get(n), self.rate.get(("draft", n))
         if step is None:
@@ -258,7 +285,7 @@ class Engine:
             return
         lead = self._settled(n) if draft is None else "draft" if draft > step else "step"
         if lead is None:
-            self._run(self._step if waiting else self._draft, decoding)
+            self._run(self._draft, decoding)
             return
         left, every, before = self.checks.get(n, (RECHECK, RECHECK, lead))
         if lead != before:
@@ -314,6 +341,7 @@ class Engine:
         for s in [s for s in self.active if s.cancelled or s.ended]:
             if s.filling is not None:   # a prompt cut short: its slot's cache goes back to whole
                 self._run(self._stop_filling, [s])
+                s.chunk = None
             if s.cancelled:     # a reader still waiting (closed from another thread) is let go
                 s.out.put(_END)
             self.active.remove(s)
@@ -326,7 +354,7 @@ class Engine:
             self.model._owner.call(fn, streams)
         except BaseException as e:  # noqa: BLE001 - handed to each client of the failed step
             for s in streams:
-                s.filling = None
+                self._owner_drop(s)
                 s.slot.reset(self.model)
                 s.out.put(e)
                 s.ended = True
@@ -338,33 +366,85 @@ class Engine:
             s.out.put(_END)
             s.ended = True
 
-    # -- owner-thread work ------------------------------------------------------------------------
-    def _prefill(self, streams: list) -> None:
-        """The next chunk of a prompt (the model's own chunks); after the last, its first token."""
-        (s,) = streams
-        m, a = self.model, s.args
-        with bound(m, s.slot):
-            if s.filling is None:
-                s.filling = m.prefill_chunks(a["ids"], a["rows"], a["reuse"], images=a["infos"])
+    def _owner_drop(self, s: Stream) -> None:
+        """Let a prompt's generator go (after a failure): it is closed on its own slot's state,
+        not whenever a collector finds it (it would then tidy the model's own cache)."""
+        if s.filling is not None:
             try:
-                next(s.filling)
-                return
-            except StopIteration as done:
-                logits = done.value
-            s.filling = None
-            s.prefill_tokens = m.last_prefill_tokens
-        s.history = list(a["ids"])
-        s.left = a["max_new"]
-        if s.left <= 0:
-            self._emit(s, [], True)
-            return
-        self._next(s, logits)
+                self.model._owner.call(self._stop_filling, [s])
+            except BaseException:  # noqa: BLE001 - the slot is emptied next anyway
+                pass
+        s.filling = s.chunk = None
+
+    # -- owner-thread work ------------------------------------------------------------------------
+    def _start(self, streams: list) -> None:
+        """A new prompt: its generator of chunks (``Model.prompt_chunks``) and its first chunk."""
+        (s,) = streams
+        a = s.args
+        with bound(self.model, s.slot):
+            s.filling = self.model.prompt_chunks(a["ids"], a["rows"], a["reuse"], images=a["infos"])
+            s.chunk = next(s.filling)
 
     def _stop_filling(self, streams: list) -> None:
         (s,) = streams
         with bound(self.model, s.slot):
             s.filling.close()
         s.filling = None
+
+    def _mixed(self, streams: list) -> None:
+        """One forward over the pending chunk of each prompt among ``streams`` and the newest
+        token of each decoding one; a prompt whose last chunk this was, and each decoding
+        stream, get their next token from one lm_head call over their rows."""
+        m = self.model
+        prompts = [s for s in streams if s.tok is None]
+        decoding = [s for s in streams if s.tok is not None]
+        axes = max(len(s.chunk.positions) for s in prompts)
+        pos = [np.broadcast_to(s.chunk.positions, (axes, len(s.chunk.ids))) for s in prompts]
+        at_pos = np.array([[s.slot.cache.next_position for s in decoding]], np.int64)
+        pos.append(np.broadcast_to(at_pos, (axes, len(decoding))))
+        embeds = np.concatenate([s.chunk.embeds for s in prompts] + [m.embedding([s.tok for s in decoding])])
+        # a decoded token's row is a text embedding, whatever its id (-1: no modality's id)
+        ids = [t for s in prompts for t in s.chunk.ids] + [-1] * len(decoding)
+        parts = [(s.slot.cache, len(s.chunk.ids)) for s in prompts] + [(s.slot.cache, 1) for s in decoding]
+        hidden = self._forward(embeds, parts, np.concatenate(pos, axis=1), ids,
+                               [s.chunk.kv_hint for s in prompts] + [0] * len(decoding))
+        self.prompts += 1
+        self.chunks += len(prompts)
+        done, last, at = [], [], 0
+        for s in prompts:
+            n = len(s.chunk.ids)
+            with bound(m, s.slot):
+                try:
+                    s.chunk = s.filling.send(hidden[at:at + n])
+                except StopIteration as end:
+                    s.chunk, s.filling = None, None
+                    s.prefill_tokens = m.last_prefill_tokens
+                    done.append(s)
+                    last.append(end.value)
+            at += n
+        rows = np.concatenate([np.asarray(last, np.float32).reshape(-1, hidden.shape[1]), hidden[at:]])
+        logits = m.head(rows) if len(rows) else rows
+        for i, s in enumerate(done):
+            a = s.args
+            s.history = list(a["ids"])
+            s.left = a["max_new"]
+            if s.left <= 0:
+                self._emit(s, [], True)
+            else:
+                self._next(s, logits[i])
+        if decoding:
+            self._decoded(decoding, hidden[at:], logits[len(done):], at_pos)
+        if any(s.prefill_tokens > 1 for s in done):
+            m.release_buffers()
+
+    def _forward(self, embeds, parts: list, pos, ids=None, hints=None):
+        """The decoder over the rows of ``parts`` (``Decoder.forward_rows``); the rows of one
+        sequence alone go through its plain forward (the sub-runs per sequence would cost a few
+        percent for nothing, and a low-memory model has only that)."""
+        dec = self.model.decoder
+        if len(parts) == 1:
+            return dec.forward(embeds, parts[0][0], pos, ids=ids, kv_hint=hints[0] if hints else 0)[0]
+        return dec.forward_rows(embeds, parts, pos, ids=ids, kv_hints=hints)
 
     def _next(self, s: Stream, logits) -> None:
         """Sample the stream's next token from its logits row and hand it out (with the end, if
@@ -381,8 +461,14 @@ class Engine:
         t0 = time.perf_counter()
         caches = [s.slot.cache for s in streams]
         pos = np.array([[c.next_position for c in caches]], np.int64)
-        hidden = m.decoder.forward_rows(m.embedding([s.tok for s in streams]), [(c, 1) for c in caches], pos)
-        logits = m.head(hidden)
+        hidden = self._forward(m.embedding([s.tok for s in streams]), [(c, 1) for c in caches], pos)
+        self._decoded(streams, hidden, m.head(hidden), pos)
+        self._measure(len(streams), len(streams), time.perf_counter() - t0)
+
+    def _decoded(self, streams: list, hidden, logits, pos) -> None:
+        """After a forward that took one row of each stream (its pending token): its block's
+        next drafts start from the row, and its next token is sampled."""
+        m = self.model
         self.steps += 1
         self.rows += len(streams)
         for i, s in enumerate(streams):
@@ -399,7 +485,6 @@ class Engine:
             if not s.trial.active:      # drafting is off: these count towards trying it again
                 s.trial.update(0, 0, 1)
             self._next(s, logits[i])
-        self._measure(len(streams), len(streams), time.perf_counter() - t0)
 
     def _draft(self, streams: list) -> None:
         """A drafting round for several streams: each drafts after its pending token (as many as

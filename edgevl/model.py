@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,6 +41,16 @@ PREFILL_CHUNK = 512
 # load options of the runtime itself (not of an architecture): speculative decoding
 SPECULATIVE_OPTIONS = ("speculative", "draft_tokens", "draft_vocab")
 RELEASE_TRIM_BYTES = 64 << 20
+
+
+class PromptChunk(NamedTuple):
+    """One forward of a prompt (:meth:`Model.prompt_chunks`): its rows' embeddings [S, H],
+    rotary positions [axes, S] and token ids, and the KV length the whole prompt reaches
+    (``kv_hint`` of ``Decoder.forward``; 0 for a prompt of one chunk)."""
+    embeds: np.ndarray
+    positions: np.ndarray
+    ids: list
+    kv_hint: int
 
 
 def _as_list(v) -> list[int]:
@@ -361,19 +372,35 @@ class Model:
 
         ``images`` are the processor infos of the prompt's images (architectures whose positions
         depend on image grids need them)."""
-        chunks = self.prefill_chunks(input_ids, image_rows, reuse_cache, images)
+        chunks = self.prompt_chunks(input_ids, image_rows, reuse_cache, images)
+        chunk = next(chunks)
         while True:
             try:
-                next(chunks)
+                hidden, _ = self.decoder.forward(chunk.embeds, self.cache, chunk.positions, ids=chunk.ids,
+                                                 kv_hint=chunk.kv_hint)
+            except BaseException:
+                chunks.close()      # the cache goes back to as whole as before the prompt
+                raise
+            try:
+                chunk = chunks.send(hidden)
             except StopIteration as done:
-                return done.value
+                last = done.value
+                break
+        logits = self.logits(last[None])[0]
+        if self.last_prefill_tokens > 1:
+            self.release_buffers()
+        return logits
 
-    def prefill_chunks(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True,
-                       images=()):
-        """:meth:`prefill` one chunk of the prompt at a time (owner thread): a generator that
-        yields after each chunk but the last and returns the logits. Between chunks the model
-        may run other work on other caches (``edgevl.engine`` decodes other requests there); a
-        generator closed before the end leaves the cache as whole as before it."""
+    def prompt_chunks(self, input_ids: list[int], image_rows: list[np.ndarray] = (), reuse_cache: bool = True,
+                      images=()):
+        """:meth:`prefill` as a generator (owner thread), for a caller that runs the forwards
+        itself (``edgevl.engine`` computes several prompts' chunks and other requests' decode
+        rows in one ``Decoder.forward_rows``): it yields a :class:`PromptChunk` for each chunk
+        of the prompt, to be run on ``self.cache`` as it is when yielded, and is sent that
+        chunk's hidden states; it returns the last position's hidden state (the caller takes
+        the logits, so several prompts' can go through one lm_head call). Between chunks the
+        model may run other work on other caches; a generator closed before the end leaves
+        the cache as whole as before it."""
         if len(input_ids) == 0:
             raise EdgevlError("the prompt is empty; pass some text")
         if len(input_ids) >= self.max_context:
@@ -401,16 +428,14 @@ class Model:
         points = {p for p in self.arch.snapshot_points(self.tokenizer, list(input_ids)) if start < p < len(keys)}
         step = int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
         cuts = sorted(points | set(range(start + step, len(keys), step)) | {len(keys)})
+        # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed smaller
+        # caches as heap holes (a 2B model, a 1000-token prompt in 512-token chunks: 0.84 -> 0.45
+        # GB of prefill memory)
+        hint = len(keys) if len(cuts) > 1 else 0
         with self._whole_or_nothing():
             s = start
             for e in cuts:
-                if s > start:
-                    yield
-                # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed
-                # smaller caches as heap holes (a 2B model, a 1000-token prompt in 512-token
-                # chunks: 0.84 -> 0.45 GB of prefill memory)
-                hidden, _ = self.decoder.forward(x[s:e], self.cache, positions[:, s:e], ids=input_ids[s:e],
-                                                 kv_hint=len(keys) if len(cuts) > 1 else 0)
+                hidden = yield PromptChunk(x[s:e], positions[:, s:e], input_ids[s:e], hint)
                 if e in points:
                     self.cache.snapshot()
                     self.note_hidden(hidden[-1])
@@ -429,10 +454,7 @@ class Model:
             else:
                 self.mtp.add(x[start + 1:], h, positions[:, start:], start)
         self.last_prefill_tokens = len(keys) - start
-        logits = self.logits(hidden[-1:])[0]
-        if len(keys) - start > 1:
-            self.release_buffers()
-        return logits
+        return hidden[-1]
 
     @_on_owner
     def step(self, token: int) -> np.ndarray:

@@ -866,14 +866,15 @@ class Decoder:
         return from_mat(res[hidden]), extra
 
     def forward_rows(self, embeds: np.ndarray, parts: list, positions: np.ndarray, ids=None,
-                     undoable: bool = False) -> np.ndarray:
+                     undoable: bool = False, kv_hints=None) -> np.ndarray:
         """One forward over the rows of several sequences: ``parts`` lists ``(cache, rows)`` in
         row order, ``positions`` [axes, rows] and ``ids`` (or None) cover all rows. Every weight
         is read once for all of them; what belongs to one sequence — its attention over its own
         KV cache, its conv window and host state — runs per sequence on the same graph (a
         sub-run fed that layer's inputs runs only that layer). Each cache is updated in place;
         returns the final hidden states [rows, H]. ``undoable``: as in :meth:`forward`, each
-        cache's last rows may be taken back afterwards (:meth:`undo`)."""
+        cache's last rows may be taken back afterwards (:meth:`undo`). ``kv_hints``: per part,
+        as ``kv_hint`` of :meth:`forward` (a prompt's chunk beside other sequences' rows)."""
         if isinstance(self.net, SectionedNet):
             raise EdgevlError("low-memory mode runs one sequence at a time; run without --low-memory "
                               "to decode several together")
@@ -881,6 +882,7 @@ class Decoder:
             for cache, _ in parts:
                 cache.keep_windows()
         plan = self.row_plan()
+        hints = list(kv_hints) if kv_hints is not None else [0] * len(parts)
         total = int(embeds.shape[0])
         bounds = np.cumsum([0] + [int(n) for _, n in parts])
         if bounds[-1] != total:
@@ -903,7 +905,7 @@ class Decoder:
                              **cache.layers[state].feeds()}
                     if mask:
                         feeds[mask] = causal_mask(cache.length, n)
-                    r = self.net.execute(feeds, [(o, 0), (ko, 1), (vo, 1)])
+                    r = self.net.execute(feeds, [(o, 0), (ko, 1), (vo, 1)], kv_hint=hints[b])
                     new[b].update({ko: r[ko], vo: r[vo]})
                     outs.append(from_mat(r[o]))
                 return {o: np.concatenate(outs, axis=outs[0].ndim - 2)}
@@ -951,19 +953,28 @@ class Decoder:
                 return {step["reads"]: reads}
 
             def core(blobs):
-                y, outs, starts = blobs[post], [], kept.pop("starts")
-                if hasattr(hook, "rows") and all(n == 1 for _, n in parts) and not undoable:
-                    # one row per sequence: the host step takes them together
-                    got = hook.rows({post: y[starts], **{x: kept[x] for x in rest}},
-                                    states=[cache.layers[int(p["state"])] for cache, _ in parts], **args)
-                    kept.clear()
-                    return got
+                y, outs, starts = blobs[post], {}, kept.pop("starts")
+                # the sequences with one row (decoding) take the host step together
+                ones = [b for b, (_, n) in enumerate(parts) if n == 1] if hasattr(hook, "rows") and not undoable else []
+                if len(ones) > 1 or len(ones) == len(parts):
+                    at = bounds[ones]
+                    got = hook.rows({post: y[starts[ones]], **{x: np.take(kept[x], at, axis=max(kept[x].ndim - 2, 0))
+                                                               for x in rest}},
+                                    states=[parts[b][0].layers[int(p["state"])] for b in ones], **args)
+                    if len(ones) == len(parts):
+                        kept.clear()
+                        return got
+                    for i, b in enumerate(ones):
+                        outs[b] = {x: np.take(v, [i], axis=max(v.ndim - 2, 0)) for x, v in got.items()}
                 for b, (cache, n) in enumerate(parts):
+                    if b in outs:
+                        continue
                     at = int(starts[b])
                     got = hook({post: y[at:at + n], **{x: rows(kept[x], b) for x in rest}}, seq=n,
                                state=cache.layers[int(p["state"])], **args, **undo)
-                    outs.append({x: v if isinstance(v, np.ndarray) else from_mat(v) for x, v in got.items()})
+                    outs[b] = {x: v if isinstance(v, np.ndarray) else from_mat(v) for x, v in got.items()}
                 kept.clear()
+                outs = [outs[b] for b in range(len(parts))]
                 return {x: np.concatenate([o[x] for o in outs], axis=outs[0][x].ndim - 2) for x in outs[0]}
             return [(step["extract"], widen), ([post], core)]
 

@@ -101,6 +101,33 @@ def test_rows_in_one_process_decode_together_and_answer_as_alone(model, scenes, 
     assert widths == []      # one row at a time: the model's own loop
 
 
+def test_a_slow_row_does_not_hold_the_other_slots(model, scenes, monkeypatch):
+    """Rows in one process: when a row ends the next one starts, though a row before it is still
+    running (real answers differ in length); rows still come out in input order."""
+    import importlib
+    import threading
+
+    batch_mod = importlib.import_module("edgevl.batch")
+    folder, paths = scenes
+    first = sorted(str(p) for p in paths.values())[0]
+    later = threading.Event()
+    started, waited, real = [], [], batch_mod.process_row
+
+    def process_row(model, item, options):
+        started.append(str(item["source"]))
+        if str(item["source"]) == first:
+            # the first row runs until a row two slots further has started
+            waited.append(later.wait(30))
+        elif len(started) >= 4:
+            later.set()
+        return real(model, item, options)
+
+    monkeypatch.setattr(batch_mod, "process_row", process_row)
+    rows = list(edgevl.batch(model, folder, PROMPT, parallel=2))
+    assert waited == [True]
+    assert [r["image"] for r in rows] == sorted(r["image"] for r in rows) and all(r["error"] is None for r in rows)
+
+
 def _wait_lines(path, n, proc, timeout=120):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

@@ -170,9 +170,8 @@ def test_drafting_rounds_or_plain_steps_by_the_rates_measured(packages):
         engine._run = lambda fn, streams: picks.append(fn.__name__)
         engine._choose([None] * 4)                      # nothing measured: a plain step first,
         engine.rate[4] = 10.0
-        engine._choose([None] * 4, waiting=True)        # (not while prompts wait for their chunks)
         engine._choose([None] * 4)                      # then a drafting round
-        assert picks == ["_step", "_step", "_draft"]
+        assert picks == ["_step", "_draft"]
         engine.rate[("draft", 4)] = 9.9                 # drafting measured slower
         picks.clear()
         for _ in range(500):
@@ -223,21 +222,20 @@ def test_a_new_request_reuses_a_slot_that_holds_its_prefix(packages):
         engine.close()
 
 
-def test_a_long_prompt_is_prefilled_between_the_other_requests_steps(packages, monkeypatch):
-    """A prompt of several chunks runs one chunk per round with the decoding requests' steps in
-    between (they wait one chunk, not the whole prompt), and both get their alone tokens."""
+def test_a_long_prompt_is_prefilled_beside_the_other_requests_steps(packages, monkeypatch):
+    """A prompt of several chunks runs one chunk per round, each in one forward with a row of the
+    decoding request (it waits one chunk, not the whole prompt), and both get their alone tokens."""
     model = _model(packages, "youtu")
     short, long_ = prepare(model, "Describe a cat."), prepare(model, " ".join(CORPUS[:6]))
     assert len(long_.input_ids) > 3 * 16        # prefill_chunk=16: several chunks
     want = [alone(model, short, 30), alone(model, long_, 5)]
     rounds = []
-    for name in ("_prefill", "_step"):
-        real = getattr(Engine, name)
+    real = Engine._mixed
 
-        def log(self, streams, real=real, name=name):
-            rounds.append((name, streams[0].args["ids"] == long_.input_ids))
-            return real(self, streams)
-        monkeypatch.setattr(Engine, name, log)
+    def log(self, streams):
+        rounds.append([("prompt" if s.tok is None else "row", s.args["ids"] == long_.input_ids) for s in streams])
+        return real(self, streams)
+    monkeypatch.setattr(Engine, "_mixed", log)
     engine = Engine(model, parallel=2)
     try:
         first = engine.generate_tokens(short.input_ids, 30, ignore_eos=True)
@@ -248,23 +246,49 @@ def test_a_long_prompt_is_prefilled_between_the_other_requests_steps(packages, m
         assert got == want[0]
     finally:
         engine.close()
-    chunks = [i for i, r in enumerate(rounds) if r == ("_prefill", True)]
+    chunks = [r for r in rounds if ("prompt", True) in r]
     assert len(chunks) >= 3
-    between = [r[0] for r in rounds[chunks[0]:chunks[-1]]]
-    assert between.count("_step") >= len(chunks) - 1    # a step after each chunk but the last
+    assert all(r == [("prompt", True), ("row", False)] for r in chunks)
+
+
+def test_prompts_that_arrive_together_are_computed_in_one_forward(packages, monkeypatch):
+    """Waiting prompts whose chunks fit in one chunk's rows run in one forward (with images and
+    a request decoding beside them), and each request gets its alone tokens."""
+    model = _model(packages, "qwen3_5")
+    reqs = requests(model)[1:]          # the short ones and the image
+    want = [alone(model, p, n) for p, n in reqs]
+    rounds = []
+    real = Engine._mixed
+
+    def log(self, streams):
+        rounds.append(sum(s.tok is None for s in streams))
+        return real(self, streams)
+    monkeypatch.setattr(Engine, "_mixed", log)
+    engine = Engine(model, parallel=len(reqs))
+    engine.prompt_rows = 1 << 12
+    try:
+        with engine.cond:       # the scheduler sees them all at once
+            streams = start(engine, reqs, stop_at=-1)
+        got = [[] for _ in reqs]
+        read_all(list(zip(streams, got)))
+        assert got == want
+        assert rounds[0] == len(reqs)       # (each prompt takes several chunks of 16 rows)
+        assert sum(rounds) == engine.chunks > engine.prompts
+    finally:
+        engine.close()
 
 
 def test_a_request_that_leaves_mid_prompt_leaves_its_slot_whole(packages, monkeypatch):
     model = _model(packages, "qwen3_5")
     long_ = prepare(model, " ".join(CORPUS[:6]))
-    real = Engine._prefill
+    real = Engine._mixed
     engine = Engine(model, parallel=1)
 
     def leave_after_one_chunk(self, streams):
         real(self, streams)
         if streams[0].args["max_new"] == 7:
             streams[0].close()
-    monkeypatch.setattr(Engine, "_prefill", leave_after_one_chunk)
+    monkeypatch.setattr(Engine, "_mixed", leave_after_one_chunk)
     try:
         gone = engine.generate_tokens(long_.input_ids, 7, ignore_eos=True)
         assert list(gone) == []
@@ -273,6 +297,21 @@ def test_a_request_that_leaves_mid_prompt_leaves_its_slot_whole(packages, monkey
         assert list(engine.generate_tokens(long_.input_ids, 6, ignore_eos=True)) == alone(model, long_, 6)
     finally:
         engine.close()
+
+
+def test_a_low_memory_model_serves_one_request_at_a_time(packages):
+    """--low-memory loads the decoder a section at a time, which runs one sequence's forwards
+    only: with one slot, a request's prompt and steps are that sequence's own."""
+    model = edgevl.load(packages["youtu"], low_memory=True)
+    try:
+        prep, n = requests(model)[1]
+        engine = Engine(model, parallel=1)
+        try:
+            assert list(engine.generate_tokens(prep.input_ids, n, ignore_eos=True)) == alone(model, prep, n)
+        finally:
+            engine.close()
+    finally:
+        model.close()
 
 
 def test_engine_options_are_checked(packages):
@@ -287,7 +326,7 @@ def test_a_failing_step_ends_only_its_requests(packages, monkeypatch):
     prep = requests(model)[1][0]
     engine = Engine(model, parallel=2)
     try:
-        real = model.decoder.forward_rows
+        real = model.decoder.forward      # a lone request's forwards: its prompt, then steps
         calls = []
 
         def fail(*a, **k):
@@ -296,7 +335,7 @@ def test_a_failing_step_ends_only_its_requests(packages, monkeypatch):
                 raise RuntimeError("boom")
             return real(*a, **k)
 
-        monkeypatch.setattr(model.decoder, "forward_rows", fail)
+        monkeypatch.setattr(model.decoder, "forward", fail)
         with pytest.raises(RuntimeError, match="boom"):
             list(engine.generate_tokens(prep.input_ids, 10, ignore_eos=True))
         monkeypatch.undo()

@@ -54,9 +54,8 @@ def test_package_fault_is_a_server_error_in_one_line(server, monkeypatch, capfd,
     request is served (from a fresh cache: the failed step may have left it half-written)."""
     model = server.model
     port = server.server_address[1]
-    # a prompt's chunks are decoder forwards of one sequence; a decode step is one forward over
-    # every decoding request's row
-    owner, name = model.decoder, "forward" if where == "prefill" else "forward_rows"
+    # a lone request's prompt is the first decoder forward; a later one is a decode step
+    owner, name = model.decoder, "forward"
     monkeypatch.setattr(owner, name, fail_after(0 if where == "prefill" else 2, getattr(owner, name)))
     capfd.readouterr()
     body = {"messages": MSGS, "max_tokens": 8}
@@ -83,7 +82,7 @@ def test_unexpected_error_mid_stream_is_one_line_for_the_client(server, monkeypa
     """A bug mid-stream: the client's error event says one line and where to look (it carried
     the raw exception text); the traceback goes to the server log, where it helps."""
     model = server.model
-    real = model.decoder.forward_rows
+    real = model.decoder.forward
     calls = []
 
     def step(*a, **k):
@@ -92,7 +91,7 @@ def test_unexpected_error_mid_stream_is_one_line_for_the_client(server, monkeypa
             raise RuntimeError("index 7 is out of bounds\nfor axis 0 with size 3")
         return real(*a, **k)
 
-    monkeypatch.setattr(model.decoder, "forward_rows", step)
+    monkeypatch.setattr(model.decoder, "forward", step)
     capfd.readouterr()
     status, events = stream(server.server_address[1], {"messages": MSGS, "max_tokens": 8})
     assert status == 200 and events[-1] == "[DONE]"
