@@ -7,14 +7,14 @@ stream of the plain API.
         [--speculative none|mtp] [--plain] [--forced P] [--http] [--llama-server BIN --gguf FILE
         [--llama-draft K]] [--json OUT.json] [--plot OUT.png]
 
-Every stream gets its own random prompt of ``--prompt`` token ids and decodes ``--tokens`` tokens
-(greedy, no early stop); streams start together. The engine and llama-server get the token ids
-(llama-server's ``/completion``, streamed); ``--http`` sends the same ids decoded to text as one
-user message to ``edgevl serve``'s chat completions (streamed), so its prompt is the chat
-template's few tokens longer (its first chunk marks the first token, its last the end); the API is
-then also run on that templated prompt, for the server's single stream to compare with. Each
-server is started once with ``max(--streams)`` slots. Rounds run interleaved (API, then each
-system at each count of streams) so that a machine's drift touches all of them alike.
+Every stream gets its own prompt, random words as one user message in the chat template,
+``--prompt`` tokens (or just over), and decodes ``--tokens`` tokens (greedy, no early stop);
+streams start together. Every system computes the same tokens: the API, the engine and
+llama-server (``/completion``, streamed) get the templated token ids, and ``--http`` sends the
+words as the message to ``edgevl serve``'s chat completions (streamed; its first chunk marks the
+first token, its last the end). Each server is started once with ``max(--streams)`` slots.
+Rounds run interleaved (API, then each system at each count of streams) so that a machine's
+drift touches all of them alike.
 ``--plain`` adds the engine with drafting off on the same loaded model (drafting on against off at
 each count of streams); ``--forced P`` makes the verifier in this process accept each draft with
 probability P (random checkpoints' blocks draft at no realistic rate). llama-server: built as
@@ -40,11 +40,32 @@ import edgevl
 from edgevl.engine import Engine
 from edgevl.generate import prepare
 
+# words for the prompts: text that every system gets alike (the server as a chat message, the
+# others as the token ids of that message in the chat template)
+WORDS = ("the a small red blue green old new cat dog bird tree house river road car boat window door "
+         "table chair book lamp cup sun moon star rain snow wind light shadow morning evening city field "
+         "near under over behind beside sits runs sleeps looks waits stands falls grows shines").split()
 
-def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int, prompts=None) -> dict:
+
+def make_prompts(model, n: int, length: int, seed: int) -> list:
+    """``n`` prompts as (text, ids): random words, and the ids of that text as the one user
+    message of the chat template, ``length`` tokens or just over."""
     rng = np.random.default_rng(seed)
-    if prompts is None:
-        prompts = [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), prompt)] for _ in range(n)]
+    out = []
+    for _ in range(n):
+        words: list = []
+        while True:
+            words.append(str(rng.choice(WORDS)))
+            text = " ".join(words)
+            ids = prepare(model, [{"role": "user", "content": text}]).input_ids
+            if len(ids) >= length:
+                break
+        out.append((text, [int(t) for t in ids]))
+    return out
+
+
+def one_round(model, engine, n: int, tokens: int, prompt: int, seed: int) -> dict:
+    prompts = [ids for _, ids in make_prompts(model, n, prompt, seed)]
     marks = [[] for _ in range(n)]
     t0 = time.perf_counter()
 
@@ -178,10 +199,8 @@ def main() -> None:
             if a.speculative:
                 cmd += ["--speculative", a.speculative]
             procs.append(start_server(cmd, url, "edgevl serve"))
-            tok = model.tokenizer
-
-            def chat(ids, tokens=a.tokens):
-                return {"messages": [{"role": "user", "content": tok.decode(ids)}], "max_tokens": tokens,
+            def chat(prompt, tokens=a.tokens):
+                return {"messages": [{"role": "user", "content": prompt[0]}], "max_tokens": tokens,
                         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             servers["edgevl serve"] = (url, "/v1/chat/completions", chat)
         if a.llama_server:
@@ -193,26 +212,20 @@ def main() -> None:
                 cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(a.llama_draft)]
             procs.append(start_server(cmd, url, "llama-server"))
 
-            def completion(ids, tokens=a.tokens):
-                return {"prompt": ids, "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+            def completion(prompt, tokens=a.tokens):
+                return {"prompt": prompt[1], "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
                         "cache_prompt": False, "stream": True}
             servers["llama-server"] = (url, "/completion", completion)
 
         def prompts(n, seed):
-            rng = np.random.default_rng(seed)
-            return [[int(t) for t in rng.integers(100, min(5000, model.embedding.rows), a.prompt)]
-                    for _ in range(n)]
+            return make_prompts(model, n, a.prompt, seed)
 
         for url, path, body in servers.values():     # warm-up
             http_round(url, [body(p, 8) for p in prompts(2, 0)], path)
-        rows: dict = {"api": [], "api_chat": []}
+        rows: dict = {"api": []}
         rows.update({(name, n): [] for name in [*engines, *servers] for n in a.streams})
         for r in range(a.rounds):
             rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
-            if a.http:      # the prompt the server computes: the same text in the chat template
-                text = model.tokenizer.decode(prompts(1, 200 + r)[0])
-                ids = prepare(model, [{"role": "user", "content": text}]).input_ids
-                rows["api_chat"].append(one_round(model, None, 1, a.tokens, a.prompt, 0, prompts=[ids]))
             for n in a.streams:
                 for name, e in engines.items():
                     rows[(name, n)].append(one_round(model, e, n, a.tokens, a.prompt, 200 + r))
@@ -236,14 +249,9 @@ def main() -> None:
     out = {"package": a.package, "threads": a.threads, "tokens": a.tokens, "prompt": a.prompt,
            "speculative": model.speculative, "rounds": a.rounds, "llama_draft": a.llama_draft, "forced": a.forced,
            "api_one_stream": summary(rows["api"]),
-           **({"api_one_stream_chat_prompt": summary(rows["api_chat"])} if rows["api_chat"] else {}),
            "systems": {s: {str(n): summary(rows[(s, n)]) for n in a.streams} for s in systems}}
     out["engine"] = out["systems"]["engine"]
     print(f"API, one stream: {out['api_one_stream']['aggregate_tps']:.1f} tok/s")
-    if rows["api_chat"]:
-        c = out["api_one_stream_chat_prompt"]
-        print(f"API, one stream, the server's chat prompt: {c['aggregate_tps']:.1f} tok/s, TTFT p50 "
-              f"{c['ttft_p50_ms']:.0f} ms")
     print("system               streams  aggregate tok/s  x one stream  TTFT p50/p95 ms  TPOT p50/p95 ms")
     for name in systems:
         one = out["systems"][name][str(a.streams[0])]["aggregate_tps"]
