@@ -339,9 +339,7 @@ class Engine:
 
     def _drop_finished(self) -> None:
         for s in [s for s in self.active if s.cancelled or s.ended]:
-            if s.filling is not None:   # a prompt cut short: its slot's cache goes back to whole
-                self._run(self._stop_filling, [s])
-                s.chunk = None
+            self._owner_drop(s)     # a prompt cut short: its slot's cache goes back to whole
             if s.cancelled:     # a reader still waiting (closed from another thread) is let go
                 s.out.put(_END)
             self.active.remove(s)
@@ -367,13 +365,14 @@ class Engine:
             s.ended = True
 
     def _owner_drop(self, s: Stream) -> None:
-        """Let a prompt's generator go (after a failure): it is closed on its own slot's state,
-        not whenever a collector finds it (it would then tidy the model's own cache)."""
+        """Let a prompt cut short go: its generator is closed on its own slot's state (the
+        cache goes back to as whole as before the prompt), not whenever a collector finds it
+        (it would then tidy the model's own cache); if even that fails, the slot starts empty."""
         if s.filling is not None:
             try:
                 self.model._owner.call(self._stop_filling, [s])
-            except BaseException:  # noqa: BLE001 - the slot is emptied next anyway
-                pass
+            except BaseException:  # noqa: BLE001 - nothing of the prompt is kept either way
+                s.slot.reset(self.model)
         s.filling = s.chunk = None
 
     # -- owner-thread work ------------------------------------------------------------------------

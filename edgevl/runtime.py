@@ -895,6 +895,10 @@ class Decoder:
         def rows(a, b):
             return a[(slice(None),) * (a.ndim - 2) + (slice(bounds[b], bounds[b + 1]),)]
 
+        def take(a, idx):
+            """The rows ``idx`` of ``a`` (rows on the same axis as :func:`rows` reads)."""
+            return np.take(a, idx, axis=max(a.ndim - 2, 0))
+
         def attention(step):
             (q, k, v), (o, ko, vo), mask, state = step["extract"], step["outputs"], step["mask"], step["state"]
 
@@ -957,15 +961,13 @@ class Decoder:
                 # the sequences with one row (decoding) take the host step together
                 ones = [b for b, (_, n) in enumerate(parts) if n == 1] if hasattr(hook, "rows") and not undoable else []
                 if len(ones) > 1 or len(ones) == len(parts):
-                    at = bounds[ones]
-                    got = hook.rows({post: y[starts[ones]], **{x: np.take(kept[x], at, axis=max(kept[x].ndim - 2, 0))
-                                                               for x in rest}},
+                    got = hook.rows({post: y[starts[ones]], **{x: take(kept[x], bounds[ones]) for x in rest}},
                                     states=[parts[b][0].layers[int(p["state"])] for b in ones], **args)
                     if len(ones) == len(parts):
                         kept.clear()
                         return got
                     for i, b in enumerate(ones):
-                        outs[b] = {x: np.take(v, [i], axis=max(v.ndim - 2, 0)) for x, v in got.items()}
+                        outs[b] = {x: take(v, [i]) for x, v in got.items()}
                 for b, (cache, n) in enumerate(parts):
                     if b in outs:
                         continue
