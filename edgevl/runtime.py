@@ -439,6 +439,16 @@ class KVState:
         return 0 if self.mats is None else int(sum(m.w * m.h * m.d * m.c * m.elemsize for m in self.mats))
 
 
+class Column:
+    """A window state's next column (the channels of one new time step), as a state output:
+    ``RecurrentState.update`` appends it."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+
+
 class RecurrentState:
     """A recurrent layer's fixed-size state (e.g. a conv window and a matrix per head): fed in
     (zeros at the start), extracted as plain fp32 Mats (or float32 arrays, where the host
@@ -456,6 +466,32 @@ class RecurrentState:
         # last rows of a forward can be dropped from it, given the state before (``undo``)
         self.window = bool(spec.get("window")) and all(len(sh) == 2 for sh in self.shapes)
         self.before: tuple | None = None
+
+    # A window that decode steps extend on the host (``Decoder.forward_rows``) is kept as a ring
+    # of time-major rows: a step then writes one row instead of copying the whole window, and
+    # the conv reads contiguous rows. ``mats`` turns it back into channels x time on first use.
+    _ring = None
+
+    @property
+    def mats(self):
+        if self._ring is not None:
+            arrs, head = self._ring
+            self._ring = None
+            self._mats = tuple(np.ascontiguousarray(np.concatenate([a[head:], a[:head]]).T) for a in arrs)
+        return self._mats
+
+    @mats.setter
+    def mats(self, value) -> None:
+        self._mats, self._ring = value, None
+
+    def ring(self) -> tuple:
+        """The window as ``(arrays [width, channels], head)``: row ``head`` is the oldest."""
+        if self._ring is None:
+            mats = self.mats
+            self._ring = ([np.zeros(sh[::-1], np.float32) for sh in self.shapes] if mats is None else
+                          [np.ascontiguousarray(from_mat(m).reshape(sh).T) for m, sh in zip(mats, self.shapes)], 0)
+            self._mats = None
+        return self._ring
 
     def undo(self, rows: int, r: int) -> None:
         """Drop the last ``r`` of the ``rows`` rows the last forward fed (a window state, at most
@@ -478,7 +514,14 @@ class RecurrentState:
         return [(n, 0) for n in self.outputs]
 
     def update(self, res: dict) -> None:
-        self.mats = tuple(res[n] for n in self.outputs)
+        got = [res[n] for n in self.outputs]
+        if got and all(isinstance(g, Column) for g in got):
+            arrs, head = self.ring()
+            for a, g in zip(arrs, got):
+                a[head] = g.values
+            self._ring = (arrs, (head + 1) % arrs[0].shape[0])
+        else:
+            self.mats = tuple(got)
 
     def snapshot(self):
         return None if self.mats is None else tuple(from_mat(m) for m in self.mats)
@@ -920,7 +963,7 @@ class Decoder:
             extended on the host, and the columns the conv reads go back in for all sequences
             side by side (the valid conv then runs once, as in one graph; the outputs that
             straddle two sequences are skipped); then each sequence's rows of the conv output
-            take its host step."""
+            take its host step. The conv stays ncnn's: the host only moves columns."""
             p, pre, post, conv, k = step["pass"], step["extract"][0], step["post"], step["conv"], step["kernel"]
             rest, hook, args = step["extract"][1:], self.hooks[p["hook"]], p.get("args", {})
             undo = {"undoable": True} if undoable else {}
@@ -928,31 +971,36 @@ class Decoder:
 
             def widen(blobs):
                 x, olds = blobs[pre], []
+                if all(n == 1 for _, n in parts):
+                    # decode rows: each window is a ring of time-major rows (RecurrentState.ring);
+                    # the conv reads its last k - 1 rows and the new one, each sequence's k
+                    # columns side by side (each sequence's output is the last of its k), and the
+                    # window takes the new row; no window is copied whole
+                    x = x.reshape(len(parts), -1)
+                    rings = [cache.layers[conv].ring() for cache, _ in parts]
+                    w = rings[0][0][0].shape[0]
+                    cols = np.empty((len(parts), k, x.shape[1]), np.float32)
+                    for b, (arrs, head) in enumerate(rings):
+                        cols[b, :k - 1] = arrs[0][(head - (k - 1) + np.arange(k - 1)) % w]
+                    cols[:, k - 1] = x
+                    for b, (cache, _) in enumerate(parts):
+                        new[b][cache.layers[conv].outputs[0]] = Column(x[b])
+                    kept["starts"] = np.arange(len(parts)) * k
+                    kept.update((r, blobs[r]) for r in rest)
+                    return {step["reads"]: cols.reshape(-1, x.shape[1]).T}
                 for cache, _ in parts:
                     window = cache.layers[conv]
                     old = window.feeds()[window.inputs[0]]
                     olds.append(old if isinstance(old, np.ndarray) else from_mat(old))
                 w = olds[0].shape[-1]
-                if all(n == 1 for _, n in parts):
-                    # decode rows: the new windows side by side are what the conv reads (each
-                    # sequence's output is the last of its window's), and each sequence keeps
-                    # its own as a view: no copy out of them, none into a separate input
-                    reads = np.empty((x.shape[1], len(parts), w + 1), np.float32)
-                    for b, (cache, _) in enumerate(parts):
-                        reads[:, b, :-1] = olds[b].reshape(-1, w)
-                        new[b][cache.layers[conv].outputs[0]] = reads[:, b, 1:]
-                    reads[:, :, -1] = x.T
-                    kept["starts"] = np.arange(len(parts)) * (w + 1) + w + 1 - k
-                    reads = reads.reshape(x.shape[1], -1)
-                else:
-                    segments = []
-                    for b, (cache, _) in enumerate(parts):
-                        full = np.concatenate([olds[b].reshape(-1, w), rows(x, b).T], axis=1)
-                        new[b][cache.layers[conv].outputs[0]] = full[:, -w:]
-                        segments.append(full[:, w - (k - 1):])
-                    # sequence b's outputs start where its segment does (k - 1 columns of window)
-                    kept["starts"] = np.cumsum([0] + [n + k - 1 for _, n in parts[:-1]])
-                    reads = np.concatenate(segments, axis=1)
+                segments = []
+                for b, (cache, _) in enumerate(parts):
+                    full = np.concatenate([olds[b].reshape(-1, w), rows(x, b).T], axis=1)
+                    new[b][cache.layers[conv].outputs[0]] = full[:, -w:]
+                    segments.append(full[:, w - (k - 1):])
+                # sequence b's outputs start where its segment does (k - 1 columns of window)
+                kept["starts"] = np.cumsum([0] + [n + k - 1 for _, n in parts[:-1]])
+                reads = np.concatenate(segments, axis=1)
                 kept.update((r, blobs[r]) for r in rest)
                 return {step["reads"]: reads}
 

@@ -410,3 +410,57 @@ def test_decoder_rows_of_several_caches_match_one_at_a_time(packages):
         assert c.length == r.length and c.next_positions == r.next_positions
         for (k, a), (_, b) in zip(sorted(c.state_arrays().items()), sorted(r.state_arrays().items())):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(k))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "youtu_moe"])
+def test_decode_rows_of_several_caches_keep_each_window_as_plain_forwards_do(packages, family):
+    """One row per sequence keeps each conv window as a ring of rows on the host: steps of
+    several caches, then plain steps (the window back in the graph's layout), a snapshot taken
+    between them and a rollback to it give what plain forwards give (a window off by one row
+    is off by far more than the tolerance, which covers the Gemms' sums over other row counts)."""
+    model = _model(packages, family)
+    dec = model.decoder
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(5, 200, n)) for n in (7, 3, 11)]
+    steps = [list(rng.integers(5, 200, 9)) for _ in prompts]
+
+    def fill():
+        caches = [dec.new_cache() for _ in prompts]
+        for ids, c in zip(prompts, caches):
+            dec.forward(model.embedding(ids), c, np.arange(len(ids))[None], ids=ids)
+        return caches
+
+    def plain(c, tok):
+        return dec.forward(model.embedding([tok]), c, np.array([[c.next_position]]), ids=[tok])[0]
+
+    def run():
+        ref = fill()
+        want = [[plain(c, t) for t in toks] for c, toks in zip(ref, steps)]
+        caches, got = fill(), [[] for _ in prompts]
+        for i in range(6):      # 6 steps together (the windows' width is 8: the ring wraps below)
+            pos = np.array([[c.next_position for c in caches]], np.int64)
+            toks = [s[i] for s in steps]
+            h = dec.forward_rows(model.embedding(toks), [(c, 1) for c in caches], pos, ids=toks)
+            for b in range(len(caches)):
+                got[b].append(h[b:b + 1])
+            if i == 2:
+                caches[0].snapshot()
+                at = caches[0].length
+        for b, c in enumerate(caches):      # the rest alone, through the graph's own window
+            got[b] += [plain(c, t) for t in steps[b][6:]]
+        # back to the snapshot taken between steps together: the same rows again give the same
+        caches[0].rollback(at)
+        again = [plain(caches[0], t) for t in steps[0][3:]]
+        return want, got, again, caches, ref
+
+    want, got, again, caches, ref = model._owner.call(run)
+    close = {"rtol": 2e-3, "atol": 2e-3}
+    for b in range(len(prompts)):
+        for i, (g, w) in enumerate(zip(got[b], want[b])):
+            np.testing.assert_allclose(g, w, **close, err_msg=f"sequence {b}, step {i}")
+        s, r = caches[b].state_arrays(), ref[b].state_arrays()
+        assert s.keys() == r.keys()
+        for k in s:
+            np.testing.assert_allclose(s[k], r[k], **close, err_msg=str((b, k)))
+    for g, w in zip(again, want[0][3:]):
+        np.testing.assert_allclose(g, w, **close)
