@@ -489,7 +489,7 @@ class RecurrentState:
         if self._ring is None:
             mats = self.mats
             self._ring = ([np.zeros(sh[::-1], np.float32) for sh in self.shapes] if mats is None else
-                          [np.ascontiguousarray(from_mat(m).reshape(sh).T) for m, sh in zip(mats, self.shapes)], 0)
+                          [np.asarray(m, np.float32).reshape(sh).T.copy() for m, sh in zip(mats, self.shapes)], 0)
             self._mats = None
         return self._ring
 
@@ -977,14 +977,14 @@ class Decoder:
                     # columns side by side (each sequence's output is the last of its k), and the
                     # window takes the new row; no window is copied whole
                     x = x.reshape(len(parts), -1)
-                    rings = [cache.layers[conv].ring() for cache, _ in parts]
-                    w = rings[0][0][0].shape[0]
                     cols = np.empty((len(parts), k, x.shape[1]), np.float32)
-                    for b, (arrs, head) in enumerate(rings):
-                        cols[b, :k - 1] = arrs[0][(head - (k - 1) + np.arange(k - 1)) % w]
-                    cols[:, k - 1] = x
+                    back = np.arange(1 - k, 0)      # the k - 1 newest rows, oldest first
                     for b, (cache, _) in enumerate(parts):
-                        new[b][cache.layers[conv].outputs[0]] = Column(x[b])
+                        window = cache.layers[conv]
+                        (ring, *_), head = window.ring()
+                        cols[b, :k - 1] = ring[(head + back) % len(ring)]
+                        new[b][window.outputs[0]] = Column(x[b])
+                    cols[:, k - 1] = x
                     kept["starts"] = np.arange(len(parts)) * k
                     kept.update((r, blobs[r]) for r in rest)
                     return {step["reads"]: cols.reshape(-1, x.shape[1]).T}
