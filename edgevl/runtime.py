@@ -184,10 +184,57 @@ def open_net(param, binfile, threads: int, dtype: str = "fp32", light_mode: bool
     return Net(str(param), str(binfile), threads, dtype, light_mode, packing)
 
 
+# ncnn's Gemm splits a product among its threads by row tiles when there are at least as many
+# tiles as threads, else by column tiles. Its own row tile for M rows is M / threads rounded up to
+# the SIMD width (16 rows with AVX-512, 8 with AVX or NEON), so 40 rows on 2 threads became tiles
+# of 32 and 8 and one thread did 4/5 of the work: any M just past a multiple of 32 cost as much as
+# the next multiple (docs/ncnn.md, section 8). One tile as tall as the rows makes ncnn split the
+# columns instead: linear in M, though about 12 % slower per row than an even split by rows.
+SINGLE_TILE = 256           # rows of that one tile (param 20 of Gemm: constant_TILE_M)
+_COLUMN_SPLIT_COST = 1.12   # a row's cost split by columns against split by rows (measured, bf16 and int8)
+
+
+def _simd_rows() -> int:
+    """The granule ncnn rounds Gemm row tiles to on this CPU."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686", "x86"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((ln for ln in f if ln.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        return 16 if " avx512f" in flags else 8 if " avx" in flags else 4
+    return 8 if machine in ("aarch64", "arm64") else 4
+
+
+def gemm_row_tile(rows: int, threads: int, granule: int | None = None) -> int:
+    """The Gemm row tile (param 20) for a forward over ``rows`` rows on ``threads`` threads:
+    ``SINGLE_TILE`` (one tile of all the rows) where ncnn's own tiles would leave one thread
+    most of the work, else 0 (ncnn's own; also for a few rows, where a decode step ran about
+    3 % faster with ncnn's small tile than inside the tall one, best of 12)."""
+    g = granule or _simd_rows()
+    if threads < 2 or rows <= g or rows > SINGLE_TILE:
+        return 0
+    def up(x):
+        return -(-x // g) * g
+    tile = up(max(1, up(rows) // threads))     # ncnn's row tile for these rows
+    tiles = -(-rows // tile)
+    if tiles < threads:
+        return 0                                # ncnn already splits by columns
+    busiest = min(rows, -(-tiles // threads) * tile)
+    return SINGLE_TILE if _COLUMN_SPLIT_COST * rows / threads < busiest else 0
+
+
+def _param_value(text: str):
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
 class Net:
     """One ncnn network with the package's precision options."""
 
     pools: tuple = ()
+    gemms: dict = {}    # row tile -> (Gemm layer, its ParamDict with that tile) pairs (fit_rows)
+    row_tile = 0        # the tile the Gemms were last loaded with
 
     def __init__(self, param: str, binfile: str, threads: int, dtype: str = "fp32", light_mode: bool = True,
                  packing: bool = True):
@@ -203,6 +250,41 @@ class Net:
         if not ok:
             raise EdgevlError(f"ncnn could not load {binfile}; the package is corrupt — convert the model again")
         self._own_pools()
+        self.threads = int(threads)
+        if self.threads > 1:
+            self._find_gemms(param)
+
+    def _find_gemms(self, param: str) -> None:
+        """Each Gemm layer with its params, as two ParamDicts (ncnn's row tiles, one tile)."""
+        params = {name: p for typ, name, _, _, p in param_layers(param) if typ == "Gemm" and "20" not in p}
+        layers = [(layer, params[layer.name]) for layer in self.net.layers()
+                  if layer.type == "Gemm" and layer.name in params]
+        self.gemms = {}
+        for tile in (0, SINGLE_TILE):
+            pairs = []
+            for layer, p in layers:
+                pd = ncnn.ParamDict()
+                for k, v in p.items():
+                    pd.set(int(k), _param_value(v))
+                if tile:
+                    pd.set(20, tile)
+                pairs.append((layer, pd))
+            self.gemms[tile] = pairs
+
+    def fit_rows(self, rows: int) -> None:
+        """Before a forward over ``rows`` rows: give the Gemms the row tile that splits them
+        evenly among the threads (:func:`gemm_row_tile`). Reloading a Gemm's params changes
+        only how it tiles (its packed weights stay; results are the same bits); it happens when
+        the choice changes and takes about 30 µs for a 0.8B decoder's 132 Gemms."""
+        if not self.gemms:
+            return
+        tile = gemm_row_tile(rows, self.threads)
+        if tile == self.row_tile:
+            return
+        for layer, pd in self.gemms[tile]:
+            if layer.load_param(pd) != 0:
+                raise EdgevlError(f"ncnn refused the Gemm params of {layer.name} in {self.where}")
+        self.row_tile = tile
 
     def _own_pools(self) -> None:
         """``execute`` takes activation buffers from pools this object owns: ncnn's own per-net
@@ -903,6 +985,7 @@ class Decoder:
         # outputs with their kind's extraction type
         hidden = self.info["outputs"]["hidden"]
         wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
+        self.net.fit_rows(seq)
         res = self.net.execute(feeds, wanted, passes, kv_hint=kv_hint)
         extra = {n: from_mat(res[n]) for n in extract}
         cache.update(res, positions.max(axis=0) + 1)
@@ -1037,6 +1120,7 @@ class Decoder:
             elif step["pass"].get("when", "always") == "always" or total > 1:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
+        self.net.fit_rows(total)
         res = self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin}, [(hidden, 0)], passes)
         for b, ((cache, _), out) in enumerate(zip(parts, new)):
             cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
