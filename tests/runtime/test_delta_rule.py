@@ -59,6 +59,23 @@ def test_core_matches_transformers(core, seq):
         assert np.abs(run.matrix(s) - ref_s).max() < 1e-5 * max(1, np.abs(ref_s).max())
 
 
+def test_last_chunk_in_a_smaller_net_gives_the_same_bits(core):
+    """A prompt's last rows run in the smallest tail net that holds them (1-8 rows: 8, 9-16: 16,
+    more: the package's net), bit for bit what the zero-padded full chunk gives."""
+    run, d = core
+    padded = gd.DeltaRuleCore(run.chunk_net, run.chunk_info)
+    padded.tails = {}                                     # every chunk in the package's net
+    state0 = np.random.default_rng(2).standard_normal(d.state_shape).astype(np.float32) * 0.3
+    for seq in (3, 8, 13, 16, 40, 63):
+        qkv, ba, a_log, dt = _inputs(d, seq, seed=100 + seq)
+        gates = run.gate_params(-np.exp(a_log), dt)
+        o, s = run(qkv, ba, gates, run.new_state(state0.copy()))
+        po, ps = padded(qkv, ba, gates, padded.new_state(state0.copy()))
+        assert np.array_equal(from_mat(o), from_mat(po)) and np.array_equal(run.matrix(s), padded.matrix(ps)), seq
+    assert sorted(run.tails) == list(gd.TAIL_ROWS)        # the tail nets ran
+    assert [run._net_for(r)[1]["rows"] for r in (1, 8, 9, 16, 17, gd.CHUNK)] == [8, 8, 16, 16, gd.CHUNK, gd.CHUNK]
+
+
 def test_chunk_inverse_is_stable_on_similar_keys(core):
     run, d = core
     qkv, ba, a_log, dt = _inputs(d, 128, seed=7, similar=True)
