@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import platform
 
@@ -194,6 +195,7 @@ SINGLE_TILE = 256           # rows of that one tile (param 20 of Gemm: constant_
 _COLUMN_SPLIT_COST = 1.12   # a row's cost split by columns against split by rows (measured, bf16 and int8)
 
 
+@functools.cache
 def _simd_rows() -> int:
     """The granule ncnn rounds Gemm row tiles to on this CPU."""
     machine = platform.machine().lower()
