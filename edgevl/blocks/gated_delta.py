@@ -362,8 +362,7 @@ class DeltaRuleCore(WindowedCore):
 
         from ..runtime import open_net
 
-        opt = getattr(getattr(self.chunk_net, "net", None), "opt", None)   # the package's net's threads
-        threads = int(opt.num_threads) if opt is not None else 1
+        threads = self.chunk_net.threads             # as many as the package's chunk net
         tails = {}
         with tempfile.TemporaryDirectory(prefix="edgevl-chunk") as tmp:
             for n in TAIL_ROWS:
