@@ -78,40 +78,14 @@ def main() -> None:
 
 
 def plot(rows: list, path: str, title: str) -> None:
-    """Prefill ms against prompt rows, one line per way, drawn with Pillow."""
-    from PIL import Image, ImageDraw
+    """Prefill ms against prompt rows, one line per way."""
+    from lineplot import line_plot
 
     labels = {"plain": "ncnn's row tiles, padded chunk", "tiles": "row tiles per forward",
               "edgevl": "+ last chunk in a small net"}
-    W, H, left, right, top, bottom = 760, 420, 60, 230, 40, 50
-    im = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(im)
-    d.text((left, 12), title, fill="black")
-    xs = [r["rows"] for r in rows]
-    ymax = max(r[f"{m}_ms"] for r in rows for m in labels) * 1.1
-
-    def px(n):
-        return left + (W - left - right) * (n - xs[0]) / max(1, xs[-1] - xs[0])
-
-    def py(v):
-        return H - bottom - (H - top - bottom) * v / ymax
-
-    d.line((left, top, left, H - bottom), fill="black")
-    d.line((left, H - bottom, W - right, H - bottom), fill="black")
-    for k in range(6):
-        v = ymax * k / 5
-        d.text((8, py(v) - 6), f"{v:.0f}", fill="black")
-    for n in xs[::2]:
-        d.text((px(n) - 8, H - bottom + 6), str(n), fill="black")
-    d.text(((left + W - right) / 2 - 60, H - bottom + 24), "prompt tokens (rows)", fill="black")
-    for (mode, label), c in zip(labels.items(), ["#e6194b", "#f58231", "#4363d8"]):
-        pts = [(px(r["rows"]), py(r[f"{mode}_ms"])) for r in rows]
-        d.line(pts, fill=c, width=2)
-        for x, y in pts:
-            d.ellipse((x - 3, y - 3, x + 3, y + 3), fill=c)
-        d.text((W - right + 8, pts[-1][1] - 6 + 14 * list(labels).index(mode)), label, fill=c)
-    im.save(path)
-
+    series = {label: [r[f"{m}_ms"] for r in rows] for m, label in labels.items()}
+    line_plot(path, title, [r["rows"] for r in rows], series, "prompt tokens (rows)", every=2,
+              colors=["#e6194b", "#f58231", "#4363d8"])
 
 if __name__ == "__main__":
     main()

@@ -267,42 +267,14 @@ def main() -> None:
 
 
 def plot(out: dict, path: str, title: str) -> None:
-    """Aggregate tokens/s against concurrent streams, one line per system, drawn with Pillow."""
-    from PIL import Image, ImageDraw
+    """Aggregate tokens/s against concurrent streams, one line per system, the API's one stream
+    as a reference."""
+    from lineplot import line_plot
 
     streams = sorted(int(n) for n in out["engine"])
     lines = {name: [out["systems"][name][str(n)]["aggregate_tps"] for n in streams] for name in out["systems"]}
-    api = out["api_one_stream"]["aggregate_tps"]
-    W, H, left, right, top, bottom = 720, 420, 70, 170, 40, 50
-    im = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(im)
-    d.text((left, 12), f"{title}, {out['threads']} threads: aggregate tokens/s", fill="black")
-    ymax = max(api, *(max(v) for v in lines.values())) * 1.1
-    xs = {n: left + (W - left - right) * i / max(1, len(streams) - 1) for i, n in enumerate(streams)}
-
-    def y(v):
-        return H - bottom - (H - top - bottom) * v / ymax
-
-    d.line((left, top, left, H - bottom), fill="black")
-    d.line((left, H - bottom, W - right, H - bottom), fill="black")
-    for k in range(6):
-        v = ymax * k / 5
-        d.line((left - 4, y(v), left, y(v)), fill="black")
-        d.text((8, y(v) - 6), f"{v:.0f}", fill="black")
-    for n, x in xs.items():
-        d.text((x - 4, H - bottom + 6), str(n), fill="black")
-    d.text(((left + W - right) / 2 - 50, H - bottom + 24), "concurrent streams", fill="black")
-    colors = ["#4363d8", "#911eb4", "#3cb44b", "#f58231", "#e6194b"]
-    d.line((left, y(api), W - right, y(api)), fill="gray")
-    d.text((W - right + 8, y(api) - 6), "API, one stream", fill="gray")
-    for (name, vals), c in zip(lines.items(), colors):
-        pts = [(xs[n], y(v)) for n, v in zip(streams, vals)]
-        d.line(pts, fill=c, width=3)
-        for px, py in pts:
-            d.ellipse((px - 4, py - 4, px + 4, py + 4), fill=c)
-        d.text((W - right + 8, pts[-1][1] - 6), name, fill=c)
-    im.save(path)
-
+    line_plot(path, f"{title}, {out['threads']} threads: aggregate tokens/s", streams, lines, "concurrent streams",
+              ref=(out["api_one_stream"]["aggregate_tps"], "API, one stream"))
 
 if __name__ == "__main__":
     main()
