@@ -1055,39 +1055,35 @@ class Decoder:
             kept = {}
 
             def widen(blobs):
-                x, olds = blobs[pre], []
-                if all(n == 1 for _, n in parts):
-                    # decode rows: each window is a ring of time-major rows (RecurrentState.ring);
-                    # the conv reads its last k - 1 rows and the new one, each sequence's k
-                    # columns side by side (each sequence's output is the last of its k), and the
-                    # window takes the new row; no window is copied whole
-                    x = x.reshape(len(parts), -1)
-                    cols = np.empty((len(parts), k, x.shape[1]), np.float32)
-                    back = np.arange(1 - k, 0)      # the k - 1 newest rows, oldest first
-                    for b, (cache, _) in enumerate(parts):
-                        window = cache.layers[conv]
-                        (ring, *_), head = window.ring()
-                        cols[b, :k - 1] = ring[(head + back) % len(ring)]
-                        new[b][window.outputs[0]] = Column(x[b])
-                    cols[:, k - 1] = x
-                    kept["starts"] = np.arange(len(parts)) * k
-                    kept.update((r, blobs[r]) for r in rest)
-                    return {step["reads"]: cols.reshape(-1, x.shape[1]).T}
-                for cache, _ in parts:
+                # each sequence's segment is the k - 1 newest columns of its window and then its
+                # rows, built time-major (its rows as they come out of the graph), all segments
+                # side by side; sequence b's conv outputs start where its segment does
+                x = blobs[pre].reshape(total, -1)
+                lens = [n + k - 1 for _, n in parts]
+                cols = np.empty((sum(lens), x.shape[1]), np.float32)
+                back = np.arange(1 - k, 0)      # the k - 1 newest rows of a ring, oldest first
+                at = 0
+                for b, (cache, n) in enumerate(parts):
                     window = cache.layers[conv]
-                    old = window.feeds()[window.inputs[0]]
-                    olds.append(old if isinstance(old, np.ndarray) else from_mat(old))
-                w = olds[0].shape[-1]
-                segments = []
-                for b, (cache, _) in enumerate(parts):
-                    full = np.concatenate([olds[b].reshape(-1, w), rows(x, b).T], axis=1)
-                    new[b][cache.layers[conv].outputs[0]] = full[:, -w:]
-                    segments.append(full[:, w - (k - 1):])
-                # sequence b's outputs start where its segment does (k - 1 columns of window)
-                kept["starts"] = np.cumsum([0] + [n + k - 1 for _, n in parts[:-1]])
-                reads = np.concatenate(segments, axis=1)
+                    if n == 1:
+                        # a decode row (beside others or a prompt's chunk): the window is a ring
+                        # of time-major rows (RecurrentState.ring) that takes the new row; no
+                        # window is copied whole
+                        (ring, *_), head = window.ring()
+                        cols[at:at + k - 1] = ring[(head + back) % len(ring)]
+                        new[b][window.outputs[0]] = Column(x[bounds[b]])
+                    else:
+                        old = window.feeds()[window.inputs[0]]
+                        old = old if isinstance(old, np.ndarray) else from_mat(old)
+                        w = old.shape[-1]
+                        old = old.reshape(-1, w)
+                        cols[at:at + k - 1] = old[:, w - (k - 1):].T
+                        new[b][window.outputs[0]] = np.concatenate([old, rows(x, b).T], axis=1)[:, -w:]
+                    cols[at + k - 1:at + lens[b]] = rows(x, b)
+                    at += lens[b]
+                kept["starts"] = np.cumsum([0] + lens[:-1])
                 kept.update((r, blobs[r]) for r in rest)
-                return {step["reads"]: reads}
+                return {step["reads"]: cols.T}
 
             def core(blobs):
                 y, outs, starts = blobs[post], {}, kept.pop("starts")

@@ -464,3 +464,68 @@ def test_decode_rows_of_several_caches_keep_each_window_as_plain_forwards_do(pac
             np.testing.assert_allclose(s[k], r[k], **close, err_msg=str((b, k)))
     for g, w in zip(again, want[0][3:]):
         np.testing.assert_allclose(g, w, **close)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "youtu_moe"])
+def test_decode_rows_beside_a_prompt_chunk_keep_their_windows_as_rings(packages, family):
+    """A forward with a prompt's chunk and decode rows of other sequences (the engine's mixed
+    rounds): the decode rows extend their windows as rings, the prompt its window as columns, and
+    every sequence's outputs and states are what plain forwards give, through steps together
+    before and after it and plain steps after that."""
+    model = _model(packages, family)
+    dec = model.decoder
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(5, 200, n)) for n in (6, 10, 4)]
+    steps = [list(rng.integers(5, 200, 9)) for _ in prompts[1:]]
+    chunk = list(rng.integers(5, 200, 5))          # the first sequence's next chunk
+
+    def fill():
+        caches = [dec.new_cache() for _ in prompts]
+        for ids, c in zip(prompts, caches):
+            dec.forward(model.embedding(ids), c, np.arange(len(ids))[None], ids=ids)
+        return caches
+
+    def plain(c, toks):
+        pos = np.arange(c.next_position, c.next_position + len(toks))[None]
+        return dec.forward(model.embedding(toks), c, pos, ids=toks)[0]
+
+    def run():
+        ref = fill()
+        want_chunk = plain(ref[0], chunk)
+        want = [[plain(c, [t]) for t in toks] for c, toks in zip(ref[1:], steps)]
+        caches = fill()
+        c0, decoding = caches[0], caches[1:]
+        got = [[] for _ in steps]
+
+        def step(i, first=()):
+            """Row i of each decoding sequence, after the rows ``first`` of the first sequence."""
+            toks = [s[i] for s in steps]
+            pos = np.array([[c.next_position for c in decoding]], np.int64)
+            pos = np.concatenate([np.arange(c0.next_position, c0.next_position + len(first))[None], pos], 1)
+            parts = ([(c0, len(first))] if first else []) + [(c, 1) for c in decoding]
+            h = dec.forward_rows(model.embedding(list(first) + toks), parts, pos, ids=list(first) + toks)
+            for b in range(len(decoding)):
+                got[b].append(h[len(first) + b:len(first) + b + 1])
+            return h[:len(first)]
+
+        step(0)
+        step(1)                                      # the windows are rings now
+        got_chunk = step(2, chunk)                   # beside the first sequence's chunk
+        for i in range(3, 6):
+            step(i)
+        for b, c in enumerate(decoding):             # the rest alone, through the graph's own window
+            got[b] += [plain(c, [t]) for t in steps[b][6:]]
+        return want_chunk, got_chunk, want, got, caches, ref
+
+    want_chunk, got_chunk, want, got, caches, ref = model._owner.call(run)
+    close = {"rtol": 2e-3, "atol": 2e-3}
+    np.testing.assert_allclose(got_chunk, want_chunk, **close)
+    for b in range(len(steps)):
+        assert len(got[b]) == len(want[b])
+        for i, (g, w) in enumerate(zip(got[b], want[b])):
+            np.testing.assert_allclose(g, w, **close, err_msg=f"sequence {b + 1}, step {i}")
+    for c, r in zip(caches, ref):
+        s, w = c.state_arrays(), r.state_arrays()
+        assert s.keys() == w.keys()
+        for k in s:
+            np.testing.assert_allclose(s[k], w[k], **close, err_msg=str(k))
