@@ -227,10 +227,14 @@ def main() -> None:
         for r in range(a.rounds):
             rows["api"].append(one_round(model, None, 1, a.tokens, a.prompt, 100 + r))
             for n in a.streams:
+                # every system gets the same prompts in a run, and no run repeats an earlier run's:
+                # edgevl serve keeps finished prompts for prefix reuse (the engine rows and
+                # llama-server are asked not to), so a repeated prompt would be computed only there
+                seed = 1000 * (r + 1) + n
                 for name, e in engines.items():
-                    rows[(name, n)].append(one_round(model, e, n, a.tokens, a.prompt, 200 + r))
+                    rows[(name, n)].append(one_round(model, e, n, a.tokens, a.prompt, seed))
                 for name, (url, path, body) in servers.items():
-                    rows[(name, n)].append(http_round(url, [body(p) for p in prompts(n, 200 + r)], path))
+                    rows[(name, n)].append(http_round(url, [body(p) for p in prompts(n, seed)], path))
     finally:
         for e in engines.values():
             e.close()
