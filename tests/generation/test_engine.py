@@ -412,6 +412,15 @@ def test_decoder_rows_of_several_caches_match_one_at_a_time(packages):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(k))
 
 
+def filled(model, prompts) -> list:
+    """A new decoder cache per prompt, each prefilled with its prompt (owner thread)."""
+    dec = model.decoder
+    caches = [dec.new_cache() for _ in prompts]
+    for ids, c in zip(prompts, caches):
+        dec.forward(model.embedding(ids), c, np.arange(len(ids))[None], ids=ids)
+    return caches
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "youtu_moe"])
 def test_decode_rows_of_several_caches_keep_each_window_as_plain_forwards_do(packages, family):
     """One row per sequence keeps each conv window as a ring of rows on the host: steps of
@@ -424,19 +433,13 @@ def test_decode_rows_of_several_caches_keep_each_window_as_plain_forwards_do(pac
     prompts = [list(rng.integers(5, 200, n)) for n in (7, 3, 11)]
     steps = [list(rng.integers(5, 200, 9)) for _ in prompts]
 
-    def fill():
-        caches = [dec.new_cache() for _ in prompts]
-        for ids, c in zip(prompts, caches):
-            dec.forward(model.embedding(ids), c, np.arange(len(ids))[None], ids=ids)
-        return caches
-
     def plain(c, tok):
         return dec.forward(model.embedding([tok]), c, np.array([[c.next_position]]), ids=[tok])[0]
 
     def run():
-        ref = fill()
+        ref = filled(model, prompts)
         want = [[plain(c, t) for t in toks] for c, toks in zip(ref, steps)]
-        caches, got = fill(), [[] for _ in prompts]
+        caches, got = filled(model, prompts), [[] for _ in prompts]
         for i in range(6):      # 6 steps together (the windows' width is 8: the ring wraps below)
             pos = np.array([[c.next_position for c in caches]], np.int64)
             toks = [s[i] for s in steps]
@@ -479,21 +482,15 @@ def test_decode_rows_beside_a_prompt_chunk_keep_their_windows_as_rings(packages,
     steps = [list(rng.integers(5, 200, 9)) for _ in prompts[1:]]
     chunk = list(rng.integers(5, 200, 5))          # the first sequence's next chunk
 
-    def fill():
-        caches = [dec.new_cache() for _ in prompts]
-        for ids, c in zip(prompts, caches):
-            dec.forward(model.embedding(ids), c, np.arange(len(ids))[None], ids=ids)
-        return caches
-
     def plain(c, toks):
         pos = np.arange(c.next_position, c.next_position + len(toks))[None]
         return dec.forward(model.embedding(toks), c, pos, ids=toks)[0]
 
     def run():
-        ref = fill()
+        ref = filled(model, prompts)
         want_chunk = plain(ref[0], chunk)
         want = [[plain(c, [t]) for t in toks] for c, toks in zip(ref[1:], steps)]
-        caches = fill()
+        caches = filled(model, prompts)
         c0, decoding = caches[0], caches[1:]
         got = [[] for _ in steps]
 
