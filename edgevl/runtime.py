@@ -1064,22 +1064,22 @@ class Decoder:
                 back = np.arange(1 - k, 0)      # the k - 1 newest rows of a ring, oldest first
                 at = 0
                 for b, (cache, n) in enumerate(parts):
-                    window = cache.layers[conv]
+                    window, mine = cache.layers[conv], rows(x, b)
                     if n == 1:
                         # a decode row (beside others or a prompt's chunk): the window is a ring
                         # of time-major rows (RecurrentState.ring) that takes the new row; no
                         # window is copied whole
                         (ring, *_), head = window.ring()
                         cols[at:at + k - 1] = ring[(head + back) % len(ring)]
-                        new[b][window.outputs[0]] = Column(x[bounds[b]])
+                        new[b][window.outputs[0]] = Column(mine[0])
                     else:
                         old = window.feeds()[window.inputs[0]]
                         old = old if isinstance(old, np.ndarray) else from_mat(old)
                         w = old.shape[-1]
                         old = old.reshape(-1, w)
                         cols[at:at + k - 1] = old[:, w - (k - 1):].T
-                        new[b][window.outputs[0]] = np.concatenate([old, rows(x, b).T], axis=1)[:, -w:]
-                    cols[at + k - 1:at + lens[b]] = rows(x, b)
+                        new[b][window.outputs[0]] = np.concatenate([old, mine.T], axis=1)[:, -w:]
+                    cols[at + k - 1:at + lens[b]] = mine
                     at += lens[b]
                 kept["starts"] = np.cumsum([0] + lens[:-1])
                 kept.update((r, blobs[r]) for r in rest)
