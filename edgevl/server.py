@@ -949,8 +949,9 @@ class Handler(BaseHTTPRequestHandler):
         spec = kwargs.get("tools")
         if spec is not None and spec.parses:    # the model's calls, in OpenAI's shape
             content, calls = tool_calls.parse(message["content"], spec)
+            # as the Python API's: a call the token limit cut is never shown as text
+            message["content"] = (content or None) if calls else content
             if calls:
-                message["content"] = content or None
                 message["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" else finish
         reasoning = "".join(e.reasoning for e in evs)

@@ -236,6 +236,12 @@ class CallStream:
         if not self.in_calls:
             i = self.buf.find(CALL_OPEN)
             if i < 0:
+                if self.spec.structure is not None:
+                    # an answer constrained to calls has no text of its own: what it wrote before
+                    # the token limit cut it is the start of a call (or the blank before one)
+                    if end:
+                        self.buf = ""
+                    return out
                 keep = 0 if end else _partial(self.buf, CALL_OPEN)
                 text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 if text:

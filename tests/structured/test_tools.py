@@ -197,6 +197,22 @@ def test_required_choice_through_the_client_validates(client):
         check_calls([c.model_dump() for c in r.choices[0].message.tool_calls])
 
 
+def test_a_forced_call_the_token_limit_cuts_is_never_half_a_call_in_the_content(client, qwen):
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=forced, temperature=0,
+                                       max_tokens=4)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert "<" not in (choice.message.content or ""), choice.message.content
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                                 temperature=0, max_tokens=4, stream=True))
+    assert "<" not in "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    done = edgevl.complete(qwen, ASK, tools=TOOLS, tool_choice=forced, max_new_tokens=4, temperature=0,
+                           thinking=False)
+    assert done.finish_reason == "length" and not done.tool_calls and "<" not in done.text
+
+
 @pytest.mark.parametrize("body, param, needle", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),
