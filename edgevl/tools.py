@@ -263,6 +263,11 @@ class CallStream:
             self.buf = ""
         return out
 
+    @property
+    def open(self) -> bool:
+        """A call has begun and not closed yet."""
+        return self._args is not None
+
     def _step(self) -> list[tuple]:
         b = self.buf
         if self._args is None:
@@ -307,7 +312,9 @@ def parse(text: str, spec: ToolSpec) -> tuple[str, list[dict]]:
     """(content, tool_calls) of a whole answer."""
     s = CallStream(spec)
     content = "".join(e[1] for e in s.feed(text, end=True) if e[0] == "content")
-    calls = [c for c in s.calls if c["function"]["arguments"].endswith("}")]
+    # calls close in order: only the last can be open, cut by the token limit (its arguments may
+    # end in "}" all the same, an object value's)
+    calls = s.calls[:-1] if s.open else s.calls
     return (content.strip() if calls else content), calls
 
 

@@ -116,6 +116,20 @@ def test_auto_parses_what_the_model_writes():
     assert tools.parse("no calls at all <tool_", spec) == ("no calls at all <tool_", [])
 
 
+def test_a_call_the_token_limit_cut_is_not_read_as_a_call():
+    # a cut call whose last value ends in "}" must not pass for a whole one (its arguments would
+    # not be JSON)
+    spec = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS)
+    whole = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n"
+             "2\n</parameter>\n</function>\n</tool_call>\n")
+    cut = "<tool_call>\n<function=count_items>\n<parameter=area>\n{\"x\": 1, \"y\": 2}\n</parameter>\n"
+    for text, names in ((cut, []), (whole + cut, ["get_weather"])):
+        _, calls = tools.parse(text, spec)
+        assert [c["function"]["name"] for c in calls] == names
+        for c in calls:
+            json.loads(c["function"]["arguments"])
+
+
 def test_auto_and_none_leave_a_plain_answer(qwen):
     c = edgevl.complete(qwen, ASK, tools=TOOLS, thinking=False, temperature=0, max_new_tokens=12)
     assert c.tool_calls == [] and c.finish_reason == "length" and c.text
