@@ -51,19 +51,12 @@ class Sampler:
 
     def check(self, logits: np.ndarray, history, draft: int) -> int:
         """The token to take where a drafter proposed ``draft`` (speculative decoding; the
-        drafter picks one token, its argmax): ``draft`` itself if accepted. Greedy accepts it iff
-        it is the argmax. Sampling accepts it with probability p(draft), else draws from p
-        without it renormalised — the rule that leaves the output distribution p unchanged."""
-        if self.greedy:
-            return int(np.argmax(self._penalized(logits, history)))
-        p = self.distribution(logits, history)
-        if self.rng.random() < p[draft]:
-            return int(draft)
-        p[draft] = 0.0
-        total = p.sum()
-        if total <= 0:     # p(draft) was 1 (up to rounding): nothing else to draw
-            return int(draft)
-        return int(self.rng.choice(p.shape[0], p=p / total))
+        drafter picks one token, its argmax): ``draft`` itself if accepted. The position is
+        decided as without a draft — greedy: the argmax; sampling: one draw from p — and the
+        draft is accepted iff it is that token. For a drafter that proposes a single token this
+        is the usual rule (accept with probability p(draft), else draw from p without it), and a
+        seeded answer takes the same draws, so the same tokens, whether or not drafts were made."""
+        return self(logits, history)
 
     def _penalized(self, logits, history) -> np.ndarray:
         x = np.asarray(logits, dtype=np.float32).copy()

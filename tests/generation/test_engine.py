@@ -116,6 +116,28 @@ def test_batched_greedy_tokens_are_the_ones_each_request_gets_alone(packages, fa
         engine.close()
 
 
+@pytest.mark.parametrize("family", [f for f, _ in CASES])
+def test_seeded_sampled_tokens_are_the_ones_each_request_gets_alone(packages, family):
+    """Sampled with a seed, each request gets the tokens it gets alone (there: drafting where
+    the model drafts), beside requests with settings of their own, in drafting rounds and plain
+    steps alike."""
+    model = _model(packages, family)
+    reqs = requests(model)
+    kws = [dict(temperature=0.6 + 0.2 * i, top_p=0.9, seed=11 + i) for i in range(len(reqs))]
+    want = [list(model.generate_tokens(p.input_ids, n, image=p.encoded, reuse_cache=False, ignore_eos=True, **kw))
+            for (p, n), kw in zip(reqs, kws)]
+    engine = Engine(model, parallel=len(reqs))
+    try:
+        got = [[] for _ in reqs]
+        read_all([(engine.generate_tokens(p.input_ids, n, image=p.encoded, ignore_eos=True, **kw), g)
+                  for (p, n), kw, g in zip(reqs, kws, got)])
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"request {i}: {g} != {w}"
+        assert engine.rows > engine.steps > 0
+    finally:
+        engine.close()
+
+
 def test_drafting_runs_for_a_lone_request_and_output_is_unchanged(packages):
     model = _model(packages, "qwen3_5")
     prep, n = requests(model)[0]

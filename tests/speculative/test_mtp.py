@@ -155,6 +155,23 @@ def test_seeded_sampling_is_reproducible(packages):
     assert spec.runtime_stats()["speculative"]["drafted"] > 0
 
 
+@pytest.mark.parametrize("case", IDS)
+def test_a_seeded_answer_is_the_same_with_drafts_or_without(packages, case):
+    """A sampled position takes one draw whether or not a draft stands there (the draft is kept
+    iff it is the token drawn), so a seed gives the same answer with drafting on or off; the
+    drafts were both kept and turned down."""
+    spec = _model(packages, case, draft_tokens=2)
+    plain = _model(packages, case, speculative="none")
+    ids = prepare(spec, "Describe a cat.").input_ids
+    drafted = accepted = 0
+    for seed in (7, 8):
+        kw = dict(temperature=0.5, top_p=0.95, seed=seed, ignore_eos=True)
+        assert list(spec.generate_tokens(ids, 40, **kw)) == list(plain.generate_tokens(ids, 40, **kw))
+        stats = spec.runtime_stats()["speculative"]      # this generation's
+        drafted, accepted = drafted + stats["drafted"], accepted + stats["accepted"]
+    assert 0 < accepted < drafted
+
+
 def test_rejection_rule_keeps_the_distribution():
     """Sampler.check over many draws: the token it returns is distributed as the sampler's own
     distribution, for a likely and an unlikely draft."""
