@@ -162,7 +162,8 @@ class Engine:
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
-                        max_image_patches: int | None = None, ignore_eos: bool = False, constraint=None) -> Stream:
+                        max_image_patches: int | None = None, ignore_eos: bool = False, constraint=None,
+                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Stream:
         """As ``Model.generate_tokens``: new token ids until eos, ``stop_ids``, the budget or the
         context end; the request decodes alongside the others. ``constraint``
         (``edgevl.structured.Constraint``) is this request's own: its row is sampled among the
@@ -174,7 +175,8 @@ class Engine:
         ids = [int(t) for t in input_ids]
         stops = (set() if ignore_eos else m.eos_ids) | {int(t) for t in (stop_ids or [])}
         s = Stream(self, {"ids": ids, "rows": rows, "infos": infos, "stops": stops, "reuse": reuse_cache,
-                          "sampler": Sampler(temperature, top_k, top_p, repetition_penalty, seed),
+                          "sampler": Sampler(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
+                                             frequency_penalty, prompt_tokens=len(ids)),
                           "max_new": int(max_new_tokens), "constraint": constraint})
         with self.cond:
             if self.closed:

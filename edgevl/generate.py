@@ -408,7 +408,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   allow_special_in_content: bool = False, chat_template_kwargs=None,
                   thinking: bool | None = None, video=None, video_options: dict | None = None,
                   response_format=None, json_schema=None, tools=None, tool_choice=None,
-                  parallel_tool_calls: bool | None = None, engine=None) -> Iterator[Event]:
+                  parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
@@ -416,7 +417,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     and compiled before any work). ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: OpenAI's
     (``edgevl.tools``); the tools reach the chat template, "required" and a named function
     constrain the answer to calls; ``complete`` reads the calls into ``Completion.tool_calls``.
-    ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others."""
+    ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others.
+    ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2 to 2), over the tokens generated so far."""
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
@@ -442,7 +444,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     constraint = (compiled.constraint((split.start, split.end) if split.active else None, split.thinking)
                   if compiled is not None else None)
     gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
-                                            reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs())
+                                            reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs(),
+                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     try:
         yield from _events(model, gen, prep, t0, stop, post, split, videos)
     finally:   # a consumer that stops early (a client gone) stops the generation now

@@ -485,7 +485,8 @@ class Model:
                         top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
                         max_image_patches: int | None = None, ignore_eos: bool = False,
-                        constraint=None) -> Iterator[int]:
+                        constraint=None, presence_penalty: float = 0.0,
+                        frequency_penalty: float = 0.0) -> Iterator[int]:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
         ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
@@ -494,19 +495,19 @@ class Model:
         The loop runs on the owner thread one token per request (it never runs ahead of the
         consumer); a consumer that stops early releases the thread for the next call.
         """
-        gen = self._generate_tokens(input_ids, max_new_tokens, image, temperature, top_k, top_p,
-                                    repetition_penalty, seed, stop_ids, reuse_cache, max_image_patches, ignore_eos,
-                                    constraint)
+        sampling = (temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty)
+        gen = self._generate_tokens(input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache,
+                                    max_image_patches, ignore_eos, constraint)
         owner = self.__dict__.get("_owner")
         return gen if owner is None else owner.stream(gen)
 
-    def _generate_tokens(self, input_ids, max_new_tokens, image, temperature, top_k, top_p, repetition_penalty,
-                         seed, stop_ids, reuse_cache, max_image_patches, ignore_eos, constraint) -> Iterator[int]:
+    def _generate_tokens(self, input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache, max_image_patches,
+                         ignore_eos, constraint) -> Iterator[int]:
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampler = Sampler(temperature, top_k, top_p, repetition_penalty, seed)
-        rows, infos = self.encode_images(image, max_image_patches)
         input_ids = [int(t) for t in input_ids]
+        sampler = Sampler(*sampling, prompt_tokens=len(input_ids))
+        rows, infos = self.encode_images(image, max_image_patches)
         stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
         logits = self.prefill(input_ids, rows, reuse_cache, images=infos)
         history = list(input_ids)

@@ -1,6 +1,7 @@
 """Token selection from logits: greedy, or seeded sampling with the usual processors.
 
-Order follows transformers' generate: repetition penalty, then temperature, top-k, top-p.
+Order follows transformers' generate: repetition penalty, then temperature, top-k, top-p; OpenAI's
+presence and frequency penalties come after the repetition penalty (vLLM's order).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _finite(v) -> bool:
 
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None):
+                 repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, prompt_tokens: int = 0):
         if not _finite(temperature) or temperature < 0:
             raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         if not _finite(top_k) or top_k < 0:
@@ -33,8 +35,14 @@ class Sampler:
             raise EdgevlError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition_penalty}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise EdgevlError(f"seed must be an integer >= 0, got {seed}")
+        for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not _finite(v) or not -2 <= v <= 2:
+                raise EdgevlError(f"{name} must be a number from -2 to 2 (0 = off), got {v}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.repetition_penalty = float(repetition_penalty)
+        # OpenAI's penalties count the tokens generated so far: the history after the prompt
+        self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
+        self.prompt_tokens = int(prompt_tokens)
         self.rng = np.random.default_rng(seed)
 
     @property
@@ -66,6 +74,10 @@ class Sampler:
             v = x[ids]
             with np.errstate(over="ignore", divide="ignore"):  # an absurd penalty may overflow to inf
                 x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+        if (self.presence_penalty or self.frequency_penalty) and len(history) > self.prompt_tokens:
+            ids, counts = np.unique(np.asarray(history[self.prompt_tokens:], dtype=np.int64), return_counts=True)
+            keep = (ids >= 0) & (ids < x.shape[0])
+            x[ids[keep]] -= (self.frequency_penalty * counts[keep] + self.presence_penalty).astype(np.float32)
         return x
 
     def distribution(self, logits: np.ndarray, history=()) -> np.ndarray:

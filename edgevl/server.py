@@ -31,7 +31,8 @@ Design:
   (``allow_special_in_content`` restores that).
 - Sampling defaults are the model's (its generation_config.json, else greedy; up to the context
   end), not OpenAI's temperature 1; ``top_k`` and ``repetition_penalty`` are accepted as
-  extensions; ``temperature: 0`` is plain greedy.
+  extensions; ``temperature: 0`` is plain greedy. ``presence_penalty`` and ``frequency_penalty``
+  count the tokens the answer has generated, as OpenAI's; ``logprobs`` are refused, not ignored.
 - Model names: the one model answers to any requested name (clients often send a fixed one), as
   llama-server does, unless ``strict_model``. Boxes the answer names come back as an extra
   ``boxes`` field of the message (streaming: of the last delta), in original-image pixels. ``usage.completion_tokens``
@@ -505,6 +506,15 @@ def _tools(req: dict, server: EdgevlServer):
         raise HTTPError(400, str(e), param, "invalid_tools") from None
 
 
+def _penalty(req: dict, key: str) -> float:
+    v = _number(req, key, None)
+    if v is None:
+        return 0.0
+    if not -2 <= v <= 2:
+        raise HTTPError(400, f"{key} must be from -2 to 2, got {v}", key)
+    return v
+
+
 def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
     """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
     _check_text(req)
@@ -516,6 +526,9 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
         raise HTTPError(400, "only n=1 is supported", "n")
+    if req.get("logprobs") not in (None, False) or req.get("top_logprobs") not in (None, 0):
+        raise HTTPError(400, "logprobs are not supported; drop logprobs and top_logprobs",
+                        "logprobs" if req.get("logprobs") not in (None, False) else "top_logprobs")
     spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
     # a model that never calls
     stream = req.get("stream") or False
@@ -550,6 +563,7 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
+        presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
     kwargs["response_format"] = _structure(req, server)

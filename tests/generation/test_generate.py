@@ -44,6 +44,33 @@ def test_repetition_penalty_changes_greedy_choice(model):
     assert len(set(pen)) >= len(set(plain))
 
 
+def test_presence_and_frequency_penalties_count_the_generated_tokens_only():
+    from edgevl.sample import Sampler
+
+    logits = np.linspace(0.0, 1.0, 8, dtype=np.float32)
+    s = Sampler(presence_penalty=0.5, frequency_penalty=0.25, prompt_tokens=2)
+    got = s._penalized(logits, [1, 2, 3, 3, 5])          # prompt [1, 2]; generated 3, 3, 5
+    want = logits.copy()
+    want[3] -= 2 * 0.25 + 0.5
+    want[5] -= 0.25 + 0.5
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+    # greedy takes the penalised argmax: 7 until it was generated, then 6
+    greedy = Sampler(presence_penalty=2.0, prompt_tokens=1)
+    assert greedy(logits, [0]) == 7 and greedy(logits, [0, 7]) == 6
+    for bad in (2.5, -3, float("nan")):
+        with pytest.raises(EdgevlError, match="presence_penalty must be a number from -2 to 2"):
+            Sampler(presence_penalty=bad)
+
+
+def test_presence_penalty_changes_what_repeats(model):
+    ids = model.tokenizer.encode("The quick")
+    plain = list(model.generate_tokens(ids, 32, ignore_eos=True))
+    pen = list(model.generate_tokens(ids, 32, ignore_eos=True, presence_penalty=2.0, frequency_penalty=1.0))
+    assert plain != pen and len(set(pen)) > len(set(plain))
+    # the prompt's own tokens are not penalised: only what the answer has written
+    assert pen[0] == plain[0]
+
+
 def test_stop_strings(model):
     full = edgevl.generate(model, "How many", max_new_tokens=40, raw=True)
     assert len(full) > 12

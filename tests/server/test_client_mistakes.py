@@ -39,6 +39,13 @@ BAD_REQUESTS = [  # (id, body, status, words)
     ("top-p-huge-exponent", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}', 400, "top_p"),
     ("n-list", {"messages": MSGS, "n": [1]}, 400, "only n=1"),
     ("seed-negative", {"messages": MSGS, "seed": -5}, 400, "seed must be >= 0"),
+    # answered without them would look like a model that has none to give
+    ("logprobs", {"messages": MSGS, "logprobs": True}, 400, "logprobs are not supported"),
+    ("top-logprobs", {"messages": MSGS, "logprobs": False, "top_logprobs": 3}, 400, "logprobs are not supported"),
+    ("presence-penalty-range", {"messages": MSGS, "presence_penalty": 2.5}, 400,
+     "presence_penalty must be from -2 to 2"),
+    ("frequency-penalty-string", {"messages": MSGS, "frequency_penalty": "1"}, 400,
+     "frequency_penalty must be a number"),
     ("image-on-text-model", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "no vision tower"),
     # "false" is a true value to the template: thinking stayed on
@@ -71,7 +78,8 @@ def test_denormal_and_absurd_sampling_values_are_greedy_or_bounded(text_server):
     for extra in ({"temperature": 1e-320}, {"temperature": 5e-324, "top_p": 1e-320}, {"top_k": 10 ** 30},
                   {"repetition_penalty": 1e-300, "temperature": 1e-310},
                   {"repetition_penalty": 1e-300, "temperature": 0.7, "seed": 1},
-                  {"temperature": 1e-300, "seed": 2}, {"temperature": 1e300, "seed": 3}):
+                  {"temperature": 1e-300, "seed": 2}, {"temperature": 1e300, "seed": 3},
+                  {"presence_penalty": -2, "frequency_penalty": 2, "logprobs": False, "top_logprobs": 0}):
         status, body, _ = post(port, {"messages": MSGS, "max_tokens": 6, **extra})
         assert status == 200, (extra, body)
         if extra.get("temperature", 1) < 1e-100 and "repetition_penalty" not in extra:
@@ -115,3 +123,11 @@ def test_content_length_with_chunked_is_refused_and_closes(text_server):
             b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n" % len(body))
     reply = raw_request(text_server.server_address[1], head, b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 411") and b"Connection: close" in reply
+
+
+def test_presence_and_frequency_penalties_reach_the_model(text_server):
+    port = text_server.server_address[1]
+    plain = post(port, {"messages": MSGS, "max_tokens": 12, "temperature": 0})[1]
+    pen = post(port, {"messages": MSGS, "max_tokens": 12, "temperature": 0, "presence_penalty": 2,
+                      "frequency_penalty": 2})[1]
+    assert pen["choices"][0]["message"]["content"] != plain["choices"][0]["message"]["content"]

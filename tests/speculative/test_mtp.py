@@ -164,8 +164,9 @@ def test_a_seeded_answer_is_the_same_with_drafts_or_without(packages, case):
     plain = _model(packages, case, speculative="none")
     ids = prepare(spec, "Describe a cat.").input_ids
     drafted = accepted = 0
-    for seed in (7, 8):
-        kw = dict(temperature=0.5, top_p=0.95, seed=seed, ignore_eos=True)
+    for seed, pen in ((7, 0.0), (8, 0.0), (9, 1.5)):
+        kw = dict(temperature=0.5, top_p=0.95, seed=seed, ignore_eos=True, presence_penalty=pen,
+                  frequency_penalty=pen / 3)
         assert list(spec.generate_tokens(ids, 40, **kw)) == list(plain.generate_tokens(ids, 40, **kw))
         stats = spec.runtime_stats()["speculative"]      # this generation's
         drafted, accepted = drafted + stats["drafted"], accepted + stats["accepted"]
