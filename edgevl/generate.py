@@ -426,6 +426,9 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
         if structure is not None:
             raise EdgevlError(f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format")
         structure = spec.structure
+        # an answer of calls only has no text for stop strings to end: they would cut a call, which
+        # is then no call at all
+        stop = []
     if spec is not None and spec.render:
         chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": spec.render}
     compiled = structured.compiled(model, structure) if structure is not None else None

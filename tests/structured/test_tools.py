@@ -116,6 +116,17 @@ def test_auto_parses_what_the_model_writes():
     assert tools.parse("no calls at all <tool_", spec) == ("no calls at all <tool_", [])
 
 
+def test_stop_strings_do_not_cut_forced_calls(qwen):
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_new_tokens=200,
+              thinking=False)
+    want = edgevl.complete(qwen, ASK, **kw)
+    assert want.finish_reason == "tool_calls"
+    for stop in (["\n"], ["</tool_call>"], ["<parameter="]):
+        c = edgevl.complete(qwen, ASK, stop=stop, **kw)
+        assert c.finish_reason == "tool_calls" and [t["function"] for t in c.tool_calls] == [
+            t["function"] for t in want.tool_calls], stop
+
+
 def test_a_call_the_token_limit_cut_is_not_read_as_a_call():
     # a cut call whose last value ends in "}" must not pass for a whole one (its arguments would
     # not be JSON)
