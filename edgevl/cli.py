@@ -373,9 +373,10 @@ def cmd_run(a) -> int:
                            video=a.video, video_options=video_options(a),
                            allow_special_in_content=a.allow_special_in_content,
                            thinking=a.thinking, response_format=response_format, **kwargs)
-    finish = None
+    finish, thought = None, False
     for shown, ev in (with_reasoning(events, model.arch.reasoning_tokens) if a.show_thinking
                       else ((e.text, e) for e in events)):
+        thought = thought or bool(ev.reasoning)
         if shown:
             sys.stdout.write(shown)
             sys.stdout.flush()
@@ -395,6 +396,9 @@ def cmd_run(a) -> int:
                     print(f"[{stat['summary']}]", file=sys.stderr)
     sys.stdout.write("\n")
     if response_format is not None and finish != "stop":
+        if thought and not "".join(text).strip():
+            raise EdgevlError("the token limit ran out inside the thinking, before any answer; raise "
+                              "--max-new-tokens or pass --no-thinking")
         raise EdgevlError("the answer was cut by the token limit before it was complete; raise --max-new-tokens")
     if a.draw_boxes:
         if not images:

@@ -84,6 +84,9 @@ class Completion:
         if self.structure not in ("json_object", "json_schema"):
             raise EdgevlError("this answer was not constrained to JSON; pass json_schema= or response_format="
                               "{\"type\": \"json_object\"}")
+        if self.finish_reason != "stop" and self.reasoning and not self.text.strip():
+            raise EdgevlError(f"the token limit ({self.generation_tokens} tokens) ran out inside the thinking, before "
+                              "any answer; raise max_new_tokens or pass thinking=False")
         if self.finish_reason != "stop":
             raise EdgevlError(f"the answer was cut by the token limit after {self.generation_tokens} tokens, before "
                               "its JSON ended; raise max_new_tokens")

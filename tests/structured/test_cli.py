@@ -43,6 +43,9 @@ def test_run_refuses_bad_schema_files_before_loading(qwen_package, tmp_path, cap
     code, out, err = cli(capsys, "run", qwen_package, "--prompt", "x", "--no-thinking", "--json-schema",
                          schema_file_for(tmp_path), "--max-new-tokens", "3")
     one_line_error(code, err, "cut by the token limit", "--max-new-tokens")
+    code, out, err = cli(capsys, "run", qwen_package, "--prompt", "x", "--json-schema", schema_file_for(tmp_path),
+                         "--max-new-tokens", "3")
+    one_line_error(code, err, "ran out inside the thinking", "--no-thinking")
 
 
 def schema_file_for(tmp_path):

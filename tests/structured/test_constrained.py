@@ -276,6 +276,11 @@ def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
     plain = edgevl.complete(qwen, PROMPT, thinking=False, max_new_tokens=2)
     with pytest.raises(EdgevlError, match="not constrained to JSON"):
         _ = plain.json
+    # the thinking took the whole budget: the error says so, and how to leave room for the answer
+    c = edgevl.complete(qwen, PROMPT, json_schema=SCHEMAS["receipt"], max_new_tokens=3)
+    assert c.finish_reason == "length" and c.reasoning and not c.text.strip()
+    with pytest.raises(EdgevlError, match="ran out inside the thinking.*raise max_new_tokens or pass thinking=False"):
+        _ = c.json
 
 
 @pytest.mark.parametrize("kwargs, needle", [
