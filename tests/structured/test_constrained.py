@@ -40,7 +40,7 @@ def test_unconstrained_random_model_writes_no_json(qwen):
 def test_json_object_is_an_object(qwen):
     # any object: keys are strings of any length, which a random model may run on with (these
     # draws close theirs within the budget)
-    for temperature, seed in ((0.3, 4), (0.7, 0), (1.0, 0)):
+    for temperature, seed in ((0.3, 3), (0.7, 9), (1.0, 18)):
         c = edgevl.complete(qwen, PROMPT, response_format={"type": "json_object"}, thinking=False,
                             temperature=temperature, seed=seed, max_new_tokens=300)
         assert c.finish_reason == "stop", c.text
