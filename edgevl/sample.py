@@ -91,8 +91,8 @@ class Sampler:
         return x
 
     def distribution(self, logits: np.ndarray, history=()) -> np.ndarray:
-        """The probabilities (float64) sampling draws from: every processor applied
-        (speculative decoding's rejection rule needs them, not just a draw). Not for greedy."""
+        """The probabilities (float64) sampling draws from: every processor applied. Not for
+        greedy."""
         x = self._penalized(logits, history)
         n, idx = x.shape[0], None
         if 0 < self.top_k < n:
