@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from . import structured
 from . import tools as tool_calls
 from .errors import EdgevlError
+from .sample import Logprobs
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
 
@@ -62,6 +63,7 @@ class Event:
     reasoning: str = ""                           # thinking text (models with reasoning markers)
     drafted: int = 0                              # last event only: speculative decoding's drafts
     accepted: int = 0                             # ... and how many of them were accepted
+    logprobs: list = field(default_factory=list)  # logprobs=True: this token's entry, if it is the answer's
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Completion:
     reasoning: str = ""
     structure: str | None = None       # the kind of constrained answer (structured.KINDS), if any
     tool_calls: list = field(default_factory=list)   # OpenAI tool_calls the answer makes (tools=)
+    logprobs: list | None = None       # logprobs=True: an entry per answer token, OpenAI's shape
 
     @property
     def json(self):
@@ -412,7 +415,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   thinking: bool | None = None, video=None, video_options: dict | None = None,
                   response_format=None, json_schema=None, tools=None, tool_choice=None,
                   parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
-                  frequency_penalty: float = 0.0) -> Iterator[Event]:
+                  frequency_penalty: float = 0.0, logprobs: bool = False,
+                  top_logprobs: int | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
@@ -421,7 +425,16 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     (``edgevl.tools``); the tools reach the chat template, "required" and a named function
     constrain the answer to calls; ``complete`` reads the calls into ``Completion.tool_calls``.
     ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others.
-    ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2 to 2), over the tokens generated so far."""
+    ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2 to 2), over the tokens generated so far.
+    ``logprobs`` / ``top_logprobs`` (0-20): OpenAI's; each answer token's event carries its entry in
+    ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``), the model's own
+    log-probabilities (before penalties, temperature and constraints). The reasoning's tokens
+    have none, nor has the end-of-answer token."""
+    if top_logprobs and not logprobs:
+        raise EdgevlError("top_logprobs needs logprobs=True")
+    if not isinstance(logprobs, bool):
+        raise EdgevlError(f"logprobs must be true or false, got {logprobs!r}")
+    noted = Logprobs(top_logprobs or 0) if logprobs else None
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
@@ -451,15 +464,16 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   if compiled is not None else None)
     gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
                                             reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs(),
-                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                            **({"logprobs": noted} if noted is not None else {}))
     try:
-        yield from _events(model, gen, prep, t0, stop, post, split, videos)
+        yield from _events(model, gen, prep, t0, stop, post, split, videos, noted)
     finally:   # a consumer that stops early (a client gone) stops the generation now
         if hasattr(gen, "close"):
             gen.close()
 
 
-def _events(model, gen, prep, t0, stop, post, split, videos):
+def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
     n_prompt, n_gen = len(prep.input_ids), 0
     pending = ""            # text held back because it may start a stop string
     shown = 0               # characters yielded so far
@@ -467,7 +481,7 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
     finish = "length"
     hold = max((len(s) for s in stop), default=0) - 1
 
-    def stats(text, token, reason=None, reasoning=""):
+    def stats(text, token, reason=None, reasoning="", lp=()):
         nonlocal shown
         shown += len(text)
         now = time.perf_counter()
@@ -481,7 +495,7 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
         return Event(text, token, reason, n_prompt, n_gen, computed, computed / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
                      post.boxes(shown) if post and reason else [], reasoning=reasoning,
-                     videos=videos if reason else [], drafted=drafts[0], accepted=drafts[1])
+                     videos=videos if reason else [], drafted=drafts[0], accepted=drafts[1], logprobs=list(lp))
 
     for token in gen:
         if t_first is None:
@@ -490,14 +504,18 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
         if token in model.eos_ids:
             finish = "stop"
             break
+        was = split.thinking
         piece, thought = split.add(token)
         if thought:
             yield stats("", token, reasoning=thought)
+        # the answer's tokens only: not the reasoning's, nor its markers
+        answer = noted is not None and not was and not split.thinking
+        lp = [logprob_entry(model.tokenizer, noted.entries[n_gen - 1])] if answer else []
         pending += post.feed(piece) if post else piece
         if stop:
             hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
             if hit >= 0:
-                yield stats(pending[:hit], token, "stop")
+                yield stats(pending[:hit], token, "stop", lp=lp)
                 return
             # keep back the longest tail that could still grow into a stop string
             keep = 0
@@ -508,7 +526,7 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
             out, pending = (pending[:-keep], pending[-keep:]) if keep else (pending, "")
         else:
             out, pending = pending, ""
-        yield stats(out, token)
+        yield stats(out, token, lp=lp)
     tail, thought = split.flush()
     tail = pending + (post.feed(tail) + post.flush() if post else tail)
     if stop:
@@ -516,6 +534,17 @@ def _events(model, gen, prep, t0, stop, post, split, videos):
         if hit >= 0:
             tail, finish = tail[:hit], "stop"
     yield stats(tail, None, finish, thought)
+
+
+def logprob_entry(tokenizer, entry: tuple) -> dict:
+    """``Logprobs``' (token, logprob, top) in OpenAI's shape."""
+    def one(t, lp):
+        b = tokenizer.token_bytes(t)
+        return {"token": tokenizer.decode([t], skip_special_tokens=False), "logprob": lp,
+                "bytes": list(b) if b is not None else None}
+
+    tok, lp, top = entry
+    return {**one(tok, lp), "top_logprobs": [one(t, v) for t, v in top]}
 
 
 def with_reasoning(events, markers) -> Iterator[tuple[str, Event]]:
@@ -558,14 +587,16 @@ def complete(model, prompt, image=None, **kwargs) -> Completion:
     spec = tool_calls.prepare(model, kwargs.pop("tools", None), kwargs.pop("tool_choice", None),
                               kwargs.pop("parallel_tool_calls", None))
     kwargs["tools"] = spec
-    text, thought, last = [], [], None
+    text, thought, last, lps = [], [], None, []
     for ev in stream_events(model, prompt, image=image, **kwargs):
         text.append(ev.text)
         thought.append(ev.reasoning)
+        lps += ev.logprobs
         last = ev
     answer, calls, finish = "".join(text), [], last.finish_reason
     if spec is not None and spec.parses:
         answer, calls = tool_calls.parse(answer, spec)
         finish = "tool_calls" if calls and finish == "stop" else finish
     return Completion(answer, last.boxes, finish, last.prompt_tokens, last.generation_tokens,
-                      "".join(thought), structure.kind if structure is not None else None, calls)
+                      "".join(thought), structure.kind if structure is not None else None, calls,
+                      lps if kwargs.get("logprobs") else None)

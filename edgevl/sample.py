@@ -13,6 +13,11 @@ import numpy as np
 
 from .errors import EdgevlError
 
+# OpenAI's bound on top_logprobs
+MAX_TOP_LOGPROBS = 20
+# OpenAI's floor for a log-probability too small to show (and for a broken row)
+LOGPROB_FLOOR = -9999.0
+
 # below this, sampling is greedy: logits up to ~1e4 divided by it stay far inside float64's range
 MIN_TEMPERATURE = 1e-100
 
@@ -24,7 +29,7 @@ def _finite(v) -> bool:
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, prompt_tokens: int = 0):
+                 frequency_penalty: float = 0.0, prompt_tokens: int = 0, logprobs: Logprobs | None = None):
         if not _finite(temperature) or temperature < 0:
             raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         if not _finite(top_k) or top_k < 0:
@@ -44,6 +49,7 @@ class Sampler:
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.prompt_tokens = int(prompt_tokens)
         self.rng = np.random.default_rng(seed)
+        self.logprobs = logprobs    # where each token taken is noted with its log-probability, if asked
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +135,39 @@ class Sampler:
 _HEAD = 4096
 
 
+class Logprobs:
+    """Each token taken, with its log-probability and the ``top`` most likely tokens' (OpenAI's
+    ``logprobs`` / ``top_logprobs``): ``entries[i]`` = (token, logprob, [(token, logprob), ...])
+    for the i-th token of the answer. The log-probabilities are the model's own — a log-softmax
+    of the logits before penalties, temperature and constraint masks (vLLM's default) — so they
+    say how likely the model found a token, whatever the settings that picked it."""
+
+    def __init__(self, top: int = 0):
+        if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise EdgevlError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
+        self.top = int(top)
+        self.entries: list[tuple[int, float, list]] = []
+
+    def note(self, logits: np.ndarray, token: int) -> None:
+        x = np.asarray(logits, dtype=np.float32)
+        m = float(x.max())
+        with np.errstate(invalid="ignore", over="ignore"):
+            lse = m + math.log(float(np.exp(x - m).sum(dtype=np.float64))) if math.isfinite(m) else math.nan
+
+        def lp(i) -> float:
+            v = float(x[i]) - lse
+            return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR   # NaN (a broken row) too
+
+        top = []
+        if self.top:
+            n = x.shape[0]
+            k = min(self.top, n)
+            idx = np.argpartition(x, n - k)[n - k:] if k < n else np.arange(n)
+            idx = idx[np.lexsort((idx, -x[idx]))]     # most likely first, ties by id
+            top = [(int(i), lp(i)) for i in idx]
+        self.entries.append((int(token), lp(token), top))
+
+
 def _by_mass(p: np.ndarray, mass: float) -> np.ndarray:
     """The tokens in the order ``np.argsort(-p, kind="stable")`` gives (falling p, ties by id),
     as far as their running sum reaches ``mass``, else every token with p > 0: the same prefix,
@@ -148,9 +187,12 @@ def sample(sampler: Sampler, constraint, logits: np.ndarray, history=()) -> int:
     """The next token of one sequence: drawn among the tokens its ``constraint``
     (``edgevl.structured.Constraint``; None: every token) allows, which then takes it."""
     if constraint is None:
-        return sampler(logits, history)
-    tok = sampler(constraint.apply(logits), history)
-    constraint.advance(tok)
+        tok = sampler(logits, history)
+    else:
+        tok = sampler(constraint.apply(logits), history)
+        constraint.advance(tok)
+    if sampler.logprobs is not None:
+        sampler.logprobs.note(logits, tok)
     return tok
 
 
@@ -158,9 +200,12 @@ def check(sampler: Sampler, constraint, logits: np.ndarray, history, draft: int)
     """``Sampler.check`` among the tokens ``constraint`` allows (the drafts were cut to the ones
     it allows before the verify pass), which then takes the token kept."""
     if constraint is None:
-        return sampler.check(logits, history, draft)
-    tok = sampler.check(constraint.apply(logits), history, draft)
-    constraint.advance(tok)
+        tok = sampler.check(logits, history, draft)
+    else:
+        tok = sampler.check(constraint.apply(logits), history, draft)
+        constraint.advance(tok)
+    if sampler.logprobs is not None:
+        sampler.logprobs.note(logits, tok)
     return tok
 
 

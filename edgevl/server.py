@@ -83,6 +83,7 @@ from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
 from .generate import model_template_kwargs, stream_events
 from .model import Model, load
+from .sample import MAX_TOP_LOGPROBS
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
@@ -526,9 +527,13 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
         raise HTTPError(400, "only n=1 is supported", "n")
-    if req.get("logprobs") not in (None, False) or req.get("top_logprobs") not in (None, 0):
-        raise HTTPError(400, "logprobs are not supported; drop logprobs and top_logprobs",
-                        "logprobs" if req.get("logprobs") not in (None, False) else "top_logprobs")
+    logprobs, top = req.get("logprobs"), req.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise HTTPError(400, "logprobs must be true or false", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise HTTPError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if top and not logprobs:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
     # a model that never calls
     stream = req.get("stream") or False
@@ -565,7 +570,8 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
-        max_image_patches=server.max_image_patches, chat_template_kwargs=ctk)
+        max_image_patches=server.max_image_patches, chat_template_kwargs=ctk, logprobs=bool(logprobs),
+        top_logprobs=top or 0)
     kwargs["response_format"] = _structure(req, server)
     if spec is not None and spec.structure is not None and kwargs["response_format"] is not None:
         raise HTTPError(400, f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format",
@@ -973,9 +979,10 @@ class Handler(BaseHTTPRequestHandler):
             message["reasoning_content"] = reasoning
         if evs[-1].boxes:
             message["boxes"] = [b.as_json() for b in evs[-1].boxes]
+        lps = {"content": [e for ev in evs for e in ev.logprobs]} if kwargs.get("logprobs") else None
         self._send(200, {**head, "choices": [{
             "index": 0, "message": message,
-            "logprobs": None, "finish_reason": finish}], "usage": _usage(evs[-1])})
+            "logprobs": lps, "finish_reason": finish}], "usage": _usage(evs[-1])})
 
     def _generation_error(self, e: Exception) -> HTTPError:
         """The answer to an error raised while the request held the model. The request's own
@@ -1009,8 +1016,14 @@ class Handler(BaseHTTPRequestHandler):
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
 
+        lps = []    # answer tokens' logprobs not sent yet: they ride on the next chunk of the answer
+
         def chunk(delta, finish=None):
-            self._event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            lp = None
+            if lps and (finish or "content" in delta or "tool_calls" in delta):
+                lp = {"content": lps[:]}
+                lps.clear()
+            self._event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish}]})
 
         chunk({"role": "assistant", "content": ""})
@@ -1034,6 +1047,7 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             for ev in events:
+                lps += ev.logprobs
                 if ev.reasoning:
                     chunk({"reasoning_content": ev.reasoning})
                 if not text(ev.text, ev.finish_reason is not None) and not ev.reasoning and self._client_gone():

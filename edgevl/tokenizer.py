@@ -120,6 +120,22 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The bytes token ``i`` stands for: its text, or, for a token that holds part of a
+        character (byte-level BPE splits CJK and emoji), its bytes read from the vocabulary
+        (the byte-level alphabet, or sentencepiece's ``<0xNN>``); None where neither gives them."""
+        text = self.decode([i], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(i) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        table = _byte_decoder()
+        return bytes(table[c] for c in piece) if piece and all(c in table for c in piece) else None
+
     # -- chat ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
@@ -153,6 +169,21 @@ class Tokenizer:
             where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
             raise EdgevlError(f"the chat template of {self.folder} does not parse ({e.message}{where}); fix "
                               "chat_template.jinja (or tokenizer_config.json)") from None
+
+
+_BYTES = None
+
+
+def _byte_decoder() -> dict:
+    """Byte-level BPE's alphabet read back: each of the 256 bytes is written as one printable
+    character (the printable Latin-1 ones as themselves, the rest as U+0100 onwards, in order)."""
+    global _BYTES
+    if _BYTES is None:
+        shown = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+        extra = iter(range(256, 512))
+        _BYTES = {(chr(b) if b in shown else chr(next(extra))): b for b in range(256)}
+    return _BYTES
 
 
 def _check_text(text) -> None:

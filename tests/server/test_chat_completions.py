@@ -124,6 +124,28 @@ def test_stop_max_tokens_and_sampling_extensions(pkgs, text_server):
     assert r.choices[0].message.content == want
 
 
+def test_logprobs_plain_and_streamed(pkgs, text_server):
+    """Each answer token's log-probability and its most likely alternatives, in OpenAI's shape;
+    the stream carries the same entries on its chunks."""
+    c = client(text_server)
+    kw = dict(model="tiny", messages=MSGS, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")   # not the end token
+    for e in content:   # greedy: the token taken is the most likely one
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob and e.top_logprobs[1].logprob <= e.logprob <= 0
+    assert bytes(b for e in content for b in e.bytes).decode(errors="replace").startswith(r.choices[0].message.content)
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    # (the second request's prompt comes from the cache: the same numbers up to float rounding)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    np.testing.assert_allclose([e.logprob for e in streamed], [e.logprob for e in content], rtol=0, atol=1e-4)
+    # without them, none
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4)
+    assert r.choices[0].logprobs is None
+
+
 def test_image_data_url_matches_generate(pkgs, vl_server):
     im = picture(64, 48, seed=1)
     ours = [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "What is it?"}]}]
