@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from . import structured
 from . import tools as tool_calls
 from .errors import EdgevlError
-from .sample import Logprobs
+from .sample import Logprobs, check_logit_bias
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
 
@@ -416,7 +416,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   response_format=None, json_schema=None, tools=None, tool_choice=None,
                   parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logprobs: bool = False,
-                  top_logprobs: int | None = None) -> Iterator[Event]:
+                  top_logprobs: int | None = None, logit_bias: dict | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
@@ -429,12 +429,17 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     ``logprobs`` / ``top_logprobs`` (0-20): OpenAI's; each answer token's event carries its entry in
     ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``), the model's own
     log-probabilities (before penalties, temperature and constraints). The reasoning's tokens
-    have none, nor has the end-of-answer token."""
+    have none, nor has the end-of-answer token. ``logit_bias``: OpenAI's, {token id: -100 to 100}
+    added to the logits before sampling (-100 in effect bans a token, 100 forces it)."""
     if top_logprobs and not logprobs:
         raise EdgevlError("top_logprobs needs logprobs=True")
     if not isinstance(logprobs, bool):
         raise EdgevlError(f"logprobs must be true or false, got {logprobs!r}")
     noted = Logprobs(top_logprobs or 0) if logprobs else None
+    extra = {"logprobs": noted} if noted is not None else {}
+    bias = check_logit_bias(logit_bias, model.vocab_size)
+    if bias is not None:
+        extra["logit_bias"] = bias
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
@@ -465,7 +470,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
                                             reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs(),
                                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                            **({"logprobs": noted} if noted is not None else {}))
+                                            **extra)
     try:
         yield from _events(model, gen, prep, t0, stop, post, split, videos, noted)
     finally:   # a consumer that stops early (a client gone) stops the generation now

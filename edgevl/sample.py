@@ -29,7 +29,8 @@ def _finite(v) -> bool:
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, prompt_tokens: int = 0, logprobs: Logprobs | None = None):
+                 frequency_penalty: float = 0.0, prompt_tokens: int = 0, logprobs: Logprobs | None = None,
+                 logit_bias: dict | None = None):
         if not _finite(temperature) or temperature < 0:
             raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         if not _finite(top_k) or top_k < 0:
@@ -49,6 +50,9 @@ class Sampler:
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.prompt_tokens = int(prompt_tokens)
         self.rng = np.random.default_rng(seed)
+        bias = check_logit_bias(logit_bias)
+        self.bias = None if bias is None else (np.array(list(bias), np.int64),
+                                               np.array(list(bias.values()), np.float32))
         self.logprobs = logprobs    # where each token taken is noted with its log-probability, if asked
 
     @property
@@ -84,6 +88,10 @@ class Sampler:
 
     def _penalized(self, logits, history) -> np.ndarray:
         x = np.asarray(logits, dtype=np.float32).copy()
+        if self.bias is not None:    # OpenAI's logit_bias: added to the model's logits first
+            ids, v = self.bias
+            keep = ids < x.shape[0]
+            x[ids[keep]] += v[keep]
         if self.repetition_penalty != 1.0 and len(history):
             ids = np.unique(np.asarray(history, dtype=np.int64))
             ids = ids[(ids >= 0) & (ids < x.shape[0])]
@@ -133,6 +141,28 @@ class Sampler:
 
 # tokens sorted for top-p at first: the largest ones, enough for any top_p a model uses
 _HEAD = 4096
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def check_logit_bias(logit_bias, vocab: int | None = None) -> dict | None:
+    """OpenAI's ``logit_bias`` ({token id: -100..100}; ids as ints or digit strings, as JSON keys
+    are) checked, as {int: float}; None when empty. ``vocab``: ids must be below it."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise EdgevlError("logit_bias must be an object mapping token ids to numbers from -100 to 100")
+    out = {}
+    for k, v in logit_bias.items():
+        i = int(k) if isinstance(k, str) and k.isdecimal() else k
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 or (vocab is not None and i >= vocab):
+            span = "(integers >= 0)" if vocab is None else f"from 0 to {vocab - 1}"
+            raise EdgevlError(f"logit_bias keys must be token ids {span}, got {k!r}")
+        if not _finite(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise EdgevlError(f"logit_bias values must be numbers from -100 to 100, got {v!r} for token {k}")
+        out[int(i)] = float(v)
+    return out or None
 
 
 class Logprobs:

@@ -83,7 +83,7 @@ from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
 from .generate import model_template_kwargs, stream_events
 from .model import Model, load
-from .sample import MAX_TOP_LOGPROBS
+from .sample import MAX_TOP_LOGPROBS, check_logit_bias
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
@@ -534,6 +534,10 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         raise HTTPError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
     if top and not logprobs:
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    try:
+        bias = check_logit_bias(req.get("logit_bias"), server.model.vocab_size)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "logit_bias") from None
     spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
     # a model that never calls
     stream = req.get("stream") or False
@@ -571,7 +575,7 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
         seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
         max_image_patches=server.max_image_patches, chat_template_kwargs=ctk, logprobs=bool(logprobs),
-        top_logprobs=top or 0)
+        top_logprobs=top or 0, logit_bias=bias)
     kwargs["response_format"] = _structure(req, server)
     if spec is not None and spec.structure is not None and kwargs["response_format"] is not None:
         raise HTTPError(400, f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format",

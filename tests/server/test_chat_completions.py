@@ -146,6 +146,18 @@ def test_logprobs_plain_and_streamed(pkgs, text_server):
     assert r.choices[0].logprobs is None
 
 
+def test_logit_bias_forces_and_bans(pkgs, text_server):
+    tok = edgevl.load(pkgs[1]).tokenizer
+    a = tok.encode("a")[0]
+    c = client(text_server)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, logit_bias={str(a): 100})
+    assert r.choices[0].message.content == tok.decode([a] * 5)
+    want, tokens, _ = reference(pkgs[1], MSGS, 6)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, temperature=0,
+                                  logit_bias={str(t): -100 for t in tokens})
+    assert r.choices[0].message.content != want
+
+
 def test_image_data_url_matches_generate(pkgs, vl_server):
     im = picture(64, 48, seed=1)
     ours = [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "What is it?"}]}]

@@ -1,6 +1,7 @@
 """Log-probabilities (OpenAI's ``logprobs`` / ``top_logprobs``): each answer token's, the model's own
 (a log-softmax of its logits before penalties, temperature and masks), the same with drafting, in
-the engine's shared forwards, and only for the answer's tokens."""
+the engine's shared forwards, and only for the answer's tokens. OpenAI's ``logit_bias``: added to
+the logits before sampling, with drafting and in the engine alike."""
 
 import json
 import threading
@@ -13,7 +14,7 @@ from edgevl import speculative, verification
 from edgevl.engine import Engine
 from edgevl.errors import EdgevlError
 from edgevl.generate import prepare, stream_events
-from edgevl.sample import Logprobs
+from edgevl.sample import Logprobs, Sampler
 
 FAMILIES = {"qwen3_5": {"mtp": True, "train_steps": 20, "mtp_train_steps": 40}, "youtu": {}}
 
@@ -159,3 +160,53 @@ def test_token_bytes_spell_the_text_even_inside_a_character(packages, family):
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)    # tokens that hold part of a character
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_logit_bias_is_added_before_every_processor():
+    logits = np.array([0.0, 1.0, 3.0, 2.0], np.float32)
+    assert Sampler()(logits) == 2
+    assert Sampler(logit_bias={"2": -2.5})(logits) == 3       # 3 - 2.5 < 2: token 3 now leads
+    assert Sampler(logit_bias={0: 3.5, 9: 100})(logits) == 0  # ids past the row are no token of it
+    p = Sampler(temperature=1.0, logit_bias={3: -100})
+    assert p.distribution(logits)[3] < 1e-40
+    # a repetition penalty works on the biased logit: 3 + 1 = 4 -> 4 / 2 = 2 < 2.5
+    assert Sampler(repetition_penalty=2.0, logit_bias={1: 1.5, 2: 1.0})(logits, [2]) == 1
+    for bad, msg in (([1], "must be an object"), ({"a": 1}, "keys must be token ids"),
+                     ({-1: 1}, "keys must be token ids"), ({1: 100.5}, "from -100 to 100"),
+                     ({1: float("inf")}, "from -100 to 100"), ({1: True}, "from -100 to 100")):
+        with pytest.raises(EdgevlError, match=msg):
+            Sampler(logit_bias=bad)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logit_bias_bans_and_forces_tokens_with_drafting_and_beside_other_requests(packages, family,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(speculative, "AUTO_OFF_RATE", 0.0)
+    monkeypatch.setattr(speculative, "AUTO_OFF_CYCLES", 1 << 30)
+    plain = _model(packages, family, speculative="none")
+    ids = prepare(plain, "Describe a cat.").input_ids
+    greedy = list(plain.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False))
+    ban = dict.fromkeys(set(greedy), -100)
+    banned = list(plain.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False, logit_bias=ban))
+    assert not set(banned) & set(greedy)
+    forced = list(plain.generate_tokens(ids, 6, ignore_eos=True, reuse_cache=False, logit_bias={"7": 100}))
+    assert forced == [7] * 6
+    # drafting (where the model drafts: its drafts ignore the bias, the check does not) and the engine
+    model = _model(packages, family)
+    assert list(model.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False, logit_bias=ban)) == banned
+    if model.mtp is not None:
+        assert model.runtime_stats()["speculative"]["drafted"] > 0
+    engine = Engine(model, parallel=2)
+    try:
+        other = engine.generate_tokens(prepare(model, "Name a colour.").input_ids, 12, ignore_eos=True)
+        mine = engine.generate_tokens(ids, 12, ignore_eos=True, logit_bias=ban)
+        got, rest = [], []
+        t = threading.Thread(target=lambda: rest.extend(other))
+        t.start()
+        got.extend(mine)
+        t.join(60)
+        assert got == banned and len(rest) == 12
+    finally:
+        engine.close()
+    with pytest.raises(EdgevlError, match=f"from 0 to {model.vocab_size - 1}"):
+        edgevl.generate(model, "Hi", max_new_tokens=2, logit_bias={model.vocab_size: 5})
