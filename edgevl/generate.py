@@ -416,7 +416,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   response_format=None, json_schema=None, tools=None, tool_choice=None,
                   parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logprobs: bool = False,
-                  top_logprobs: int | None = None, logit_bias: dict | None = None) -> Iterator[Event]:
+                  top_logprobs: int | None = None, logit_bias: dict | None = None,
+                  split_reasoning: bool = True) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
@@ -430,7 +431,9 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``), the model's own
     log-probabilities (before penalties, temperature and constraints). The reasoning's tokens
     have none, nor has the end-of-answer token. ``logit_bias``: OpenAI's, {token id: -100 to 100}
-    added to the logits before sampling (-100 in effect bans a token, 100 forces it)."""
+    added to the logits before sampling (-100 in effect bans a token, 100 forces it).
+    ``split_reasoning=False``: the reasoning stays in the text as written, markers included (a raw
+    continuation), and a constraint applies from the first token."""
     if top_logprobs and not logprobs:
         raise EdgevlError("top_logprobs needs logprobs=True")
     if not isinstance(logprobs, bool):
@@ -464,7 +467,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     videos = [i for i in prep.images if isinstance(i, dict) and i.get("kind") == "video"]
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
     post = model.arch.output_processor(images) if postprocess else None
-    split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens, prep.input_ids)
+    split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens if split_reasoning else None,
+                              prep.input_ids)
     constraint = (compiled.constraint((split.start, split.end) if split.active else None, split.thinking)
                   if compiled is not None else None)
     gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,

@@ -516,8 +516,9 @@ def _penalty(req: dict, key: str) -> float:
     return v
 
 
-def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
-    """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
+def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> tuple[dict, bool, bool]:
+    """What both endpoints take (the model's name, n, stream, the token budget, stop strings,
+    sampling settings): (stream_events kwargs, stream, include_usage) or HTTPError."""
     _check_text(req)
     model = req.get("model")
     if model is not None and not isinstance(model, str):
@@ -527,19 +528,10 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
                         "model", "model_not_found")
     if req.get("n", 1) not in (1, None):
         raise HTTPError(400, "only n=1 is supported", "n")
-    logprobs, top = req.get("logprobs"), req.get("top_logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise HTTPError(400, "logprobs must be true or false", "logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise HTTPError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
-    if top and not logprobs:
-        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     try:
         bias = check_logit_bias(req.get("logit_bias"), server.model.vocab_size)
     except EdgevlError as e:
         raise HTTPError(400, str(e), "logit_bias") from None
-    spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
-    # a model that never calls
     stream = req.get("stream") or False
     opts = req.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(opts, dict):
@@ -556,6 +548,29 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
     seed = _number(req, "seed", None, int)
     if seed is not None and seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    kwargs = dict(
+        max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
+        temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
+        top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
+        presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
+        seed=seed, stop=stop, logit_bias=bias)
+    return kwargs, stream, bool(opts.get("include_usage"))
+
+
+def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
+    """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
+    kwargs, stream, include_usage = _common(req, server, None)
+    logprobs, top = req.get("logprobs"), req.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise HTTPError(400, "logprobs must be true or false", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise HTTPError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if top and not logprobs:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
+    # a model that never calls
     # vLLM's extension: values for the chat template, e.g. {"enable_thinking": false}
     ctk = req.get("chat_template_kwargs")
     if ctk is not None and not isinstance(ctk, dict):
@@ -568,14 +583,9 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         raise HTTPError(400, str(e), "chat_template_kwargs") from None
     if spec is not None and spec.render:   # the prompt's length counts the tools the template renders
         ctk = {**ctk, "tools": spec.render}
-    kwargs = dict(
-        max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
-        temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
-        top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
-        presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
-        seed=seed, stop=stop, allow_special_in_content=server.allow_special_in_content,
-        max_image_patches=server.max_image_patches, chat_template_kwargs=ctk, logprobs=bool(logprobs),
-        top_logprobs=top or 0, logit_bias=bias)
+    kwargs.update(allow_special_in_content=server.allow_special_in_content,
+                  max_image_patches=server.max_image_patches, chat_template_kwargs=ctk, logprobs=bool(logprobs),
+                  top_logprobs=top or 0)
     kwargs["response_format"] = _structure(req, server)
     if spec is not None and spec.structure is not None and kwargs["response_format"] is not None:
         raise HTTPError(400, f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format",
@@ -594,7 +604,45 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
     except BaseException:
         close_videos(messages)
         raise
-    return messages, kwargs, stream, bool(opts.get("include_usage"))
+    return messages, kwargs, stream, include_usage
+
+
+# OpenAI's default budget of a (legacy) text completion
+COMPLETION_MAX_TOKENS = 16
+
+
+def parse_completion(req: dict, server: EdgevlServer) -> tuple[str, dict, bool, bool, bool]:
+    """POST /v1/completions (OpenAI's legacy text completion: the prompt as it is, no chat
+    template): (prompt, stream_events kwargs, stream, include_usage, echo) or HTTPError."""
+    kwargs, stream, include_usage = _common(req, server, COMPLETION_MAX_TOKENS)
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise HTTPError(400, "one prompt per request; send the others as requests of their own (they decode "
+                        "together)", "prompt")
+    if not isinstance(prompt, str):
+        raise HTTPError(400, "prompt must be a string (token id prompts are not supported)", "prompt")
+    if not prompt.strip():
+        raise HTTPError(400, "the prompt is empty; send some text", "prompt")
+    if req.get("suffix"):
+        raise HTTPError(400, "suffix (fill in the middle) is not supported", "suffix")
+    if req.get("best_of", 1) not in (1, None):
+        raise HTTPError(400, "only best_of=1 is supported", "best_of")
+    echo, lp = req.get("echo", False), req.get("logprobs")
+    if not isinstance(echo, bool):
+        raise HTTPError(400, "echo must be true or false", "echo")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise HTTPError(400, f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the alternatives to list)",
+                        "logprobs")
+    if echo and lp is not None:
+        raise HTTPError(400, "echo with logprobs would need the prompt's log-probabilities, which are not "
+                        "given; drop echo or logprobs", "echo")
+    # the continuation as written: no template, no reasoning taken apart, no coordinates rewritten
+    kwargs.update(raw=True, postprocess=False, split_reasoning=False, logprobs=lp is not None, top_logprobs=lp or 0)
+    kwargs["response_format"] = _structure(req, server)
+    _check_prompt_tokens(prompt, server, 0, "prompt", "")
+    return prompt, kwargs, stream, include_usage, echo
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -692,18 +740,25 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     except EdgevlError as e:
         raise HTTPError(400, str(e), code="invalid_request") from None
     # the text has one placeholder token per image, which becomes the image's tokens
-    room = model.max_context - image_tokens + len(images)
+    _check_prompt_tokens(text, server, image_tokens - len(images), "messages",
+                         (" or send a shorter video" if videos else "")
+                         + (" or send fewer or smaller images" if len(images) > len(videos) else ""))
+
+
+def _check_prompt_tokens(text: str, server: EdgevlServer, extra: int, param: str, more: str) -> None:
+    """Refuse ``text`` whose tokens (with ``extra`` more) would fill the context, counted no
+    further than the context (``count_tokens``)."""
+    model = server.model
+    room = model.max_context - extra
     span = server.token_span
     if len(text) >= room * span * 4:  # 4: normalizers may merge characters (a letter and its accents) first
         n, exact = len(text) // (span * 4), False
     else:
         n, exact = count_tokens(model.tokenizer, text, room, span)
     if n >= room:
-        raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + image_tokens - len(images)} tokens "
-                        f"but the model's context is {model.max_context}; shorten the prompt"
-                        + (" or send a shorter video" if videos else "")
-                        + (" or send fewer or smaller images" if len(images) > len(videos) else ""),
-                        "messages", "context_length_exceeded")
+        raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + extra} tokens "
+                        f"but the model's context is {model.max_context}; shorten the prompt{more}",
+                        param, "context_length_exceeded")
 
 
 def decode_images(messages: list) -> list:
@@ -715,6 +770,19 @@ def decode_images(messages: list) -> list:
                                  dict(p, video=p["video"].decode()) if p["type"] == "video" else p
                                  for p in m["content"]])
         out.append(m)
+    return out
+
+
+def _legacy_logprobs(entries: list, offset: int) -> dict:
+    """``Event.logprobs`` entries in the legacy completion's shape (each token's alternatives as
+    {token: logprob}, the token taken among them; ``text_offset``: where each token starts)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
     return out
 
 
@@ -755,14 +823,15 @@ class Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/") or "/"
         routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
                   "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
+                  "/v1/completions": ("POST", self._completions),
                   "/": ("GET", lambda: self._page("index.html"))}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
         if path.startswith("/web/"):
             routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
-            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, GET /v1/models, "
-                            "GET /health and the chat page at /", code="unknown_route")
+            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/completions, "
+                            "GET /v1/models, GET /health and the chat page at /", code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
@@ -941,32 +1010,42 @@ class Handler(BaseHTTPRequestHandler):
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
 
-    def _answer(self, messages, kwargs, stream, include_usage):
+    def _run(self, prompt, kwargs, streamer=None) -> list | None:
+        """The request's events, once it holds a slot: handed to ``streamer`` (a streamed answer),
+        else all of them; None where nothing is left to answer. ``prompt()`` gives what
+        ``stream_events`` takes, made only now."""
         with self.server.gate(self._client_gone):
             if self._client_gone():
                 self.close_connection = True
-                return
-            # pixels are decoded only now, one request at a time: waiting requests hold only
-            # their compressed bytes, however large the images
-            decoded = decode_images(messages)
+                return None
+            given = prompt()
             try:
-                with closing(stream_events(self.server.model, decoded, engine=self.server.engine, **kwargs)) as events:
+                with closing(stream_events(self.server.model, given, engine=self.server.engine, **kwargs)) as events:
                     first = next(events)  # template, images, prefill: errors here still get a status
-                    if stream:
-                        self._stream(chain([first], events), include_usage, kwargs.get("tools"))
-                        return
+                    if streamer is not None:
+                        streamer(chain([first], events))
+                        return None
                     evs = [first]
                     for ev in events:
                         evs.append(ev)
                         if self._client_gone():  # nobody will read the answer: free the model now
                             self.close_connection = True
-                            return
+                            return None
             except (HTTPError, ConnectionError, TimeoutError):
                 raise
             except Exception as e:  # noqa: BLE001 - the request's mistake, the package's fault or a bug
                 raise self._generation_error(e) from None
             finally:
-                decoded = None  # before the next request may decode its images
+                given = None  # before the next request may decode its images
+        return evs
+
+    def _answer(self, messages, kwargs, stream, include_usage):
+        # pixels are decoded only once the request runs, one request at a time: waiting requests
+        # hold only their compressed bytes, however large the images
+        evs = self._run(lambda: decode_images(messages), kwargs,
+                        (lambda events: self._stream(events, include_usage, kwargs.get("tools"))) if stream else None)
+        if evs is None:
+            return
         head = self._head("chat.completion")
         message = {"role": "assistant", "content": "".join(e.text for e in evs)}
         finish = evs[-1].finish_reason
@@ -1009,13 +1088,20 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
                 "model": self.server.model_id, "system_fingerprint": None}
 
-    def _stream(self, events, include_usage: bool, tools=None):
+    def _start_events(self):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self._sent = self._chunked = True
+
+    def _end_events(self):
+        self._event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _stream(self, events, include_usage: bool, tools=None):
+        self._start_events()
         head = self._head("chat.completion.chunk")
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
@@ -1074,8 +1160,57 @@ class Handler(BaseHTTPRequestHandler):
                 if self.server.model.mtp is not None:   # this request's own counts
                     usage["speculative"] = {"drafted": ev.drafted, "accepted": ev.accepted}
                 self._event({**head, "choices": [], "usage": usage})
-        self._event(b"[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
+        self._end_events()
+
+    # -- POST /v1/completions (legacy text completion) --------------------------------------------
+    def _completions(self):
+        self._check_key()
+        prompt, kwargs, stream, include_usage, echo = parse_completion(self._read_json(), self.server)
+        head = {**self._head("text_completion"), "id": f"cmpl-{uuid.uuid4().hex[:24]}"}
+        offset = len(prompt) if echo else 0
+
+        def choice(text, entries, finish):
+            nonlocal offset
+            lp = None
+            if kwargs["logprobs"]:
+                lp = _legacy_logprobs(entries, offset)
+            offset += len(text)
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        if not stream:
+            evs = self._run(lambda: prompt, kwargs)
+            if evs is None:
+                return
+            text = "".join(ev.text for ev in evs)
+            self._send(200, {**head, "choices": [choice((prompt if echo else "") + text,
+                                                         [e for ev in evs for e in ev.logprobs],
+                                                         evs[-1].finish_reason)],
+                             "usage": _usage(evs[-1])})
+            return
+
+        def send(events):
+            self._start_events()
+            if include_usage:
+                head["usage"] = None
+            if echo:
+                self._event({**head, "choices": [choice(prompt, [], None)]})
+            try:
+                for ev in events:
+                    if ev.text or ev.logprobs:
+                        self._event({**head, "choices": [choice(ev.text, ev.logprobs, None)]})
+                    elif self._client_gone():
+                        raise ConnectionError("the client hung up")
+            except (ConnectionError, TimeoutError):
+                raise
+            except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+                self._event(self._generation_error(e).body())
+            else:
+                self._event({**head, "choices": [choice("", [], ev.finish_reason)]})
+                if include_usage:
+                    self._event({**head, "choices": [], "usage": _usage(ev)})
+            self._end_events()
+
+        self._run(lambda: prompt, kwargs, send)
 
     def _event(self, obj):
         data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"

@@ -146,6 +146,37 @@ def test_logprobs_plain_and_streamed(pkgs, text_server):
     assert r.choices[0].logprobs is None
 
 
+def test_text_completions_continue_the_prompt_as_written(pkgs, text_server):
+    """POST /v1/completions (the legacy endpoint older clients use): the prompt as it is, no
+    template; OpenAI's default of 16 tokens; echo, stop, logprobs, streaming."""
+    model = edgevl.load(pkgs[1])
+    prompt = "<|begin_of_text|>The cat sat on"
+    want = edgevl.generate(model, prompt, raw=True, max_new_tokens=16, temperature=0, reuse_cache=False)
+    ids = model.tokenizer.encode(prompt)
+    tokens = list(model.generate_tokens(ids, 16, reuse_cache=False))
+    c = client(text_server)
+    r = c.completions.create(model="tiny", prompt=prompt, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(tokens))
+    assert r.choices[0].finish_reason == ("stop" if tokens[-1] in model.eos_ids else "length")
+    chunks = list(c.completions.create(model="tiny", prompt=[prompt], temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+    r = c.completions.create(model="tiny", prompt=prompt, temperature=0, echo=True, max_tokens=4)
+    assert r.choices[0].text == prompt + edgevl.generate(model, prompt, raw=True, max_new_tokens=4, temperature=0)
+    stop = want[len(want) // 2:len(want) // 2 + 2]
+    r = c.completions.create(model="tiny", prompt=prompt, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want[:want.find(stop)], "stop")
+    r = c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens - (
+        r.choices[0].finish_reason == "stop")
+    # greedy: the token taken leads its alternatives (keyed by text, so tokens that read alike merge)
+    assert all(1 <= len(d) <= 3 and max(d.values()) == v for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
 def test_logit_bias_forces_and_bans(pkgs, text_server):
     tok = edgevl.load(pkgs[1]).tokenizer
     a = tok.encode("a")[0]

@@ -80,6 +80,30 @@ def test_client_mistakes_get_400(text_server, case):
     assert "\n" not in reply["error"]["message"]
 
 
+TEXT_COMPLETION_MISTAKES = [
+    ("no-prompt", {}, "prompt must be a string"),
+    ("token-ids", {"prompt": [1, 2, 3]}, "prompt must be a string (token id prompts are not supported)"),
+    ("two-prompts", {"prompt": ["a", "b"]}, "one prompt per request"),
+    ("blank", {"prompt": " \n"}, "the prompt is empty"),
+    ("suffix", {"prompt": "a", "suffix": "b"}, "suffix (fill in the middle) is not supported"),
+    ("best-of", {"prompt": "a", "best_of": 3}, "only best_of=1"),
+    ("echo-string", {"prompt": "a", "echo": "yes"}, "echo must be true or false"),
+    ("logprobs-bool", {"prompt": "a", "logprobs": True}, "logprobs must be an integer from 0 to 20"),
+    ("logprobs-range", {"prompt": "a", "logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+    ("echo-logprobs", {"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ("n", {"prompt": "a", "n": 2}, "only n=1"),
+    ("bias", {"prompt": "a", "logit_bias": {"1": 500}}, "logit_bias values"),
+    ("too-long", {"prompt": "word " * 20000}, "but the model's context is"),
+]
+
+
+@pytest.mark.parametrize("case", TEXT_COMPLETION_MISTAKES, ids=[c[0] for c in TEXT_COMPLETION_MISTAKES])
+def test_text_completion_mistakes_get_400(text_server, case):
+    status, reply, _ = post(text_server.server_address[1], case[1], path="/v1/completions")
+    assert status == 400 and case[2] in reply["error"]["message"], reply
+    assert "\n" not in reply["error"]["message"]
+
+
 def test_denormal_and_absurd_sampling_values_are_greedy_or_bounded(text_server):
     port = text_server.server_address[1]
     greedy = post(port, {"messages": MSGS, "max_tokens": 6, "temperature": 0})[1]["choices"][0]["message"]

@@ -13,11 +13,11 @@ import time
 MSGS = [{"role": "user", "content": "Describe the image."}]
 
 
-def post(port, body, headers=None, timeout=120):
+def post(port, body, headers=None, timeout=120, path="/v1/chat/completions"):
     """(status, the reply as JSON or else its raw bytes, the response) of a chat completion."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json", **(headers or {})})
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     raw = r.read()
     conn.close()
