@@ -64,6 +64,7 @@ class Event:
     drafted: int = 0                              # last event only: speculative decoding's drafts
     accepted: int = 0                             # ... and how many of them were accepted
     logprobs: list = field(default_factory=list)  # logprobs=True: this token's entry, if it is the answer's
+    reasoning_tokens: int = 0                     # last event only: tokens of the reasoning, markers included
 
 
 @dataclass
@@ -483,7 +484,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
 
 
 def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
-    n_prompt, n_gen = len(prep.input_ids), 0
+    n_prompt, n_gen, n_think = len(prep.input_ids), 0, 0
     pending = ""            # text held back because it may start a stop string
     shown = 0               # characters yielded so far
     t_first = None
@@ -504,7 +505,8 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
         return Event(text, token, reason, n_prompt, n_gen, computed, computed / pt if pt > 0 else 0.0,
                      (n_gen - 1) / gt if gt > 0 and n_gen > 1 else 0.0,
                      post.boxes(shown) if post and reason else [], reasoning=reasoning,
-                     videos=videos if reason else [], drafted=drafts[0], accepted=drafts[1], logprobs=list(lp))
+                     videos=videos if reason else [], drafted=drafts[0], accepted=drafts[1], logprobs=list(lp),
+                     reasoning_tokens=n_think if reason else 0)
 
     for token in gen:
         if t_first is None:
@@ -518,7 +520,9 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
         if thought:
             yield stats("", token, reasoning=thought)
         # the answer's tokens only: not the reasoning's, nor its markers
-        answer = noted is not None and not was and not split.thinking
+        thinking = was or split.thinking
+        n_think += thinking
+        answer = noted is not None and not thinking
         lp = [logprob_entry(model.tokenizer, noted.entries[n_gen - 1])] if answer else []
         pending += post.feed(piece) if post else piece
         if stop:

@@ -78,7 +78,7 @@ from itertools import chain
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from . import __version__, structured
+from . import __version__, responses, structured
 from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
 from .generate import model_template_kwargs, stream_events
@@ -823,15 +823,16 @@ class Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/") or "/"
         routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
                   "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
-                  "/v1/completions": ("POST", self._completions),
+                  "/v1/completions": ("POST", self._completions), "/v1/responses": ("POST", self._responses),
                   "/": ("GET", lambda: self._page("index.html"))}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
         if path.startswith("/web/"):
             routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
-            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/completions, "
-                            "GET /v1/models, GET /health and the chat page at /", code="unknown_route")
+            raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/responses, "
+                            "POST /v1/completions, GET /v1/models, GET /health and the chat page at /",
+                            code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
@@ -1161,6 +1162,57 @@ class Handler(BaseHTTPRequestHandler):
                     usage["speculative"] = {"drafted": ev.drafted, "accepted": ev.accepted}
                 self._event({**head, "choices": [], "usage": usage})
         self._end_events()
+
+    # -- POST /v1/responses (OpenAI's Responses API, read into a chat request) ---------------------
+    def _responses(self):
+        self._check_key()
+        req = self._read_json()
+        try:
+            chat = responses.to_chat(req)
+        except responses.RequestError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        messages, kwargs, stream, _ = parse_request(chat, self.server)
+        try:
+            w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
+            if not stream:
+                evs = self._run(lambda: decode_images(messages), kwargs)
+                if evs is None:
+                    return
+                for ev in evs:
+                    w.feed(ev)
+                w.finish(evs[-1])
+                self._send(200, w.final)
+                return
+
+            def send(events):
+                self._start_events()
+                for e in w.start():
+                    self._typed_event(e)
+                try:
+                    for ev in events:
+                        out = w.feed(ev)
+                        for e in out:
+                            self._typed_event(e)
+                        if not out and self._client_gone():
+                            raise ConnectionError("the client hung up")
+                except (ConnectionError, TimeoutError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+                    err = self._generation_error(e).body()["error"]
+                    self._typed_event({"type": "error", "sequence_number": w.seq, "code": err.get("code"),
+                                       "message": err["message"], "param": err.get("param")})
+                else:
+                    for e in w.finish(ev):
+                        self._typed_event(e)
+                self.wfile.write(b"0\r\n\r\n")
+
+            self._run(lambda: decode_images(messages), kwargs, send)
+        finally:  # answered, refused or abandoned: the request's temporary video files go now
+            close_videos(messages)
+
+    def _typed_event(self, obj: dict):
+        data = b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), json.dumps(obj, ensure_ascii=False).encode())
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     # -- POST /v1/completions (legacy text completion) --------------------------------------------
     def _completions(self):

@@ -1,0 +1,276 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path. A request is read into a
+chat completion request (``to_chat``: ``input`` items become messages, ``instructions`` a system
+message, flat function tools chat tools, ``text.format`` a response format), which the server checks
+and runs as any chat request; ``Writer`` turns its events into the response's output items
+(reasoning, message, function calls) and, streamed, into the typed events that build them. Nothing
+is stored: a conversation goes back in whole, as with chat completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from . import tools as tool_calls
+
+
+class RequestError(ValueError):
+    """A request the Responses API reading cannot take (the server answers 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+NOT_STORED = "responses are not stored here; send the whole conversation in input"
+REFUSED = {"previous_response_id": NOT_STORED, "conversation": NOT_STORED,
+           "prompt": "stored prompts are not supported; send the instructions and input",
+           "background": "background responses are not supported"}
+# what the Responses API names otherwise or means differently: never passed to the chat reading as is
+OWN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "include",
+       "top_logprobs", "stream_options", "store", "metadata", "truncation", "max_tool_calls", "prompt_cache_key",
+       "safety_identifier", "service_tier", "user", *REFUSED}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def to_chat(req: dict) -> dict:
+    """The request as a chat completion request; the sampling fields and edgevl's extensions
+    (``top_k``, ``seed``, ``stop``, ``chat_template_kwargs``, ``video_options``...) pass through."""
+    if not isinstance(req, dict):
+        raise RequestError("the request must be a JSON object")
+    for key, why in REFUSED.items():
+        if req.get(key):
+            raise RequestError(f"{key}: {why}", key)
+    chat = {k: v for k, v in req.items() if k not in OWN}
+    messages = []
+    instructions = req.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError("instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    given = req.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list) and given:
+        messages += _items(given)
+    else:
+        raise RequestError("input must be a string or a non-empty list of items", "input")
+    chat["messages"] = messages
+    if req.get("max_output_tokens") is not None:
+        chat["max_tokens"] = req["max_output_tokens"]
+    if req.get("tools") is not None:
+        chat["tools"] = _tools(req["tools"])
+    choice = req.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif isinstance(choice, dict) and choice.get("type") != "function":
+        raise RequestError(f"tool_choice of type {choice.get('type')!r} is not supported: use auto, none, required "
+                           "or {\"type\": \"function\", \"name\": ...}", "tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = choice
+    text = req.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise RequestError("text must be an object such as {\"format\": {\"type\": \"json_schema\", ...}}", "text")
+        fmt = text.get("format")
+        if fmt is not None:
+            chat["response_format"] = _format(fmt)
+    return chat
+
+
+def _format(fmt) -> dict:
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                           "\"json_schema\", \"name\", \"schema\", \"strict\"}", "text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": inner}
+
+
+def _tools(tools) -> list:
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of function tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise RequestError(f"tools[{i}] is a {kind!r} tool; only function tools are supported (built-in tools "
+                               "such as web_search run on OpenAI's side)", f"tools[{i}]")
+        out.append(t if "function" in t else
+                   {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                     if k in t}})
+    return out
+
+
+def _items(items: list) -> list:
+    out = []
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise RequestError(f"{where} must be an object (a message, function_call or function_call_output item)",
+                               where)
+        kind = it.get("type", "message")
+        if kind == "message":
+            content = it.get("content")
+            if isinstance(content, list):
+                content = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+            out.append({"role": it.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": it.get("call_id"), "type": "function",
+                    "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}
+            if out and out[-1].get("role") == "assistant":    # the turn's text, then its calls
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = it.get("output")
+            if isinstance(output, list):    # text parts
+                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if not isinstance(output, str):
+                raise RequestError(f"{where}.output must be a string", f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": output})
+        elif kind == "reasoning":
+            continue     # earlier thinking: chat templates leave it out of the history
+        else:
+            raise RequestError(f"{where} is a {kind!r} item; message, function_call, function_call_output and "
+                               "reasoning items are supported", where)
+    return out
+
+
+def _part(p, where: str) -> dict:
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": p.get("text")}
+    if kind == "refusal":
+        return {"type": "text", "text": p.get("refusal")}
+    if kind == "input_image":
+        if p.get("file_id"):
+            raise RequestError(f"{where}: file ids are not supported; send the image as a data: URL", where)
+        url = p.get("image_url")
+        return {"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}}
+    if kind in ("image_url", "video_url"):     # the chat API's own parts, and edgevl's video part
+        return p
+    raise RequestError(f"{where} must be an input_text or input_image part (files and audio are not supported)",
+                       where)
+
+
+class Writer:
+    """A response's output items built from the chat path's events, with the typed stream events
+    that build them (``start``, ``feed``, ``finish``; each returns the events to send)."""
+
+    def __init__(self, req: dict, model_id: str, spec=None):
+        self.id = _id("resp")
+        self.req, self.model_id = req, model_id
+        self.calls = tool_calls.CallStream(spec) if spec is not None and spec.parses else None
+        self.items: list[dict] = []
+        self.open: dict | None = None     # the item being written
+        self.text = ""                    # its text (reasoning or message) so far
+        self.seq = 0
+        self.created = int(time.time())
+
+    def response(self, status: str = "in_progress", last=None) -> dict:
+        req = self.req
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+               "incomplete_details": None, "instructions": req.get("instructions"),
+               "max_output_tokens": req.get("max_output_tokens"), "model": self.model_id,
+               "output": [dict(i) for i in self.items] if status != "in_progress" else [],
+               "parallel_tool_calls": req.get("parallel_tool_calls", True),
+               "temperature": req.get("temperature"), "top_p": req.get("top_p"),
+               "tool_choice": req.get("tool_choice", "auto"), "tools": req.get("tools") or [],
+               "text": req.get("text") or {"format": {"type": "text"}}, "reasoning": req.get("reasoning"),
+               "store": False, "metadata": req.get("metadata") or {}, "truncation": "disabled", "usage": None}
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if last is not None:
+            out["usage"] = {"input_tokens": last.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": last.prompt_tokens - last.prefill_tokens},
+                            "output_tokens": last.generation_tokens,
+                            "output_tokens_details": {"reasoning_tokens": last.reasoning_tokens},
+                            "total_tokens": last.prompt_tokens + last.generation_tokens}
+        return out
+
+    def _ev(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        r = self.response()
+        return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
+
+    def _begin(self, item: dict) -> list[dict]:
+        out = self._close()
+        self.open, self.text = item, ""
+        self.items.append(item)
+        i = len(self.items) - 1
+        out.append(self._ev("response.output_item.added", output_index=i, item=dict(item)))
+        if item["type"] == "message":
+            out.append(self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                                part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def _close(self, complete: bool = True) -> list[dict]:
+        item, i = self.open, len(self.items) - 1
+        if item is None:
+            return []
+        self.open = None
+        item["status"] = "completed" if complete else "incomplete"
+        kind, where = item["type"], {"item_id": item["id"], "output_index": i}
+        out = []
+        if kind == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": self.text}]
+            out.append(self._ev("response.reasoning_text.done", **where, content_index=0, text=self.text))
+        elif kind == "message":
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            item["content"] = [part]
+            out += [self._ev("response.output_text.done", **where, content_index=0, text=self.text),
+                    self._ev("response.content_part.done", **where, content_index=0, part=part)]
+        else:
+            out.append(self._ev("response.function_call_arguments.done", **where, name=item["name"],
+                                arguments=item["arguments"]))
+        out.append(self._ev("response.output_item.done", output_index=i, item=dict(item)))
+        return out
+
+    def _write(self, kind: str, text: str) -> list[dict]:
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            item = ({"id": _id("rs"), "type": "reasoning", "summary": [], "content": []} if kind == "reasoning"
+                    else {"id": _id("msg"), "type": "message", "role": "assistant", "content": []})
+            out += self._begin({**item, "status": "in_progress"})
+        self.text += text
+        where = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        out.append(self._ev(name, **where, delta=text))
+        return out
+
+    def feed(self, ev) -> list[dict]:
+        """The events one chat event (``generate.Event``) makes."""
+        out = self._write("reasoning", ev.reasoning) if ev.reasoning else []
+        end = ev.finish_reason is not None
+        if self.calls is None:
+            return out + (self._write("message", ev.text) if ev.text else [])
+        for e in self.calls.feed(ev.text, end):
+            if e[0] == "content":
+                # blank text between calls (or before the first) is no message of its own
+                if e[1].strip() or (self.open is not None and self.open["type"] == "message"):
+                    out += self._write("message", e[1])
+            elif e[0] == "name":
+                out += self._begin({"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                                    "call_id": e[2], "name": e[3], "arguments": ""})
+            else:
+                self.open["arguments"] += e[2]
+                out.append(self._ev("response.function_call_arguments.delta", item_id=self.open["id"],
+                                    output_index=len(self.items) - 1, delta=e[2]))
+        return out
+
+    def finish(self, last) -> list[dict]:
+        """The last events, ``last`` the chat path's final event: the open item closed (a call the
+        token limit cut stays incomplete), then the whole response."""
+        cut = self.calls is not None and self.calls.open
+        out = self._close(complete=not cut)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        self.final = self.response(status, last)
+        return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
+                               response=self.final)]

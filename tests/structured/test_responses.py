@@ -1,0 +1,167 @@
+"""`POST /v1/responses` (OpenAI's Responses API) through the openai client: each request answers as
+its chat completion does (text, instructions, images, JSON schemas, tool calls and their results,
+thinking), streamed as the typed events that build the same response; what it cannot take is a
+one-line 400."""
+
+import base64
+import io
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+from PIL import Image
+
+import edgevl
+from edgevl.server import make_server
+from support.schemas import SCHEMAS
+from support.server import post
+
+ASK = "Read the meter."
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+FLAT_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+             "parameters": WEATHER}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in FLAT_TOOL.items() if k != "type"}}
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model="m", messages=messages, temperature=0, **kw)
+
+
+def streamed(client, **kw) -> list:
+    return list(client.responses.create(model="m", temperature=0, stream=True, **kw))
+
+
+def check_sequence(events):
+    """Numbered in order; each item added, then done, at its own index."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert added == done == list(range(len(added)))
+
+
+def test_text_and_instructions_answer_as_the_chat_endpoint(client):
+    r = client.responses.create(model="m", input=ASK, max_output_tokens=10, temperature=0)
+    c = chat(client, [{"role": "user", "content": ASK}], max_tokens=10)
+    assert r.object == "response" and r.output_text == c.choices[0].message.content
+    assert r.status == ("incomplete" if c.choices[0].finish_reason == "length" else "completed")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    r = client.responses.create(model="m", instructions="Answer in French.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}]}], max_output_tokens=10, temperature=0)
+    c = chat(client, [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": ASK}],
+             max_tokens=10)
+    assert r.output_text == c.choices[0].message.content
+    events = streamed(client, input=ASK, max_output_tokens=10)
+    check_sequence(events)
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == \
+        "max_output_tokens"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        client.responses.create(model="m", input=ASK, max_output_tokens=10, temperature=0).output_text
+
+
+def test_json_schema_text_format_plain_and_streamed(client):
+    schema = SCHEMAS["camera_event"]
+    fmt = {"format": {"type": "json_schema", "name": "event", "schema": schema, "strict": True}}
+    r = client.responses.create(model="m", input=ASK, text=fmt, temperature=0)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    events = streamed(client, input=ASK, text=fmt)
+    check_sequence(events)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == r.output_text
+    with client.responses.stream(model="m", input=ASK, text=fmt, temperature=0) as s:
+        final = s.get_final_response()
+    assert final.output_text == r.output_text
+
+
+def test_a_tool_call_and_its_result_round_trip(client):
+    r = client.responses.create(model="m", input="Weather in Paris?", tools=[FLAT_TOOL], tool_choice="required",
+                                parallel_tool_calls=False, temperature=0, max_output_tokens=200)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # the same call as the chat endpoint makes it
+    c = chat(client, [{"role": "user", "content": "Weather in Paris?"}], tools=[CHAT_TOOL], tool_choice="required",
+             parallel_tool_calls=False, max_tokens=200)
+    assert c.choices[0].message.tool_calls[0].function.arguments == call.arguments
+    # streamed: the arguments come in fragments that join to the call's
+    events = streamed(client, input="Weather in Paris?", tools=[FLAT_TOOL], parallel_tool_calls=False,
+                      tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200)
+    check_sequence(events)
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert events[-1].response.output[0].arguments == call.arguments
+    # the result goes back as an item; the answer is the chat endpoint's to the same turns
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    r2 = client.responses.create(model="m", input=items, tools=[FLAT_TOOL], max_output_tokens=12, temperature=0)
+    c2 = chat(client, [{"role": "user", "content": "Weather in Paris?"},
+                       {"role": "assistant", "content": "", "tool_calls": [
+                           {"id": call.call_id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}]},
+                       {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}],
+              tools=[CHAT_TOOL], max_tokens=12)
+    assert r2.output_text == (c2.choices[0].message.content or "")
+    assert r2.usage.input_tokens == c2.usage.prompt_tokens
+
+
+def test_thinking_comes_as_a_reasoning_item(client):
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    r = client.responses.create(model="m", input=ASK, max_output_tokens=16, temperature=0, extra_body=think)
+    c = chat(client, [{"role": "user", "content": ASK}], max_tokens=16, extra_body=think)
+    assert r.output[0].type == "reasoning"
+    assert r.output[0].content[0].text == c.choices[0].message.reasoning_content
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    events = streamed(client, input=ASK, max_output_tokens=16, extra_body=think)
+    check_sequence(events)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        r.output[0].content[0].text
+
+
+def test_an_image_input_answers_as_in_chat(qwen_vl_package):
+    from openai import OpenAI
+
+    srv, _ = make_server(edgevl.load(qwen_vl_package), thinking=False)
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(3).integers(0, 255, (40, 56, 3), dtype=np.uint8)).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        r = client.responses.create(model="m", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is this?"}]}],
+            max_output_tokens=8, temperature=0)
+        c = chat(client, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                       {"type": "text", "text": "What is this?"}]}], max_tokens=8)
+        assert r.output_text == c.choices[0].message.content
+        assert r.usage.input_tokens == c.usage.prompt_tokens
+    finally:
+        srv.stop()
+
+
+BAD = [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "responses are not stored here", "previous_response_id"),
+    ({}, "input must be a string or a non-empty list", "input"),
+    ({"input": []}, "input must be a string or a non-empty list", "input"),
+    ({"input": [{"type": "file_search_call"}]}, "input[0] is a 'file_search_call' item", "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "must be an input_text or input_image part", "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "file ids are not supported", "input[0].content[0]"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools are supported", "tools[0]"),
+    ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "allowed_tools"}}, "tool_choice of type",
+     "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format must be", "text.format"),
+    ({"input": "hi", "instructions": ["a"]}, "instructions must be a string", "instructions"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_tokens must be >= 1", "max_tokens"),
+    ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope",
+     "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("body,message,param", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_what_it_cannot_take_is_a_400(server, body, message, param):
+    status, reply, _ = post(server.server_address[1], body, path="/v1/responses")
+    assert status == 400, reply
+    assert message in reply["error"]["message"] and reply["error"]["param"] == param, reply
+    assert "\n" not in reply["error"]["message"]
