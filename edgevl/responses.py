@@ -58,6 +58,10 @@ def to_chat(req: dict) -> dict:
     else:
         raise RequestError("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
+    include = req.get("include") or []
+    if isinstance(include, list) and "message.output_text.logprobs" in include:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = req.get("top_logprobs") or 0
     if req.get("max_output_tokens") is not None:
         chat["max_tokens"] = req["max_output_tokens"]
     if req.get("tools") is not None:
@@ -168,6 +172,8 @@ class Writer:
         self.items: list[dict] = []
         self.open: dict | None = None     # the item being written
         self.text = ""                    # its text (reasoning or message) so far
+        self.logprobs: list = []          # the message's tokens' log-probabilities so far (include asks)
+        self.pending: list = []           # ... of tokens whose text has not been written yet
         self.seq = 0
         self.created = int(time.time())
 
@@ -202,7 +208,7 @@ class Writer:
 
     def _begin(self, item: dict) -> list[dict]:
         out = self._close()
-        self.open, self.text = item, ""
+        self.open, self.text, self.logprobs = item, "", []
         self.items.append(item)
         i = len(self.items) - 1
         out.append(self._ev("response.output_item.added", output_index=i, item=dict(item)))
@@ -223,7 +229,7 @@ class Writer:
             item["content"] = [{"type": "reasoning_text", "text": self.text}]
             out.append(self._ev("response.reasoning_text.done", **where, content_index=0, text=self.text))
         elif kind == "message":
-            part = {"type": "output_text", "text": self.text, "annotations": []}
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             item["content"] = [part]
             out += [self._ev("response.output_text.done", **where, content_index=0, text=self.text),
                     self._ev("response.content_part.done", **where, content_index=0, part=part)]
@@ -241,13 +247,18 @@ class Writer:
             out += self._begin({**item, "status": "in_progress"})
         self.text += text
         where = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        out.append(self._ev(name, **where, delta=text))
+        if kind == "reasoning":
+            out.append(self._ev("response.reasoning_text.delta", **where, delta=text))
+        else:
+            lp, self.pending = self.pending, []
+            self.logprobs += lp
+            out.append(self._ev("response.output_text.delta", **where, delta=text, logprobs=lp))
         return out
 
     def feed(self, ev) -> list[dict]:
         """The events one chat event (``generate.Event``) makes."""
         out = self._write("reasoning", ev.reasoning) if ev.reasoning else []
+        self.pending += ev.logprobs
         end = ev.finish_reason is not None
         if self.calls is None:
             return out + (self._write("message", ev.text) if ev.text else [])
@@ -257,6 +268,7 @@ class Writer:
                 if e[1].strip() or (self.open is not None and self.open["type"] == "message"):
                     out += self._write("message", e[1])
             elif e[0] == "name":
+                self.pending = []     # a call's tokens: no text of a message
                 out += self._begin({"id": _id("fc"), "type": "function_call", "status": "in_progress",
                                     "call_id": e[2], "name": e[3], "arguments": ""})
             else:

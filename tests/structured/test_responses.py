@@ -165,3 +165,17 @@ def test_what_it_cannot_take_is_a_400(server, body, message, param):
     assert status == 400, reply
     assert message in reply["error"]["message"] and reply["error"]["param"] == param, reply
     assert "\n" not in reply["error"]["message"]
+
+
+def test_logprobs_when_included(client):
+    kw = dict(input=ASK, max_output_tokens=8, include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(model="m", temperature=0, **kw)
+    c = chat(client, [{"role": "user", "content": ASK}], max_tokens=8, logprobs=True, top_logprobs=2)
+    got = r.output[0].content[0].logprobs
+    want = c.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in want] and len(got) == c.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in got)
+    events = streamed(client, **kw)
+    assert [e.token for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] == \
+        [e.token for e in got]
+    assert client.responses.create(model="m", input=ASK, max_output_tokens=4).output[0].content[0].logprobs == []
