@@ -81,7 +81,7 @@ from urllib.parse import unquote, urlsplit
 from . import __version__, responses, structured
 from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
-from .generate import model_template_kwargs, stream_events
+from .generate import encode_messages, model_template_kwargs, stream_events
 from .model import Model, load
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias
 
@@ -773,6 +773,42 @@ def decode_images(messages: list) -> list:
     return out
 
 
+def tokenize_request(req: dict, server: EdgevlServer) -> list[int]:
+    """The token ids of POST /tokenize: llama-server's ``content`` or vLLM's ``prompt`` (text as
+    written, as /v1/completions reads it) or ``messages`` (text messages, rendered and tokenized as
+    the chat endpoint does); refused past the context, as a request would be."""
+    _check_text(req)
+    given = [k for k in ("content", "prompt", "messages") if req.get(k) is not None]
+    if len(given) != 1:
+        raise HTTPError(400, "send one of content or prompt (text as written) or messages (rendered by the chat "
+                        "template)", given[1] if given else "content")
+    key, model = given[0], server.model
+    if key != "messages":
+        if not isinstance(req[key], str):
+            raise HTTPError(400, f"{key} must be a string", key)
+        _check_prompt_tokens(req[key], server, 0, key, "")
+        return model.tokenizer.encode(req[key])
+    raw = req["messages"]
+    if isinstance(raw, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+            not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]) for m in raw):
+        raise HTTPError(400, "/tokenize takes text messages; images and videos count as the chat endpoint "
+                        "reports in usage.prompt_tokens", "messages")
+    messages = _messages(raw, server)
+    ctk = req.get("chat_template_kwargs")
+    if ctk is not None and not isinstance(ctk, dict):
+        raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    try:
+        ctk = model_template_kwargs(model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "chat_template_kwargs") from None
+    _check_length(messages, ctk, server)
+    try:
+        return encode_messages(model.tokenizer, tool_calls.template_messages(messages),
+                               server.allow_special_in_content, ctk)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "messages") from None
+
+
 def _legacy_logprobs(entries: list, offset: int) -> dict:
     """``Event.logprobs`` entries in the legacy completion's shape (each token's alternatives as
     {token: logprob}, the token taken among them; ``text_offset``: where each token starts)."""
@@ -824,6 +860,7 @@ class Handler(BaseHTTPRequestHandler):
         routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
                   "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
                   "/v1/completions": ("POST", self._completions), "/v1/responses": ("POST", self._responses),
+                  "/tokenize": ("POST", self._tokenize), "/detokenize": ("POST", self._detokenize),
                   "/": ("GET", lambda: self._page("index.html"))}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
@@ -831,8 +868,8 @@ class Handler(BaseHTTPRequestHandler):
             routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
             raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/responses, "
-                            "POST /v1/completions, GET /v1/models, GET /health and the chat page at /",
-                            code="unknown_route")
+                            "POST /v1/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health "
+                            "and the chat page at /", code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
@@ -1209,6 +1246,28 @@ class Handler(BaseHTTPRequestHandler):
             self._run(lambda: decode_images(messages), kwargs, send)
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
+
+    # -- POST /tokenize, /detokenize (llama-server's and vLLM's) ---------------------------------------
+    def _tokenize(self):
+        self._check_key()
+        req = self._read_json()
+        ids = tokenize_request(req, self.server)
+        with_pieces = req.get("with_pieces", False)
+        if not isinstance(with_pieces, bool):
+            raise HTTPError(400, "with_pieces must be true or false", "with_pieces")
+        tok = self.server.model.tokenizer
+        tokens = [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)} for i in ids] if with_pieces else ids
+        self._send(200, {"tokens": tokens, "count": len(ids), "max_model_len": self.server.model.max_context})
+
+    def _detokenize(self):
+        self._check_key()
+        req = self._read_json()
+        ids, n = req.get("tokens"), self.server.model.tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                                                for i in ids):
+            raise HTTPError(400, f"tokens must be a list of token ids from 0 to {n - 1}", "tokens")
+        text = self.server.model.tokenizer.decode(ids, skip_special_tokens=False)
+        self._send(200, {"content": text, "prompt": text})
 
     def _typed_event(self, obj: dict):
         data = b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), json.dumps(obj, ensure_ascii=False).encode())

@@ -177,6 +177,32 @@ def test_text_completions_continue_the_prompt_as_written(pkgs, text_server):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+def test_tokenize_and_detokenize(pkgs, text_server):
+    """llama-server's and vLLM's token endpoints: text as written, or messages as the chat
+    endpoint renders them (the count is its prompt_tokens)."""
+    tok = edgevl.load(pkgs[1]).tokenizer
+    text = "The cat sat on the mat. <|end_of_text|> 你好"
+    status, body, _ = raw(text_server, "POST", "/tokenize", {"content": text})
+    assert status == 200 and body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert raw(text_server, "POST", "/tokenize", {"prompt": text})[1]["tokens"] == body["tokens"]
+    assert raw(text_server, "POST", "/detokenize", {"tokens": body["tokens"]})[1]["content"] == text
+    pieces = raw(text_server, "POST", "/tokenize", {"content": "The cat", "with_pieces": True})[1]["tokens"]
+    assert [p["id"] for p in pieces] == tok.encode("The cat") and "".join(p["piece"] for p in pieces) == "The cat"
+    counted = raw(text_server, "POST", "/tokenize", {"messages": MSGS})[1]["count"]
+    r = client(text_server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert counted == r.usage.prompt_tokens
+    for path, bad, msg in (("/tokenize", {}, "send one of content or prompt"),
+                           ("/tokenize", {"content": "a", "prompt": "b"}, "send one of"),
+                           ("/tokenize", {"content": 5}, "content must be a string"),
+                           ("/tokenize", {"content": "word " * 20000}, "but the model's context is"),
+                           ("/tokenize", {"messages": [{"role": "user", "content": [
+                               {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "takes text messages"),
+                           ("/detokenize", {"tokens": [1, -2]}, "tokens must be a list of token ids"),
+                           ("/detokenize", {"tokens": [tok.vocab_size]}, "tokens must be a list of token ids")):
+        status, body, _ = raw(text_server, "POST", path, bad)
+        assert status == 400 and msg in body["error"]["message"], (path, bad, body)
+
+
 def test_logit_bias_forces_and_bans(pkgs, text_server):
     tok = edgevl.load(pkgs[1]).tokenizer
     a = tok.encode("a")[0]
