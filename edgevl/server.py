@@ -571,16 +571,7 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     spec = _tools(req, server)   # a model without a call format refuses them: ignoring them would look like
     # a model that never calls
-    # vLLM's extension: values for the chat template, e.g. {"enable_thinking": false}
-    ctk = req.get("chat_template_kwargs")
-    if ctk is not None and not isinstance(ctk, dict):
-        raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
-    if ctk and (ctk.get("tools") or ctk.get("functions")):  # the template would render them into the prompt
-        raise HTTPError(400, NO_TOOLS, "chat_template_kwargs.tools")
-    try:
-        ctk = model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
-    except EdgevlError as e:
-        raise HTTPError(400, str(e), "chat_template_kwargs") from None
+    ctk = _template_kwargs(req, server)
     if spec is not None and spec.render:   # the prompt's length counts the tools the template renders
         ctk = {**ctk, "tools": spec.render}
     kwargs.update(allow_special_in_content=server.allow_special_in_content,
@@ -605,6 +596,20 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
         close_videos(messages)
         raise
     return messages, kwargs, stream, include_usage
+
+
+def _template_kwargs(req: dict, server: EdgevlServer) -> dict:
+    """vLLM's extension ``chat_template_kwargs`` (values for the chat template, e.g.
+    {"enable_thinking": false}) over the server's defaults, checked."""
+    ctk = req.get("chat_template_kwargs")
+    if ctk is not None and not isinstance(ctk, dict):
+        raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    if ctk and (ctk.get("tools") or ctk.get("functions")):  # the template would render them into the prompt
+        raise HTTPError(400, NO_TOOLS, "chat_template_kwargs.tools")
+    try:
+        return model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "chat_template_kwargs") from None
 
 
 # OpenAI's default budget of a (legacy) text completion
@@ -794,13 +799,7 @@ def tokenize_request(req: dict, server: EdgevlServer) -> list[int]:
         raise HTTPError(400, "/tokenize takes text messages; images and videos count as the chat endpoint "
                         "reports in usage.prompt_tokens", "messages")
     messages = _messages(raw, server)
-    ctk = req.get("chat_template_kwargs")
-    if ctk is not None and not isinstance(ctk, dict):
-        raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
-    try:
-        ctk = model_template_kwargs(model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
-    except EdgevlError as e:
-        raise HTTPError(400, str(e), "chat_template_kwargs") from None
+    ctk = _template_kwargs(req, server)
     _check_length(messages, ctk, server)
     try:
         return encode_messages(model.tokenizer, tool_calls.template_messages(messages),
