@@ -1030,7 +1030,9 @@ class Handler(BaseHTTPRequestHandler):
     def _models(self, model_id=None):
         self._check_key()
         s = self.server
-        card = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "edgevl"}
+        # max_model_len: vLLM's field, which clients read for the context a model takes
+        card = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "edgevl",
+                "max_model_len": s.model.max_context}
         if model_id is None:
             self._send(200, {"object": "list", "data": [card]})
         elif not s.strict_model or unquote(model_id) in s.model_ids:

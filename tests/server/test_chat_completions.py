@@ -107,6 +107,7 @@ def test_text_matches_generate_stream_and_usage(pkgs, text_server):
     # the same conversation again: the whole prompt but its last token comes from the cache
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == n_prompt - 1
     assert [m.id for m in c.models.list()] == ["tiny"]
+    assert c.models.list().data[0].max_model_len == edgevl.load(pkgs[1]).max_context
 
 
 def test_stop_max_tokens_and_sampling_extensions(pkgs, text_server):
