@@ -7,6 +7,7 @@ is stored: a conversation goes back in whole, as with chat completions."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -35,26 +36,29 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def to_chat(req: dict) -> dict:
-    """The request as a chat completion request; the sampling fields and edgevl's extensions
-    (``top_k``, ``seed``, ``stop``, ``chat_template_kwargs``, ``video_options``...) pass through."""
+def to_chat(req: dict) -> tuple[dict, list]:
+    """(the request as a chat completion request, where each of its messages came from: "input[i]"
+    or "instructions"). The sampling fields and edgevl's extensions (``top_k``, ``seed``, ``stop``,
+    ``chat_template_kwargs``, ``video_options``...) pass through."""
     if not isinstance(req, dict):
         raise RequestError("the request must be a JSON object")
     for key, why in REFUSED.items():
         if req.get(key):
             raise RequestError(f"{key}: {why}", key)
     chat = {k: v for k, v in req.items() if k not in OWN}
-    messages = []
+    messages, origin = [], []
     instructions = req.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise RequestError("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
+        origin.append("instructions")
     given = req.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
+        origin.append("input")
     elif isinstance(given, list) and given:
-        messages += _items(given)
+        messages += _items(given, origin)
     else:
         raise RequestError("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
@@ -81,7 +85,12 @@ def to_chat(req: dict) -> dict:
         fmt = text.get("format")
         if fmt is not None:
             chat["response_format"] = _format(fmt)
-    return chat
+    return chat, origin
+
+
+def renamed(text: str, origin: list) -> str:
+    """A chat reading's ``messages[k]`` in ``text`` named as the request named it (``input[i]``)."""
+    return re.sub(r"messages\[(\d+)\]", lambda m: origin[int(m[1])] if int(m[1]) < len(origin) else m[0], text)
 
 
 def _format(fmt) -> dict:
@@ -109,7 +118,7 @@ def _tools(tools) -> list:
     return out
 
 
-def _items(items: list) -> list:
+def _items(items: list, origin: list) -> list:
     out = []
     for i, it in enumerate(items):
         where = f"input[{i}]"
@@ -122,6 +131,7 @@ def _items(items: list) -> list:
             if isinstance(content, list):
                 content = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
             out.append({"role": it.get("role"), "content": content})
+            origin.append(where)
         elif kind == "function_call":
             call = {"id": it.get("call_id"), "type": "function",
                     "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}
@@ -129,6 +139,7 @@ def _items(items: list) -> list:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                origin.append(where)
         elif kind == "function_call_output":
             output = it.get("output")
             if isinstance(output, list):    # text parts
@@ -136,6 +147,7 @@ def _items(items: list) -> list:
             if not isinstance(output, str):
                 raise RequestError(f"{where}.output must be a string", f"{where}.output")
             out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": output})
+            origin.append(where)
         elif kind == "reasoning":
             continue     # earlier thinking: chat templates leave it out of the history
         else:

@@ -1206,10 +1206,15 @@ class Handler(BaseHTTPRequestHandler):
         self._check_key()
         req = self._read_json()
         try:
-            chat = responses.to_chat(req)
+            chat, origin = responses.to_chat(req)
         except responses.RequestError as e:
             raise HTTPError(400, str(e), e.param) from None
-        messages, kwargs, stream, _ = parse_request(chat, self.server)
+        try:
+            messages, kwargs, stream, _ = parse_request(chat, self.server)
+        except HTTPError as e:   # named as the request named it: input[i], not the chat reading's messages[k]
+            e.args = (responses.renamed(str(e), origin),)
+            e.param = e.param and responses.renamed(e.param, origin)
+            raise
         try:
             w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
             if not stream:

@@ -153,6 +153,9 @@ BAD = [
      "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format must be", "text.format"),
     ({"input": "hi", "instructions": ["a"]}, "instructions must be a string", "instructions"),
+    # the chat reading's errors name the request's own fields (instructions make messages[0] here)
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
+     "input[1].role must be system, user, assistant or tool", "input[1].role"),
     ({"input": "hi", "max_output_tokens": 0}, "max_tokens must be >= 1", "max_tokens"),
     ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope",
      "tool_choice"),
