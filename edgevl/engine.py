@@ -164,7 +164,7 @@ class Engine:
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
                         max_image_patches: int | None = None, ignore_eos: bool = False, constraint=None,
                         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs=None,
-                        logit_bias=None) -> Stream:
+                        logit_bias=None, min_p: float = 0.0) -> Stream:
         """As ``Model.generate_tokens``: new token ids until eos, ``stop_ids``, the budget or the
         context end; the request decodes alongside the others. ``constraint``
         (``edgevl.structured.Constraint``) is this request's own: its row is sampled among the
@@ -178,7 +178,7 @@ class Engine:
         s = Stream(self, {"ids": ids, "rows": rows, "infos": infos, "stops": stops, "reuse": reuse_cache,
                           "sampler": Sampler(temperature, top_k, top_p, repetition_penalty, seed, presence_penalty,
                                              frequency_penalty, prompt_tokens=len(ids), logprobs=logprobs,
-                                             logit_bias=logit_bias),
+                                             logit_bias=logit_bias, min_p=min_p),
                           "max_new": int(max_new_tokens), "constraint": constraint})
         with self.cond:
             if self.closed:

@@ -418,7 +418,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logprobs: bool = False,
                   top_logprobs: int | None = None, logit_bias: dict | None = None,
-                  split_reasoning: bool = True) -> Iterator[Event]:
+                  split_reasoning: bool = True, min_p: float | None = None) -> Iterator[Event]:
     """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
@@ -432,7 +432,8 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``), the model's own
     log-probabilities (before penalties, temperature and constraints). The reasoning's tokens
     have none, nor has the end-of-answer token. ``logit_bias``: OpenAI's, {token id: -100 to 100}
-    added to the logits before sampling (-100 in effect bans a token, 100 forces it).
+    added to the logits before sampling (-100 in effect bans a token, 100 forces it). ``min_p``: drop
+    tokens less likely than min_p times the likeliest (after top-p; None: the checkpoint's, else off).
     ``split_reasoning=False``: the reasoning stays in the text as written, markers included (a raw
     continuation), and a constraint applies from the first token."""
     if top_logprobs and not logprobs:
@@ -457,7 +458,7 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     if spec is not None and spec.render:
         chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": spec.render}
     compiled = structured.compiled(model, structure) if structure is not None else None
-    settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty)
+    settings = resolve_sampling(model.generation_config, temperature, top_k, top_p, repetition_penalty, min_p)
     if max_new_tokens is None:
         max_new_tokens = default_max_new_tokens(model)
     t0 = time.perf_counter()

@@ -486,7 +486,8 @@ class Model:
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
                         max_image_patches: int | None = None, ignore_eos: bool = False,
                         constraint=None, presence_penalty: float = 0.0,
-                        frequency_penalty: float = 0.0, logprobs=None, logit_bias=None) -> Iterator[int]:
+                        frequency_penalty: float = 0.0, logprobs=None, logit_bias=None,
+                        min_p: float = 0.0) -> Iterator[int]:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
         ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
@@ -496,19 +497,21 @@ class Model:
         consumer); a consumer that stops early releases the thread for the next call.
         ``logprobs`` (``edgevl.sample.Logprobs``): notes each token taken with its log-probability.
         ``logit_bias``: OpenAI's, {token id: -100..100} added to the logits before sampling.
+        ``min_p``: drop tokens less likely than ``min_p`` times the likeliest (after top-p).
         """
         sampling = (temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty)
         gen = self._generate_tokens(input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache,
-                                    max_image_patches, ignore_eos, constraint, logprobs, logit_bias)
+                                    max_image_patches, ignore_eos, constraint, logprobs, logit_bias, min_p)
         owner = self.__dict__.get("_owner")
         return gen if owner is None else owner.stream(gen)
 
     def _generate_tokens(self, input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache, max_image_patches,
-                         ignore_eos, constraint, logprobs=None, logit_bias=None) -> Iterator[int]:
+                         ignore_eos, constraint, logprobs=None, logit_bias=None, min_p=0.0) -> Iterator[int]:
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         input_ids = [int(t) for t in input_ids]
-        sampler = Sampler(*sampling, prompt_tokens=len(input_ids), logprobs=logprobs, logit_bias=logit_bias)
+        sampler = Sampler(*sampling, prompt_tokens=len(input_ids), logprobs=logprobs, logit_bias=logit_bias,
+                          min_p=min_p)
         rows, infos = self.encode_images(image, max_image_patches)
         stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
         logits = self.prefill(input_ids, rows, reuse_cache, images=infos)

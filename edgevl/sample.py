@@ -1,7 +1,7 @@
 """Token selection from logits: greedy, or seeded sampling with the usual processors.
 
-Order follows transformers' generate: repetition penalty, then temperature, top-k, top-p; OpenAI's
-presence and frequency penalties come after the repetition penalty (vLLM's order).
+Order follows transformers' generate: repetition penalty, then temperature, top-k, top-p, min-p;
+OpenAI's presence and frequency penalties come after the repetition penalty (vLLM's order).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, prompt_tokens: int = 0, logprobs: Logprobs | None = None,
-                 logit_bias: dict | None = None):
+                 logit_bias: dict | None = None, min_p: float = 0.0):
         if not _finite(temperature) or temperature < 0:
             raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         if not _finite(top_k) or top_k < 0:
@@ -41,11 +41,14 @@ class Sampler:
             raise EdgevlError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition_penalty}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise EdgevlError(f"seed must be an integer >= 0, got {seed}")
+        if not _finite(min_p) or not 0 <= min_p <= 1:
+            raise EdgevlError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
         for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
             if not _finite(v) or not -2 <= v <= 2:
                 raise EdgevlError(f"{name} must be a number from -2 to 2 (0 = off), got {v}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.repetition_penalty = float(repetition_penalty)
+        self.min_p = float(min_p)
         # OpenAI's penalties count the tokens generated so far: the history after the prompt
         self.presence_penalty, self.frequency_penalty = float(presence_penalty), float(frequency_penalty)
         self.prompt_tokens = int(prompt_tokens)
@@ -135,6 +138,9 @@ class Sampler:
             mask = np.zeros_like(p, dtype=bool)
             mask[keep] = True
             p = np.where(mask, p, 0.0)
+            p /= p.sum()
+        if self.min_p > 0:    # tokens below min_p times the likeliest one's probability go
+            p = np.where(p >= self.min_p * p.max(), p, 0.0)
             p /= p.sum()
         return p
 
@@ -253,10 +259,14 @@ class Settings:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
     source: dict = field(default_factory=dict)   # key -> "given" | "generation_config.json" | "default"
 
     def kwargs(self) -> dict:
-        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+        out = {k: getattr(self, k) for k in SAMPLING_KEYS}
+        if self.min_p:
+            out["min_p"] = self.min_p
+        return out
 
     def describe(self) -> str:
         if self.temperature == 0 or self.top_k == 1:
@@ -264,24 +274,25 @@ class Settings:
             shown = ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
         else:
             head = "sampling"
-            shown = list(SAMPLING_KEYS)
+            shown = list(SAMPLING_KEYS) + (["min_p"] if self.min_p else [])
         parts = [f"{k} {getattr(self, k):g} ({self.source.get(k, 'default')})" for k in shown]
         return head + (": " + ", ".join(parts) if parts else "")
 
 
 def resolve(generation_config: dict | None, temperature=None, top_k=None, top_p=None,
-            repetition_penalty=None) -> Settings:
+            repetition_penalty=None, min_p=None) -> Settings:
     """The settings for one generation: each value given (not None) wins; the rest come from the
     checkpoint's ``generation_config.json`` read as transformers reads it (``do_sample`` false means
     greedy; ``repetition_penalty`` applies either way; missing keys take transformers' defaults);
     without one, greedy. ``temperature=0`` given means plain greedy: the config's values are dropped
     and only the other values given apply."""
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty}
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
+             "min_p": min_p}
     cfg = generation_config or {}
-    edgevl_default = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    edgevl_default = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "min_p": 0.0}
     use_cfg = bool(generation_config) and not (temperature is not None and temperature == 0)
     base, source = {}, {}
-    for k in SAMPLING_KEYS:
+    for k in (*SAMPLING_KEYS, "min_p"):
         if use_cfg and k in cfg and cfg[k] is not None:
             base[k], source[k] = cfg[k], "generation_config.json"
         else:
@@ -297,6 +308,6 @@ def resolve(generation_config: dict | None, temperature=None, top_k=None, top_p=
         if v is not None:
             base[k], source[k] = v, "given"
     s = Settings(float(base["temperature"]), int(base["top_k"]), float(base["top_p"]),
-                 float(base["repetition_penalty"]), source)
+                 float(base["repetition_penalty"]), float(base["min_p"]), source)
     Sampler(**s.kwargs())  # bad values fail here, with the one-line message
     return s

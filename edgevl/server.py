@@ -507,6 +507,13 @@ def _tools(req: dict, server: EdgevlServer):
         raise HTTPError(400, str(e), param, "invalid_tools") from None
 
 
+def _unit(req: dict, key: str) -> float | None:
+    v = _number(req, key, None)
+    if v is not None and not 0 <= v <= 1:
+        raise HTTPError(400, f"{key} must be from 0 to 1, got {v}", key)
+    return v
+
+
 def _penalty(req: dict, key: str) -> float:
     v = _number(req, key, None)
     if v is None:
@@ -554,6 +561,7 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
+        min_p=_unit(req, "min_p"),
         presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
         seed=seed, stop=stop, logit_bias=bias)
     return kwargs, stream, bool(opts.get("include_usage"))

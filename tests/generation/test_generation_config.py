@@ -61,6 +61,14 @@ def test_sampling_settings_follow_transformers_reading_of_the_config():
     assert resolve({}).kwargs() == resolve(None).kwargs() == s.kwargs()
     with pytest.raises(EdgevlError, match="top_p must be in"):
         resolve(official, top_p=0)
+    # min_p, as transformers reads it from the config; a value given wins; plain greedy drops it
+    s = resolve({**official, "min_p": 0.1})
+    assert (s.min_p, s.source["min_p"], s.kwargs()["min_p"]) == (0.1, "generation_config.json", 0.1)
+    assert "min_p 0.1 (generation_config.json)" in s.describe()
+    assert resolve({**official, "min_p": 0.1}, min_p=0.3).min_p == 0.3
+    assert "min_p" not in resolve({**official, "min_p": 0.1}, temperature=0).kwargs()
+    with pytest.raises(EdgevlError, match="min_p must be in"):
+        resolve(official, min_p=1.5)
 
 
 def test_demo_generation_config_keeps_the_quickstart_greedy():

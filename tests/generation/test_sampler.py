@@ -23,12 +23,16 @@ def plain_distribution(s: Sampler, logits, history=()):
         mask[keep] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
+    if s.min_p > 0:
+        p = np.where(p < s.min_p * p.max(), 0.0, p)
+        p /= p.sum()
     return p
 
 
 SETTINGS = [dict(temperature=0.7, top_p=0.8, top_k=20), dict(temperature=1.0), dict(temperature=0.6, top_p=0.95),
             dict(temperature=1.3, top_p=0.999), dict(temperature=0.9, top_k=50),
-            dict(temperature=2.0, top_p=0.5, top_k=1000), dict(temperature=0.3, top_p=0.9, repetition_penalty=1.3)]
+            dict(temperature=2.0, top_p=0.5, top_k=1000), dict(temperature=0.3, top_p=0.9, repetition_penalty=1.3),
+            dict(temperature=1.0, min_p=0.1), dict(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)]
 
 
 @pytest.mark.parametrize("kw", SETTINGS, ids=[str(k) for k in SETTINGS])
@@ -46,3 +50,35 @@ def test_fast_sampling_is_the_plain_algorithm(kw):
             p = plain_distribution(ref, x, history)
             assert np.array_equal(fast.distribution(x, history), p)
             assert fast(x, history) == int(ref.rng.choice(p.shape[0], p=p))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7, top_k=20, top_p=0.8), dict(temperature=1.0, min_p=0.1),
+                                dict(temperature=1.3, top_k=100, top_p=0.9, min_p=0.05)])
+def test_the_processors_are_transformers_in_its_order(kw):
+    """The distribution is the one transformers' warpers give, applied in ``generate``'s order
+    (temperature, top-k, top-p, min-p): the same tokens keep mass, with the same probabilities."""
+    import torch
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = [TemperatureLogitsWarper(kw["temperature"])]
+    if kw.get("top_k"):
+        warpers.append(TopKLogitsWarper(kw["top_k"]))
+    if kw.get("top_p"):
+        warpers.append(TopPLogitsWarper(kw["top_p"]))
+    if kw.get("min_p"):
+        warpers.append(MinPLogitsWarper(kw["min_p"]))
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        x = (rng.standard_normal(3000) * 4).astype(np.float32)
+        scores = torch.from_numpy(x.astype(np.float64))[None]
+        for w in warpers:
+            scores = w(None, scores)
+        want = torch.softmax(scores, -1)[0].numpy()
+        got = Sampler(**kw).distribution(x)
+        assert np.array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

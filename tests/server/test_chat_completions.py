@@ -123,6 +123,10 @@ def test_stop_max_tokens_and_sampling_extensions(pkgs, text_server):
     r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=16, temperature=0.8, seed=3,
                                   extra_body={"top_k": 1, "repetition_penalty": 1.0})
     assert r.choices[0].message.content == want
+    # so is min_p=1 (only the likeliest tokens keep mass), at any temperature
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=16, temperature=5.0, seed=4,
+                                  extra_body={"min_p": 1.0})
+    assert r.choices[0].message.content == want
 
 
 def test_logprobs_plain_and_streamed(pkgs, text_server):

@@ -44,6 +44,7 @@ BAD_REQUESTS = [  # (id, body, status, words)
      "top_logprobs must be an integer from 0 to 20"),
     ("top-logprobs-alone", {"messages": MSGS, "logprobs": False, "top_logprobs": 3}, 400,
      "top_logprobs needs logprobs: true"),
+    ("min-p-range", {"messages": MSGS, "min_p": 1.5}, 400, "min_p must be from 0 to 1"),
     ("logit-bias-list", {"messages": MSGS, "logit_bias": [1]}, 400, "logit_bias must be an object"),
     ("logit-bias-key", {"messages": MSGS, "logit_bias": {"the": 1}}, 400, "logit_bias keys must be token ids"),
     ("logit-bias-past-vocab", {"messages": MSGS, "logit_bias": {"99999999": 1}}, 400,
