@@ -32,7 +32,8 @@ Design:
 - Sampling defaults are the model's (its generation_config.json, else greedy; up to the context
   end), not OpenAI's temperature 1; ``top_k`` and ``repetition_penalty`` are accepted as
   extensions; ``temperature: 0`` is plain greedy. ``presence_penalty`` and ``frequency_penalty``
-  count the tokens the answer has generated, as OpenAI's; ``logprobs`` are refused, not ignored.
+  count the tokens the answer has generated, as OpenAI's; ``logprobs`` are the model's own
+  (before penalties, temperature and masks); ``min_p`` and ``logit_bias`` are taken as well.
 - Model names: the one model answers to any requested name (clients often send a fixed one), as
   llama-server does, unless ``strict_model``. Boxes the answer names come back as an extra
   ``boxes`` field of the message (streaming: of the last delta), in original-image pixels. ``usage.completion_tokens``
