@@ -1144,8 +1144,9 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._sent = self._chunked = True
 
-    def _end_events(self):
-        self._event(b"[DONE]")
+    def _end_events(self, done: bool = True):
+        if done:     # the chat and completion streams' end marker (the Responses stream has none)
+            self._event(b"[DONE]")
         self.wfile.write(b"0\r\n\r\n")
 
     def _stream(self, events, include_usage: bool, tools=None):
@@ -1256,7 +1257,7 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     for e in w.finish(ev):
                         self._typed_event(e)
-                self.wfile.write(b"0\r\n\r\n")
+                self._end_events(done=False)
 
             self._run(lambda: decode_images(messages), kwargs, send)
         finally:  # answered, refused or abandoned: the request's temporary video files go now
@@ -1285,8 +1286,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"content": text, "prompt": text})
 
     def _typed_event(self, obj: dict):
-        data = b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), json.dumps(obj, ensure_ascii=False).encode())
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._event(obj, obj["type"])
 
     # -- POST /v1/completions (legacy text completion) --------------------------------------------
     def _completions(self):
@@ -1338,8 +1338,10 @@ class Handler(BaseHTTPRequestHandler):
 
         self._run(lambda: prompt, kwargs, send)
 
-    def _event(self, obj):
-        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
+    def _event(self, obj, kind: str | None = None):
+        """One server-sent event in its own chunk; ``kind``: its ``event:`` name (the Responses stream's)."""
+        data = (b"event: %s\n" % kind.encode() if kind else b"") + b"data: " + (
+            obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
