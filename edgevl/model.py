@@ -499,19 +499,21 @@ class Model:
         ``logit_bias``: OpenAI's, {token id: -100..100} added to the logits before sampling.
         ``min_p``: drop tokens less likely than ``min_p`` times the likeliest (after top-p).
         """
-        sampling = (temperature, top_k, top_p, repetition_penalty, seed, presence_penalty, frequency_penalty)
+        # the Sampler's settings, by name: it is made inside the generator, on the owner thread
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                        seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                        logprobs=logprobs, logit_bias=logit_bias, min_p=min_p)
         gen = self._generate_tokens(input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache,
-                                    max_image_patches, ignore_eos, constraint, logprobs, logit_bias, min_p)
+                                    max_image_patches, ignore_eos, constraint)
         owner = self.__dict__.get("_owner")
         return gen if owner is None else owner.stream(gen)
 
-    def _generate_tokens(self, input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache, max_image_patches,
-                         ignore_eos, constraint, logprobs=None, logit_bias=None, min_p=0.0) -> Iterator[int]:
+    def _generate_tokens(self, input_ids, max_new_tokens, image, sampling: dict, stop_ids, reuse_cache,
+                         max_image_patches, ignore_eos, constraint) -> Iterator[int]:
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         input_ids = [int(t) for t in input_ids]
-        sampler = Sampler(*sampling, prompt_tokens=len(input_ids), logprobs=logprobs, logit_bias=logit_bias,
-                          min_p=min_p)
+        sampler = Sampler(**sampling, prompt_tokens=len(input_ids))
         rows, infos = self.encode_images(image, max_image_patches)
         stops = (set() if ignore_eos else self.eos_ids) | set(_as_list(stop_ids))
         logits = self.prefill(input_ids, rows, reuse_cache, images=infos)
