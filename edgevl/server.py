@@ -1197,8 +1197,7 @@ class Handler(BaseHTTPRequestHandler):
             self._event(self._generation_error(e).body())
         else:
             finish = ev.finish_reason
-            if calls is not None and finish == "stop" and any(c["function"]["arguments"].endswith("}")
-                                                             for c in calls.calls):
+            if calls is not None and finish == "stop" and calls.whole:
                 finish = "tool_calls"
             chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, finish)
             if include_usage:

@@ -268,6 +268,12 @@ class CallStream:
         """A call has begun and not closed yet."""
         return self._args is not None
 
+    @property
+    def whole(self) -> list[dict]:
+        """The calls that closed: calls close in order, so only the last can be open (cut by the
+        token limit; its arguments may end in "}" all the same, an object value's)."""
+        return self.calls[:-1] if self.open else self.calls
+
     def _step(self) -> list[tuple]:
         b = self.buf
         if self._args is None:
@@ -312,9 +318,7 @@ def parse(text: str, spec: ToolSpec) -> tuple[str, list[dict]]:
     """(content, tool_calls) of a whole answer."""
     s = CallStream(spec)
     content = "".join(e[1] for e in s.feed(text, end=True) if e[0] == "content")
-    # calls close in order: only the last can be open, cut by the token limit (its arguments may
-    # end in "}" all the same, an object value's)
-    calls = s.calls[:-1] if s.open else s.calls
+    calls = s.whole
     return (content.strip() if calls else content), calls
 
 

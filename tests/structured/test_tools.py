@@ -139,6 +139,10 @@ def test_a_call_the_token_limit_cut_is_not_read_as_a_call():
         assert [c["function"]["name"] for c in calls] == names
         for c in calls:
             json.loads(c["function"]["arguments"])
+        # the stream's reading (the server's finish_reason "tool_calls") counts the same calls
+        stream = tools.CallStream(spec)
+        stream.feed(text)
+        assert [c["function"]["name"] for c in stream.whole] == names
 
 
 def test_auto_and_none_leave_a_plain_answer(qwen):
