@@ -1067,7 +1067,7 @@ class BatchJob:
         self.threads = int(threads)
         given = lambda k, default: default if sampling.get(k) is None else sampling[k]  # noqa: E731 - None: default
         Sampler(given("temperature", 0.0), given("top_k", 0), given("top_p", 1.0),
-                given("repetition_penalty", 1.0))  # a bad value fails now, not on every row
+                given("repetition_penalty", 1.0), min_p=given("min_p", 0.0))  # a bad value fails now, not on every row
         if json_schema is not None:
             if response_format is not None:
                 raise EdgevlError("give either json_schema or response_format, not both")

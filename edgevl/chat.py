@@ -104,9 +104,10 @@ class ChatSession:
                  max_image_patches: int | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
                  stop=None, allow_special_in_content: bool = False, chat_template_kwargs=None,
-                 show_reasoning: bool = False, thinking: bool | None = None, video_options: dict | None = None):
+                 show_reasoning: bool = False, thinking: bool | None = None, video_options: dict | None = None,
+                 min_p: float | None = None):
         # unset values come from the model's generation_config.json; bad ones fail now, not per turn
-        resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty)
+        resolve(model.generation_config, temperature, top_k, top_p, repetition_penalty, min_p)
         # typed text is plain text: "<|end_of_text|>" in a message does not end the turn
         self.allow_special_in_content = allow_special_in_content
         self.chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
@@ -127,7 +128,7 @@ class ChatSession:
             self.video_options = check_options(video_options)
         # one sampler seed for the whole chat would repeat the same draws every turn: advance it
         self.seed = seed
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p,
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              repetition_penalty=repetition_penalty, stop=stop)
         self.response_format = None   # the answers' structure (/schema), compiled
         self.reset()
@@ -248,7 +249,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
               top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
               stop=None, system: str | None = None, input_fn=input, out=None,
               allow_special_in_content: bool = False, chat_template_kwargs=None, show_reasoning: bool = False,
-              thinking: bool | None = None, video=None, video_options: dict | None = None) -> int:
+              thinking: bool | None = None, video=None, video_options: dict | None = None,
+              min_p: float | None = None) -> int:
     """Run the terminal chat until /quit or EOF; ``model_path`` may also be a loaded Model.
 
     ``input_fn`` (called with the prompt "> ") and ``out`` make the loop scriptable in tests.
@@ -265,7 +267,7 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seed=seed, stop=stop, allow_special_in_content=allow_special_in_content,
                           chat_template_kwargs=chat_template_kwargs, show_reasoning=show_reasoning, thinking=thinking,
-                          video_options=video_options)
+                          video_options=video_options, min_p=min_p)
     demo_scenes = attached = 0
     noted = False  # the no-image note, once per conversation
 

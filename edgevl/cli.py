@@ -90,6 +90,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help=f"0 = plain greedy, ignoring the model's sampling defaults ({cfg}, else greedy)")
     p.add_argument("--top-k", type=int, default=None, help=f"keep the k likeliest tokens, 0 = off ({cfg}, else 0)")
     p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass ({cfg}, else 1.0)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens less likely than min-p times the likeliest, 0 = off ({cfg}, else 0)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help=f"1 = off ({cfg}, else 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
@@ -237,7 +239,7 @@ def check_model_args(a) -> None:
 
         # the sampler's own rules, now rather than at the first token (after the scene and the model)
         Sampler(0.0 if a.temperature is None else a.temperature, a.top_k or 0, 1.0 if a.top_p is None else a.top_p,
-                1.0 if a.repetition_penalty is None else a.repetition_penalty, a.seed)
+                1.0 if a.repetition_penalty is None else a.repetition_penalty, a.seed, min_p=a.min_p or 0.0)
 
 
 def check_media(a) -> None:
@@ -292,7 +294,7 @@ def check_file_out(path, flag: str, example: str) -> None:
 
 def sampling_kwargs(a) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, min_p=a.min_p)
 
 
 MODEL_HELP = "a package folder; 'demo' or none: the shipped demo model (converted once into the cache; default)"
@@ -361,7 +363,7 @@ def cmd_run(a) -> int:
         print(note, file=sys.stderr)
     kwargs = sampling_kwargs(a)
     if a.verbose:
-        settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty)
+        settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.min_p)
         budget = a.max_image_patches or getattr(model.vision, "default_max_patches", None)
         print(f"[model {model.path} ({model.arch.name}, {model.dtype}, {model.threads} threads); "
               f"{settings.describe()}; max_new_tokens {a.max_new_tokens or default_max_new_tokens(model)}"

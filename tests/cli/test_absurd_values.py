@@ -106,3 +106,14 @@ def test_chat_and_serve_refuse_absurd_threads_before_loading(pkg, capsys):
 def test_image_of_extreme_aspect_ratio(capsys, tmp_path):
     Image.fromarray(np.zeros((1, 100000, 3), np.uint8)).save(tmp_path / "line.png")
     one_line_error(*cli(capsys, "run", "--prompt", "hi", "--image", tmp_path / "line.png")[::2], "cannot be fitted")
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(pkg, capsys):
+    """--min-p reaches the sampler: at 1 only the likeliest tokens keep mass, so a hot sampled
+    answer is the greedy one (without it the same seed samples another)."""
+    code, greedy, err = run(capsys, pkg, "--temperature", "0", "--raw")
+    assert code == 0, err
+    code, hot, err = run(capsys, pkg, "--temperature", "5", "--seed", "3", "--raw")
+    assert code == 0 and hot != greedy, err
+    code, out, err = run(capsys, pkg, "--temperature", "5", "--seed", "3", "--min-p", "1", "--raw")
+    assert code == 0 and out == greedy, err

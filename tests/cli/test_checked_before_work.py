@@ -37,6 +37,7 @@ def fresh_cache(tmp_path, monkeypatch):
 ANY_MODEL = [
     (("--temperature", "-1"), "temperature must be a finite number >= 0"),
     (("--top-p", "2"), "top_p must be in (0, 1]"),
+    (("--min-p", "2"), "min_p must be in [0, 1]"),
     (("--top-k", "-1"), "top_k must be >= 0"),
     (("--repetition-penalty", "0"), "repetition_penalty must be a finite number > 0"),
     (("--seed", "-1"), "seed must be an integer >= 0"),
