@@ -11,8 +11,8 @@ from .batch import batch
 from .boxes import Box
 from .convert import convert
 from .errors import EdgevlError
-from .generate import Completion, complete, generate, stream_events, stream_generate
+from .generate import Completion, complete, generate, stream_choices, stream_events, stream_generate
 from .model import Model, load
 
-__all__ = ["load", "generate", "stream_generate", "stream_events", "complete", "Completion", "Box", "convert",
-           "batch", "Model", "EdgevlError"]
+__all__ = ["load", "generate", "stream_generate", "stream_events", "stream_choices", "complete", "Completion", "Box",
+           "convert", "batch", "Model", "EdgevlError"]

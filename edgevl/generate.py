@@ -26,6 +26,7 @@ import json as _json
 import re
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 
 from . import structured
@@ -408,7 +409,19 @@ def default_max_new_tokens(model) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 256
 
 
-def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, temperature: float | None = None,
+def stream_events(model, prompt, image=None, **kwargs) -> Iterator[Event]:
+    """One answer's events as they are generated (the options: ``stream_choices``)."""
+    (events,) = stream_choices(model, prompt, 1, image=image, **kwargs)
+    with closing(events):   # a consumer that stops early (a client gone) stops the generation now
+        yield from events
+
+
+# answers to one request at most (OpenAI's ``n``): each is a request of its own in the engine
+MAX_CHOICES = 16
+
+
+def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | None = None,
+                   temperature: float | None = None,
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
                   seed: int | None = None, stop=None, raw: bool = False, max_image_patches: int | None = None,
                   reuse_cache: bool = True, postprocess: bool = True,
@@ -418,8 +431,14 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
                   parallel_tool_calls: bool | None = None, engine=None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logprobs: bool = False,
                   top_logprobs: int | None = None, logit_bias: dict | None = None,
-                  split_reasoning: bool = True, min_p: float | None = None) -> Iterator[Event]:
-    """``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
+                  split_reasoning: bool = True, min_p: float | None = None) -> list[Iterator[Event]]:
+    """``n`` answers to one prompt (OpenAI's ``n``), each an iterator of its events. The prompt,
+    its images and any grammar are prepared once. With an ``engine`` the answers decode together,
+    each a request of its own; without, one after the other as they are read (the later ones start
+    from the first's prompt in the cache). Answer i samples with ``seed + i`` where a seed is given,
+    so sampled answers differ and each is reproducible.
+
+    ``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
     the resized image the model saw) and finds no boxes. Reasoning (models that declare reasoning
     markers) comes in ``Event.reasoning``; stop strings and post-processing apply to the answer.
     ``response_format`` / ``json_schema``: the answer's structure (``structured.parse``; checked
@@ -436,15 +455,13 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     tokens less likely than min_p times the likeliest (after top-p; None: the checkpoint's, else off).
     ``split_reasoning=False``: the reasoning stays in the text as written, markers included (a raw
     continuation), and a constraint applies from the first token."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise EdgevlError(f"n (answers to the prompt) must be from 1 to {MAX_CHOICES}, got {n!r:.40}")
     if top_logprobs and not logprobs:
         raise EdgevlError("top_logprobs needs logprobs=True")
     if not isinstance(logprobs, bool):
         raise EdgevlError(f"logprobs must be true or false, got {logprobs!r}")
-    noted = Logprobs(top_logprobs or 0) if logprobs else None
-    extra = {"logprobs": noted} if noted is not None else {}
     bias = check_logit_bias(logit_bias, model.vocab_size)
-    if bias is not None:
-        extra["logit_bias"] = bias
     stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
@@ -468,20 +485,51 @@ def stream_events(model, prompt, image=None, max_new_tokens: int | None = None, 
     # architecture-specific post-processing of the answer text (e.g. grounding coordinates)
     videos = [i for i in prep.images if isinstance(i, dict) and i.get("kind") == "video"]
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
-    post = model.arch.output_processor(images) if postprocess else None
-    split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens if split_reasoning else None,
-                              prep.input_ids)
-    constraint = (compiled.constraint((split.start, split.end) if split.active else None, split.thinking)
-                  if compiled is not None else None)
-    gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded, seed=seed,
-                                            reuse_cache=reuse_cache, constraint=constraint, **settings.kwargs(),
-                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                            **extra)
-    try:
-        yield from _events(model, gen, prep, t0, stop, post, split, videos, noted)
-    finally:   # a consumer that stops early (a client gone) stops the generation now
-        if hasattr(gen, "close"):
-            gen.close()
+
+    def choice(i: int, t0: float) -> Iterator[Event]:
+        noted = Logprobs(top_logprobs or 0) if logprobs else None
+        extra = {"logprobs": noted} if noted is not None else {}
+        if bias is not None:
+            extra["logit_bias"] = bias
+        post = model.arch.output_processor(images) if postprocess else None
+        split = ReasoningSplitter(model.tokenizer, model.arch.reasoning_tokens if split_reasoning else None,
+                                  prep.input_ids)
+        constraint = (compiled.constraint((split.start, split.end) if split.active else None, split.thinking)
+                      if compiled is not None else None)
+        gen = (engine or model).generate_tokens(prep.input_ids, max_new_tokens, image=prep.encoded,
+                                                seed=None if seed is None else seed + i, reuse_cache=reuse_cache,
+                                                constraint=constraint, **settings.kwargs(),
+                                                presence_penalty=presence_penalty,
+                                                frequency_penalty=frequency_penalty, **extra)
+        return _Choice(gen, _events(model, gen, prep, t0, stop, post, split, videos, noted))
+
+    if engine is not None:   # every answer queued now: they decode together
+        return [choice(i, t0) for i in range(n)]
+    return [choice(0, t0)] + [_later(choice, i) for i in range(1, n)]
+
+
+class _Choice:
+    """One answer's events; ``close()`` ends its generation whether or not it was read yet (an
+    engine's request runs from the moment it is queued)."""
+
+    def __init__(self, gen, events: Iterator[Event]):
+        self.gen, self.events = gen, events
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Event:
+        return next(self.events)
+
+    def close(self) -> None:
+        self.events.close()
+        if hasattr(self.gen, "close"):
+            self.gen.close()
+
+
+def _later(choice, i: int) -> Iterator[Event]:
+    """Answer i, started when first read (its time to first token counted from then)."""
+    yield from choice(i, time.perf_counter())
 
 
 def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):

@@ -26,6 +26,8 @@ NOT_STORED = "responses are not stored here; send the whole conversation in inpu
 REFUSED = {"previous_response_id": NOT_STORED, "conversation": NOT_STORED,
            "prompt": "stored prompts are not supported; send the instructions and input",
            "background": "background responses are not supported"}
+# OpenAI's reasoning efforts (a model's thinking is on or off: "none" is off, the others on)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # what the Responses API names otherwise or means differently: never passed to the chat reading as is
 OWN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "include",
        "top_logprobs", "stream_options", "store", "metadata", "truncation", "max_tool_calls", "prompt_cache_key",
@@ -62,6 +64,14 @@ def to_chat(req: dict) -> tuple[dict, list]:
     else:
         raise RequestError("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
+    reasoning = req.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise RequestError("reasoning must be an object, e.g. {\"effort\": \"none\"}", "reasoning")
+    if (reasoning or {}).get("effort") is not None:
+        if reasoning["effort"] not in EFFORTS:
+            raise RequestError(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {reasoning['effort']!r:.40}",
+                               "reasoning.effort")
+        chat["reasoning_effort"] = reasoning["effort"]
     include = req.get("include") or []
     if isinstance(include, list) and "message.output_text.logprobs" in include:
         chat["logprobs"] = True

@@ -7,10 +7,11 @@
     GET  /props                 what the model takes and its defaults, for the page
 
 Design:
-- ``ThreadingHTTPServer``: a thread per connection, so /health, errors and 429s answer while a
-  generation runs. The model has one KV cache (which also gives prefix reuse across requests
-  that resend a conversation), so generation is serialized by a lock; at most ``max_queue``
-  requests wait for it and the next ones get 429 at once instead of piling up.
+- ``ThreadingHTTPServer``: a thread per connection, so /health, errors and 429s answer while
+  generations run. Requests decode together in the engine's slots (``edgevl.engine``: a slot
+  keeps its sequence's cache, which also gives prefix reuse across requests that resend a
+  conversation); at most ``max_queue`` requests wait for a slot and the next ones get 429 at once
+  instead of piling up. ``n`` answers to one request are that many requests of the engine.
 - Every client mistake is a JSON error in OpenAI's shape and the connection stays usable (or
   is closed when its body was not read); bodies over ``max_body`` get 413 before being read.
 - Images: ``data:`` URLs (base64) always; local paths only under ``--allow-image-dir``
@@ -73,7 +74,7 @@ import time
 import traceback
 import uuid
 import warnings
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
 from pathlib import Path
@@ -82,7 +83,7 @@ from urllib.parse import unquote, urlsplit
 from . import __version__, responses, structured
 from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
-from .generate import encode_messages, model_template_kwargs, stream_events
+from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stream_choices
 from .model import Model, load
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias
 
@@ -526,7 +527,7 @@ def _penalty(req: dict, key: str) -> float:
 
 def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> tuple[dict, bool, bool]:
     """What both endpoints take (the model's name, n, stream, the token budget, stop strings,
-    sampling settings): (stream_events kwargs, stream, include_usage) or HTTPError."""
+    sampling settings): (stream_choices kwargs, stream, include_usage) or HTTPError."""
     _check_text(req)
     model = req.get("model")
     if model is not None and not isinstance(model, str):
@@ -534,8 +535,10 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
     if model is not None and server.strict_model and model not in server.model_ids:
         raise HTTPError(404, f"the model {model!r} does not exist; this server runs {server.model_id!r}",
                         "model", "model_not_found")
-    if req.get("n", 1) not in (1, None):
-        raise HTTPError(400, "only n=1 is supported", "n")
+    n = req.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise HTTPError(400, f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r:.40}", "n")
     try:
         bias = check_logit_bias(req.get("logit_bias"), server.model.vocab_size)
     except EdgevlError as e:
@@ -564,12 +567,12 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
         min_p=_unit(req, "min_p"),
         presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
-        seed=seed, stop=stop, logit_bias=bias)
+        seed=seed, stop=stop, logit_bias=bias, n=n)
     return kwargs, stream, bool(opts.get("include_usage"))
 
 
 def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bool]:
-    """(messages, stream_events kwargs, stream, include_usage) or HTTPError."""
+    """(messages, stream_choices kwargs, stream, include_usage) or HTTPError."""
     kwargs, stream, include_usage = _common(req, server, None)
     logprobs, top = req.get("logprobs"), req.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -615,8 +618,16 @@ def _template_kwargs(req: dict, server: EdgevlServer) -> dict:
         raise HTTPError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
     if ctk and (ctk.get("tools") or ctk.get("functions")):  # the template would render them into the prompt
         raise HTTPError(400, NO_TOOLS, "chat_template_kwargs.tools")
+    effort, thinking = req.get("reasoning_effort"), server.thinking
+    if effort is not None:
+        if effort not in responses.EFFORTS:
+            raise HTTPError(400, f"reasoning_effort must be one of {', '.join(responses.EFFORTS)}, got {effort!r:.40}",
+                            "reasoning_effort")
+        # a model's thinking is on or off: "none" switches it off, any effort on (where the model
+        # can switch it; chat_template_kwargs still decide over both)
+        thinking = effort != "none"
     try:
-        return model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, server.thinking)
+        return model_template_kwargs(server.model, {**server.chat_template_kwargs, **(ctk or {})}, thinking)
     except EdgevlError as e:
         raise HTTPError(400, str(e), "chat_template_kwargs") from None
 
@@ -627,7 +638,7 @@ COMPLETION_MAX_TOKENS = 16
 
 def parse_completion(req: dict, server: EdgevlServer) -> tuple[str, dict, bool, bool, bool]:
     """POST /v1/completions (OpenAI's legacy text completion: the prompt as it is, no chat
-    template): (prompt, stream_events kwargs, stream, include_usage, echo) or HTTPError."""
+    template): (prompt, stream_choices kwargs, stream, include_usage, echo) or HTTPError."""
     kwargs, stream, include_usage = _common(req, server, COMPLETION_MAX_TOKENS)
     prompt = req.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -830,9 +841,10 @@ def _legacy_logprobs(entries: list, offset: int) -> dict:
     return out
 
 
-def _usage(ev) -> dict:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.generation_tokens,
-            "total_tokens": ev.prompt_tokens + ev.generation_tokens,
+def _usage(lasts: list) -> dict:
+    """From each answer's last event: the prompt counted once, the answers' tokens together."""
+    ev, made = lasts[0], sum(e.generation_tokens for e in lasts)
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": made, "total_tokens": ev.prompt_tokens + made,
             "prompt_tokens_details": {"cached_tokens": ev.prompt_tokens - ev.prefill_tokens}}
 
 
@@ -1059,42 +1071,56 @@ class Handler(BaseHTTPRequestHandler):
             close_videos(messages)
 
     def _run(self, prompt, kwargs, streamer=None) -> list | None:
-        """The request's events, once it holds a slot: handed to ``streamer`` (a streamed answer),
-        else all of them; None where nothing is left to answer. ``prompt()`` gives what
-        ``stream_events`` takes, made only now."""
+        """Each answer's events (a list per choice, ``n`` of them), once the request holds a slot;
+        with ``streamer``, handed to it as an iterator per choice. None where nothing is left to
+        answer. ``prompt()`` gives what ``stream_choices`` takes, made only now."""
         with self.server.gate(self._client_gone):
             if self._client_gone():
                 self.close_connection = True
                 return None
             given = prompt()
+            choices = []
             try:
-                with closing(stream_events(self.server.model, given, engine=self.server.engine, **kwargs)) as events:
-                    first = next(events)  # template, images, prefill: errors here still get a status
-                    if streamer is not None:
-                        streamer(chain([first], events))
-                        return None
+                choices = stream_choices(self.server.model, given, engine=self.server.engine, **kwargs)
+                # template, images, prefill: errors here still get a status
+                firsts = [next(c) for c in choices]
+                if streamer is not None:
+                    streamer([chain([f], c) for f, c in zip(firsts, choices)])
+                    return None
+                out = []
+                for first, c in zip(firsts, choices):
                     evs = [first]
-                    for ev in events:
+                    for ev in c:
                         evs.append(ev)
                         if self._client_gone():  # nobody will read the answer: free the model now
                             self.close_connection = True
                             return None
+                    out.append(evs)
             except (HTTPError, ConnectionError, TimeoutError):
                 raise
             except Exception as e:  # noqa: BLE001 - the request's mistake, the package's fault or a bug
                 raise self._generation_error(e) from None
             finally:
+                for c in choices:   # an answer not read to its end stops decoding now
+                    c.close()
                 given = None  # before the next request may decode its images
-        return evs
+        return out
 
     def _answer(self, messages, kwargs, stream, include_usage):
         # pixels are decoded only once the request runs, one request at a time: waiting requests
         # hold only their compressed bytes, however large the images
-        evs = self._run(lambda: decode_images(messages), kwargs,
-                        (lambda events: self._stream(events, include_usage, kwargs.get("tools"))) if stream else None)
-        if evs is None:
+        answers = self._run(lambda: decode_images(messages), kwargs,
+                            (lambda choices: self._stream(choices, include_usage, kwargs.get("tools")))
+                            if stream else None)
+        if answers is None:
             return
-        head = self._head("chat.completion")
+        self._send(200, {**self._head("chat.completion"),
+                         "choices": [self._message(i, evs, kwargs) for i, evs in enumerate(answers)],
+                         "usage": _usage([evs[-1] for evs in answers])})
+
+    @staticmethod
+    def _message(index: int, evs: list, kwargs: dict) -> dict:
+        """One answer's choice of a chat completion."""
         message = {"role": "assistant", "content": "".join(e.text for e in evs)}
         finish = evs[-1].finish_reason
         spec = kwargs.get("tools")
@@ -1111,9 +1137,7 @@ class Handler(BaseHTTPRequestHandler):
         if evs[-1].boxes:
             message["boxes"] = [b.as_json() for b in evs[-1].boxes]
         lps = {"content": [e for ev in evs for e in ev.logprobs]} if kwargs.get("logprobs") else None
-        self._send(200, {**head, "choices": [{
-            "index": 0, "message": message,
-            "logprobs": lps, "finish_reason": finish}], "usage": _usage(evs[-1])})
+        return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
     def _generation_error(self, e: Exception) -> HTTPError:
         """The answer to an error raised while the request held the model. The request's own
@@ -1149,12 +1173,36 @@ class Handler(BaseHTTPRequestHandler):
             self._event(b"[DONE]")
         self.wfile.write(b"0\r\n\r\n")
 
-    def _stream(self, events, include_usage: bool, tools=None):
+    def _stream(self, choices, include_usage: bool, tools=None):
+        """The answers as chat completion chunks, one answer after the other (with ``n`` > 1 they
+        decode together all the same; each chunk names its choice's index)."""
         self._start_events()
         head = self._head("chat.completion.chunk")
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
+        lasts = []
+        try:
+            for index, events in enumerate(choices):
+                lasts.append(self._stream_choice(head, index, events, tools))
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
+            self._event(self._generation_error(e).body())
+        else:
+            if include_usage:
+                # extension fields for the chat page's stats: the server's own speeds (the stream's
+                # arrival times blur them) and speculative decoding's counts
+                ev = lasts[0]
+                usage = {**_usage(lasts), "timings": {"prompt_per_second": round(ev.prompt_tps, 1),
+                                                      "predicted_per_second": round(ev.generation_tps, 1)}}
+                if self.server.model.mtp is not None:   # this request's own counts
+                    usage["speculative"] = {"drafted": sum(e.drafted for e in lasts),
+                                            "accepted": sum(e.accepted for e in lasts)}
+                self._event({**head, "choices": [], "usage": usage})
+        self._end_events()
 
+    def _stream_choice(self, head: dict, index: int, events, tools):
+        """One answer's chunks; returns its last event."""
         lps = []    # answer tokens' logprobs not sent yet: they ride on the next chunk of the answer
 
         def chunk(delta, finish=None):
@@ -1162,7 +1210,7 @@ class Handler(BaseHTTPRequestHandler):
             if lps and (finish or "content" in delta or "tool_calls" in delta):
                 lp = {"content": lps[:]}
                 lps.clear()
-            self._event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+            self._event({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish}]})
 
         chunk({"role": "assistant", "content": ""})
@@ -1184,31 +1232,17 @@ class Handler(BaseHTTPRequestHandler):
                     chunk({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]})
             return bool(evs)
 
-        try:
-            for ev in events:
-                lps += ev.logprobs
-                if ev.reasoning:
-                    chunk({"reasoning_content": ev.reasoning})
-                if not text(ev.text, ev.finish_reason is not None) and not ev.reasoning and self._client_gone():
-                    raise ConnectionError("the client hung up")  # no write to fail on (held-back text): look
-        except (ConnectionError, TimeoutError):
-            raise
-        except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-            self._event(self._generation_error(e).body())
-        else:
-            finish = ev.finish_reason
-            if calls is not None and finish == "stop" and calls.whole:
-                finish = "tool_calls"
-            chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, finish)
-            if include_usage:
-                # extension fields for the chat page's stats: the server's own speeds (the stream's
-                # arrival times blur them) and speculative decoding's counts
-                usage = {**_usage(ev), "timings": {"prompt_per_second": round(ev.prompt_tps, 1),
-                                                   "predicted_per_second": round(ev.generation_tps, 1)}}
-                if self.server.model.mtp is not None:   # this request's own counts
-                    usage["speculative"] = {"drafted": ev.drafted, "accepted": ev.accepted}
-                self._event({**head, "choices": [], "usage": usage})
-        self._end_events()
+        for ev in events:
+            lps += ev.logprobs
+            if ev.reasoning:
+                chunk({"reasoning_content": ev.reasoning})
+            if not text(ev.text, ev.finish_reason is not None) and not ev.reasoning and self._client_gone():
+                raise ConnectionError("the client hung up")  # no write to fail on (held-back text): look
+        finish = ev.finish_reason
+        if calls is not None and finish == "stop" and calls.whole:
+            finish = "tool_calls"
+        chunk({"boxes": [b.as_json() for b in ev.boxes]} if ev.boxes else {}, finish)
+        return ev
 
     # -- POST /v1/responses (OpenAI's Responses API, read into a chat request) ---------------------
     def _responses(self):
@@ -1224,19 +1258,25 @@ class Handler(BaseHTTPRequestHandler):
             e.args = (responses.renamed(str(e), origin),)
             e.param = e.param and responses.renamed(e.param, origin)
             raise
+        if kwargs["n"] != 1:
+            close_videos(messages)
+            raise HTTPError(400, "the Responses API gives one answer (n is a chat completion's field); send n "
+                            "requests, which decode together", "n")
         try:
             w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
             if not stream:
-                evs = self._run(lambda: decode_images(messages), kwargs)
-                if evs is None:
+                answers = self._run(lambda: decode_images(messages), kwargs)
+                if answers is None:
                     return
+                evs, = answers      # the Responses API has no n: one answer
                 for ev in evs:
                     w.feed(ev)
                 w.finish(evs[-1])
                 self._send(200, w.final)
                 return
 
-            def send(events):
+            def send(choices):
+                events, = choices
                 self._start_events()
                 for e in w.start():
                     self._typed_event(e)
@@ -1292,47 +1332,50 @@ class Handler(BaseHTTPRequestHandler):
         self._check_key()
         prompt, kwargs, stream, include_usage, echo = parse_completion(self._read_json(), self.server)
         head = {**self._head("text_completion"), "id": f"cmpl-{uuid.uuid4().hex[:24]}"}
-        offset = len(prompt) if echo else 0
+        start = len(prompt) if echo else 0
+        offsets: dict = {}      # per choice: where its next text starts (the legacy logprobs' text_offset)
 
-        def choice(text, entries, finish):
-            nonlocal offset
+        def choice(index, text, entries, finish):
             lp = None
+            offset = offsets.get(index, start)
             if kwargs["logprobs"]:
                 lp = _legacy_logprobs(entries, offset)
-            offset += len(text)
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            offsets[index] = offset + len(text)
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not stream:
-            evs = self._run(lambda: prompt, kwargs)
-            if evs is None:
+            answers = self._run(lambda: prompt, kwargs)
+            if answers is None:
                 return
-            text = "".join(ev.text for ev in evs)
-            self._send(200, {**head, "choices": [choice((prompt if echo else "") + text,
-                                                         [e for ev in evs for e in ev.logprobs],
-                                                         evs[-1].finish_reason)],
-                             "usage": _usage(evs[-1])})
+            self._send(200, {**head, "choices": [
+                choice(i, (prompt if echo else "") + "".join(ev.text for ev in evs),
+                       [e for ev in evs for e in ev.logprobs], evs[-1].finish_reason)
+                for i, evs in enumerate(answers)], "usage": _usage([evs[-1] for evs in answers])})
             return
 
-        def send(events):
+        def send(choices):
             self._start_events()
             if include_usage:
                 head["usage"] = None
-            if echo:
-                self._event({**head, "choices": [choice(prompt, [], None)]})
+            lasts = []
             try:
-                for ev in events:
-                    if ev.text or ev.logprobs:
-                        self._event({**head, "choices": [choice(ev.text, ev.logprobs, None)]})
-                    elif self._client_gone():
-                        raise ConnectionError("the client hung up")
+                for i, events in enumerate(choices):
+                    if echo:
+                        self._event({**head, "choices": [choice(i, prompt, [], None)]})
+                    for ev in events:
+                        if ev.text or ev.logprobs:
+                            self._event({**head, "choices": [choice(i, ev.text, ev.logprobs, None)]})
+                        elif self._client_gone():
+                            raise ConnectionError("the client hung up")
+                    self._event({**head, "choices": [choice(i, "", [], ev.finish_reason)]})
+                    lasts.append(ev)
             except (ConnectionError, TimeoutError):
                 raise
             except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
                 self._event(self._generation_error(e).body())
             else:
-                self._event({**head, "choices": [choice("", [], ev.finish_reason)]})
                 if include_usage:
-                    self._event({**head, "choices": [], "usage": _usage(ev)})
+                    self._event({**head, "choices": [], "usage": _usage(lasts)})
             self._end_events()
 
         self._run(lambda: prompt, kwargs, send)

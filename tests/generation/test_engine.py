@@ -548,3 +548,46 @@ def test_decode_rows_beside_a_prompt_chunk_keep_their_windows_as_rings(packages,
         assert s.keys() == w.keys()
         for k in s:
             np.testing.assert_allclose(s[k], w[k], **close, err_msg=str(k))
+
+
+def test_choices_are_each_the_answer_alone_with_its_seed(packages):
+    """``stream_choices``: n answers to one prompt, prepared once (an image encoded once). Through
+    an engine they decode together (drafting on); without one, one after the other, the later
+    ones starting from the first's prompt in the cache. Either way answer i is what a request of
+    its own with seed + i gives."""
+    from edgevl.generate import stream_choices
+
+    model = _model(packages, "qwen3_5")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    image = [smooth_image(64, 90, 4)]
+    kw = dict(image=image, max_new_tokens=12, temperature=1.2, top_k=0, top_p=1.0, thinking=False)
+    want = [[ev.token for ev in edgevl.stream_events(model, msgs, seed=5 + i, reuse_cache=False, **kw)]
+            for i in range(3)]
+    assert len({tuple(w) for w in want}) > 1, "three seeds sampled one answer: the test proves nothing"
+    encoded = []
+    real = model.encode_image
+
+    def counted(*a, **k):
+        encoded.append(1)
+        return real(*a, **k)
+
+    model.encode_image = counted
+    try:
+        engine = Engine(model, parallel=3)
+        try:
+            steps, rows = engine.steps, engine.rows
+            got = [[ev.token for ev in c] for c in stream_choices(model, msgs, 3, seed=5, engine=engine, **kw)]
+            assert engine.rows - rows > engine.steps - steps    # some forwards carried several answers
+        finally:
+            engine.close()
+        assert got == want
+        n_images = len(encoded)
+        choices = stream_choices(model, msgs, 3, seed=5, reuse_cache=True, **kw)
+        evs = [list(c) for c in choices]
+        assert [[ev.token for ev in e] for e in evs] == want
+        assert evs[1][-1].prefill_tokens < evs[1][-1].prompt_tokens // 2     # the prompt came from the cache
+        assert n_images == 1 and len(encoded) == 2      # the image is encoded once for all answers
+    finally:
+        del model.encode_image
+    with pytest.raises(EdgevlError, match="n .answers to the prompt. must be from 1 to 16"):
+        stream_choices(model, "hi", 0)

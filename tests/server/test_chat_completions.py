@@ -151,6 +151,68 @@ def test_logprobs_plain_and_streamed(pkgs, text_server):
     assert r.choices[0].logprobs is None
 
 
+def test_n_answers_decode_together_each_as_alone(pkgs, text_server):
+    """n answers to one request: answer i is what a request of its own with seed + i gives (so
+    sampled answers differ and each is reproducible), plain and streamed, and they decode
+    together in the engine (its steps carry several rows)."""
+    c = client(text_server)
+    kw = dict(model="tiny", messages=MSGS, max_tokens=10, temperature=1.5, extra_body={"top_k": 0})
+    alone = [c.chat.completions.create(**kw, seed=7 + i, logprobs=True).choices[0] for i in range(3)]
+    assert len({a.message.content for a in alone}) > 1, "seeds 7-9 sampled one answer: the test proves nothing"
+    engine = text_server.engine
+    steps, rows = engine.steps, engine.rows
+    r = c.chat.completions.create(**kw, seed=7, n=3, logprobs=True)
+    assert engine.rows - rows > engine.steps - steps       # some steps decoded several answers at once
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in r.choices] == [a.message.content for a in alone]
+    assert [ch.finish_reason for ch in r.choices] == [a.finish_reason for a in alone]
+    for ch, a in zip(r.choices, alone):
+        np.testing.assert_allclose([e.logprob for e in ch.logprobs.content], [e.logprob for e in a.logprobs.content],
+                                   rtol=0, atol=1e-4)
+    made = sum(len(ch.logprobs.content) + (ch.finish_reason == "stop") for ch in r.choices)
+    assert r.usage.completion_tokens == made and r.usage.total_tokens == r.usage.prompt_tokens + made
+    chunks = list(c.chat.completions.create(**kw, seed=7, n=3, stream=True, stream_options={"include_usage": True}))
+    for i, a in enumerate(alone):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == a.message.content
+        assert [m.finish_reason for m in mine if m.finish_reason] == [a.finish_reason]
+    assert chunks[-1].usage.completion_tokens == made
+    # greedy answers are all the greedy answer; the legacy endpoint takes n too
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, n=2)
+    assert r.choices[0].message.content == r.choices[1].message.content == reference(pkgs[1], MSGS, 8)[0]
+    prompt = "<|begin_of_text|>The cat sat on"
+    one = [c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.5, seed=3 + i).choices[0].text
+           for i in range(2)]
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.5, seed=3, n=2)
+    assert [ch.text for ch in r.choices] == one and [ch.index for ch in r.choices] == [0, 1]
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.5, seed=3, n=2,
+                                       stream=True))
+    assert ["".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) for i in range(2)] == one
+    # the Responses API gives one answer
+    status, body, _ = raw(text_server, "POST", "/v1/responses", {"input": "hi", "n": 2})
+    assert status == 400 and body["error"]["param"] == "n", body
+
+
+def test_n_answers_stop_when_the_client_hangs_up(text_server):
+    """A streamed request of several answers whose client goes away: every answer stops, not
+    only the one being sent."""
+    s = socket.create_connection(("127.0.0.1", text_server.server_address[1]), timeout=30)
+    body = json.dumps({"messages": MSGS, "max_tokens": 400, "stream": True, "n": 3, "temperature": 1.0,
+                       "seed": 1}).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert s.recv(100).startswith(b"HTTP/1.1 200")
+    s.close()
+    for _ in range(200):
+        if not text_server.gate.locked() and not text_server.engine.active:
+            break
+        time.sleep(0.05)
+    assert not text_server.engine.active and not text_server.engine.waiting
+    assert max(len(slot.keys) for slot in text_server.engine.slots) < 200  # prompt + a few, not 400 more
+    good(text_server)
+
+
 def test_text_completions_continue_the_prompt_as_written(pkgs, text_server):
     """POST /v1/completions (the legacy endpoint older clients use): the prompt as it is, no
     template; OpenAI's default of 16 tokens; echo, stop, logprobs, streaming."""

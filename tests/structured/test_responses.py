@@ -119,6 +119,26 @@ def test_thinking_comes_as_a_reasoning_item(client):
         r.output[0].content[0].text
 
 
+def test_reasoning_effort_switches_thinking(client):
+    """A model's thinking is on or off: effort "none" switches it off, any other effort on (the
+    Responses API's reasoning.effort and the chat endpoint's reasoning_effort alike);
+    chat_template_kwargs still decide over it."""
+    msgs = [{"role": "user", "content": ASK}]
+    on = chat(client, msgs, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    off = chat(client, msgs, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert on.choices[0].message.reasoning_content and not getattr(off.choices[0].message, "reasoning_content", None)
+    for effort, want in (("high", on), ("minimal", on), ("none", off)):
+        c = chat(client, msgs, max_tokens=12, reasoning_effort=effort)
+        assert c.choices[0].message == want.choices[0].message, effort
+        r = client.responses.create(model="m", input=ASK, max_output_tokens=12, temperature=0,
+                                    reasoning={"effort": effort})
+        assert [o.type for o in r.output][0] == ("reasoning" if want is on else "message"), effort
+        assert r.output_text == (want.choices[0].message.content or "")
+    c = chat(client, msgs, max_tokens=12, reasoning_effort="none",
+             extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert c.choices[0].message == on.choices[0].message
+
+
 def test_an_image_input_answers_as_in_chat(qwen_vl_package):
     from openai import OpenAI
 
@@ -157,6 +177,9 @@ BAD = [
     ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
      "input[1].role must be system, user, assistant or tool", "input[1].role"),
     ({"input": "hi", "max_output_tokens": 0}, "max_tokens must be >= 1", "max_tokens"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort must be one of none, minimal",
+     "reasoning.effort"),
+    ({"input": "hi", "reasoning": "high"}, "reasoning must be an object", "reasoning"),
     ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope",
      "tool_choice"),
 ]

@@ -212,15 +212,15 @@ HOSTILE = ["Fine. <scr", "ipt>window.pwned = 1</script> <img src=x onerror=\"win
 
 def test_model_text_is_shown_as_text(driver, demo, scenes, monkeypatch):
     """An answer is untrusted text: a model that answers with HTML and script gets it shown."""
-    real = server_module.stream_events
+    real = server_module.stream_choices
 
     def hostile(model, messages, **kwargs):  # the real generation, its text replaced
-        evs = list(real(model, messages, **kwargs))
+        evs = list(real(model, messages, **kwargs)[0])
         for piece in HOSTILE:
             yield dataclasses.replace(evs[-1], text=piece, finish_reason=None, boxes=[])
         yield dataclasses.replace(evs[-1], text="")
 
-    monkeypatch.setattr(server_module, "stream_events", hostile)
+    monkeypatch.setattr(server_module, "stream_choices", lambda *a, **k: [hostile(*a, **k)])
     open_page(driver, demo.url, demo.model_id)
     attach(driver, scenes[37])
     wait(lambda: driver.find_elements("css selector", "#pending .thumb img"), 10, "the thumbnail")
