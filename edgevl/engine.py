@@ -104,6 +104,12 @@ class Stream:
         self.left = 0
         self.history: list = []
         self.trial = speculative.Trial()
+        # answers to one prompt (``after``): a follower starts from its leader's prompt instead of
+        # computing it again; the leader keeps ``fork`` (its state at the prompt's end and the
+        # logits there) until each of its ``followers`` has taken a copy
+        self.leader: Stream | None = None
+        self.followers = 0
+        self.fork = None
 
     def __iter__(self):
         return self
@@ -164,11 +170,14 @@ class Engine:
                         seed: int | None = None, stop_ids=None, reuse_cache: bool = True,
                         max_image_patches: int | None = None, ignore_eos: bool = False, constraint=None,
                         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs=None,
-                        logit_bias=None, min_p: float = 0.0) -> Stream:
+                        logit_bias=None, min_p: float = 0.0, after: Stream | None = None) -> Stream:
         """As ``Model.generate_tokens``: new token ids until eos, ``stop_ids``, the budget or the
         context end; the request decodes alongside the others. ``constraint``
         (``edgevl.structured.Constraint``) is this request's own: its row is sampled among the
-        tokens it allows."""
+        tokens it allows. ``after``: a request of this engine with the same prompt and images
+        (another answer to it): this one waits for that one's prompt and goes on from a copy of
+        its state there, sampling its own first token from the same logits, instead of computing
+        the prompt again."""
         m = self.model
         if max_new_tokens is None or int(max_new_tokens) < 0:
             raise EdgevlError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -183,6 +192,10 @@ class Engine:
         with self.cond:
             if self.closed:
                 raise EdgevlError("the engine is closed")
+            if after is not None and after.engine is self and after.args["ids"] == ids and \
+                    len(after.args["rows"]) == len(rows) and all(a is b for a, b in zip(after.args["rows"], rows)):
+                s.leader = after
+                after.followers += 1
             self.waiting.append(s)
             self.cond.notify()
         return s
@@ -325,21 +338,60 @@ class Engine:
         self.rate[key] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _admit(self) -> None:
-        """Free slots to waiting requests, in arrival order (under the lock)."""
-        while self.waiting:
-            s = self.waiting[0]
+        """Free slots to waiting requests, in arrival order (under the lock). A follower waits
+        while its leader's prompt is being computed (those behind it may go first)."""
+        i = 0
+        while i < len(self.waiting):
+            s = self.waiting[i]
             if s.cancelled:
-                self.waiting.popleft()
+                del self.waiting[i]
+                self._let_go(s)
                 continue
             free = [sl for sl in self.slots if sl.request is None]
             if not free:
                 return
-            self.waiting.popleft()
-            keys = self.model._keys(s.args["ids"], s.args["rows"]) if s.args["reuse"] else []
-            slot = max(free, key=lambda sl: (shared_prefix(sl.keys, keys), -sl.used))
+            lead = s.leader
+            if lead is not None and lead.fork is None and not (lead.ended or lead.cancelled):
+                i += 1
+                continue
+            del self.waiting[i]
             self.clock += 1
-            slot.request, slot.used, s.slot = s, self.clock, slot
+            if lead is not None and lead.fork is not None:
+                slot = min(free, key=lambda sl: sl.used)    # its state is replaced: the least recent
+                slot.request, slot.used, s.slot = s, self.clock, slot
+                self._follow(s, lead)
+            else:
+                self._let_go(s)
+                keys = self.model._keys(s.args["ids"], s.args["rows"]) if s.args["reuse"] else []
+                slot = max(free, key=lambda sl: (shared_prefix(sl.keys, keys), -sl.used))
+                slot.request, slot.used, s.slot = s, self.clock, slot
             self.active.append(s)
+
+    def _let_go(self, s: Stream) -> None:
+        """``s`` will not take its leader's state: the leader keeps it for one fewer."""
+        lead, s.leader = s.leader, None
+        if lead is not None:
+            lead.followers -= 1
+            if lead.followers <= 0:
+                lead.fork = None
+
+    def _follow(self, s: Stream, lead: Stream) -> None:
+        """Start ``s`` from its leader's state at the prompt's end (a copy, or the last one's
+        the state itself): its first token is sampled from the same logits."""
+        state, logits = lead.fork
+        s.leader = None
+        lead.followers -= 1
+        if lead.followers <= 0:
+            lead.fork = None
+        else:
+            state = _fork(*state)
+        s.slot.cache, s.slot.keys, s.slot.hidden_at, s.slot.mtp = state
+        s.history = list(s.args["ids"])
+        s.left = s.args["max_new"]
+        if s.left <= 0:
+            self._emit(s, [], True)
+        else:
+            self._next(s, logits)
 
     def _drop_finished(self) -> None:
         for s in [s for s in self.active if s.cancelled or s.ended]:
@@ -429,6 +481,9 @@ class Engine:
         logits = m.head(rows) if len(rows) else rows
         for i, s in enumerate(done):
             a = s.args
+            if s.followers > 0:   # other answers to this prompt go on from here
+                sl = s.slot
+                s.fork = (_fork(sl.cache, sl.keys, sl.hidden_at, sl.mtp), np.array(logits[i], np.float32))
             s.history = list(a["ids"])
             s.left = a["max_new"]
             if s.left <= 0:
@@ -550,3 +605,10 @@ class Engine:
         s.left -= len(emit)
         s.tok = emit[-1]
         self._emit(s, emit, end)
+
+
+def _fork(cache, keys, hidden_at, mtp) -> tuple:
+    """A copy of one sequence's state (a slot's fields) that another sequence goes on from."""
+    if mtp is not None:
+        mtp = {k: v.clone() if k == "cache" else list(v) for k, v in mtp.items()}
+    return cache.clone(), list(keys), dict(hidden_at), mtp

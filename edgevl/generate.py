@@ -434,8 +434,9 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
                   split_reasoning: bool = True, min_p: float | None = None) -> list[Iterator[Event]]:
     """``n`` answers to one prompt (OpenAI's ``n``), each an iterator of its events. The prompt,
     its images and any grammar are prepared once. With an ``engine`` the answers decode together,
-    each a request of its own; without, one after the other as they are read (the later ones start
-    from the first's prompt in the cache). Answer i samples with ``seed + i`` where a seed is given,
+    each a request of its own, the others going on from a copy of the first's state at the
+    prompt's end; without, one after the other as they are read (the later ones start from the
+    first's prompt in the cache). Answer i samples with ``seed + i`` where a seed is given,
     so sampled answers differ and each is reproducible.
 
     ``postprocess=False`` shows the text as generated (e.g. grounding coordinates in pixels of
@@ -486,9 +487,11 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     videos = [i for i in prep.images if isinstance(i, dict) and i.get("kind") == "video"]
     images = [i for i in prep.images if not (isinstance(i, dict) and i.get("kind") == "video")]
 
-    def choice(i: int, t0: float) -> Iterator[Event]:
+    def choice(i: int, t0: float, after=None) -> Iterator[Event]:
         noted = Logprobs(top_logprobs or 0) if logprobs else None
         extra = {"logprobs": noted} if noted is not None else {}
+        if after is not None:   # the engine's: go on from the first answer's prompt
+            extra["after"] = after
         if bias is not None:
             extra["logit_bias"] = bias
         post = model.arch.output_processor(images) if postprocess else None
@@ -503,8 +506,9 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
                                                 frequency_penalty=frequency_penalty, **extra)
         return _Choice(gen, _events(model, gen, prep, t0, stop, post, split, videos, noted))
 
-    if engine is not None:   # every answer queued now: they decode together
-        return [choice(i, t0) for i in range(n)]
+    if engine is not None:   # every answer queued now: they decode together, from one prompt
+        first = choice(0, t0)
+        return [first] + [choice(i, t0, first.gen) for i in range(1, n)]
     return [choice(0, t0)] + [_later(choice, i) for i in range(1, n)]
 
 

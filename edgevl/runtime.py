@@ -12,6 +12,7 @@ prefix means re-prefilling).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import os
@@ -483,6 +484,10 @@ class SectionedNet(Net):
 # per-layer state kinds (declared in the manifest's decoder graph: ``state``)
 
 
+# rows of SDPA's KV panels, a multiple of every width it uses (2 to 16 rows)
+KV_PANEL_ROWS = 64
+
+
 class KVState:
     """Attention KV of one layer: SDPA's cache Mats, extracted with type 1 (ncnn's packed,
     backend-specific layout) and fed back unchanged. Truncatable (see ``truncate``)."""
@@ -521,6 +526,25 @@ class KVState:
     def bytes(self) -> int:
         # w*h*d*c counts packs and elemsize is bytes per pack: their product is the data size
         return 0 if self.mats is None else int(sum(m.w * m.h * m.d * m.c * m.elemsize for m in self.mats))
+
+    def clone(self) -> KVState:
+        """A copy that grows apart: Mats of its own (SDPA appends in place only within the Mat
+        it was handed). SDPA keeps the rows in panels of up to 16 (its SIMD width), the last one
+        partly filled, so the copy takes whole panels, not only ``h`` rows."""
+        new = copy.copy(self)
+        if self.mats is not None:
+            out = []
+            for m in self.mats:
+                h = m.h
+                m.h = min(m.cstep // max(m.w, 1), -(-h // KV_PANEL_ROWS) * KV_PANEL_ROWS)
+                try:
+                    c = m.clone()
+                finally:
+                    m.h = h
+                c.h = h
+                out.append(c)
+            new.mats = tuple(out)
+        return new
 
 
 class Column:
@@ -615,6 +639,20 @@ class RecurrentState:
 
     def bytes(self) -> int:
         return int(sum(4 * np.prod(s) for s in self.shapes))
+
+    def clone(self):
+        """A copy that grows apart (hooks and decode steps update these arrays in place)."""
+        new = copy.copy(self)
+        new._mats = None if self._mats is None else tuple(_own(m) for m in self._mats)
+        if self._ring is not None:
+            new._ring = ([a.copy() for a in self._ring[0]], self._ring[1])
+        new.before = None if self.before is None else tuple(_own(m) for m in self.before)
+        return new
+
+
+def _own(m):
+    """A copy of a state Mat or array that shares no memory with it."""
+    return np.array(m, copy=True) if isinstance(m, np.ndarray) else m.clone()
 
 
 class HostState(RecurrentState):
@@ -734,6 +772,15 @@ class Cache:
         else:
             self._go_back(p)
         return p
+
+    def clone(self) -> Cache:
+        """A copy of this sequence's state that another sequence goes on from (the snapshots'
+        arrays are shared: a restore never writes into them)."""
+        new = copy.copy(self)
+        new.layers = [s.clone() for s in self.layers]
+        new.next_positions = list(self.next_positions)
+        new._snapshots = {k: list(v) for k, v in self._snapshots.items()}
+        return new
 
     def keep_windows(self) -> None:
         """Before a forward whose last rows may be taken back: each window state keeps what it

@@ -552,9 +552,10 @@ def test_decode_rows_beside_a_prompt_chunk_keep_their_windows_as_rings(packages,
 
 def test_choices_are_each_the_answer_alone_with_its_seed(packages):
     """``stream_choices``: n answers to one prompt, prepared once (an image encoded once). Through
-    an engine they decode together (drafting on); without one, one after the other, the later
-    ones starting from the first's prompt in the cache. Either way answer i is what a request of
-    its own with seed + i gives."""
+    an engine they decode together (drafting on), the later ones going on from a copy of the
+    first's state at the prompt's end (no prompt computed again); without one, one after the
+    other, the later ones starting from the first's prompt in the cache. Either way answer i is
+    what a request of its own with seed + i gives."""
     from edgevl.generate import stream_choices
 
     model = _model(packages, "qwen3_5")
@@ -575,19 +576,47 @@ def test_choices_are_each_the_answer_alone_with_its_seed(packages):
     try:
         engine = Engine(model, parallel=3)
         try:
+            list(stream_choices(model, msgs, 1, seed=5, engine=engine, reuse_cache=False, **kw)[0])
+            one = engine.chunks      # the prompt chunks of one answer
             steps, rows = engine.steps, engine.rows
-            got = [[ev.token for ev in c] for c in stream_choices(model, msgs, 3, seed=5, engine=engine, **kw)]
+            evs = [list(c) for c in stream_choices(model, msgs, 3, seed=5, engine=engine, reuse_cache=False, **kw)]
             assert engine.rows - rows > engine.steps - steps    # some forwards carried several answers
+            assert engine.chunks == 2 * one                     # the prompt was computed once
+            assert [e[-1].prefill_tokens for e in evs[1:]] == [0, 0]
         finally:
             engine.close()
-        assert got == want
+        assert [[ev.token for ev in e] for e in evs] == want
         n_images = len(encoded)
         choices = stream_choices(model, msgs, 3, seed=5, reuse_cache=True, **kw)
         evs = [list(c) for c in choices]
         assert [[ev.token for ev in e] for e in evs] == want
         assert evs[1][-1].prefill_tokens < evs[1][-1].prompt_tokens // 2     # the prompt came from the cache
-        assert n_images == 1 and len(encoded) == 2      # the image is encoded once for all answers
+        assert n_images == 2 and len(encoded) == 3      # the image is encoded once per request of answers
     finally:
         del model.encode_image
     with pytest.raises(EdgevlError, match="n .answers to the prompt. must be from 1 to 16"):
         stream_choices(model, "hi", 0)
+
+
+@pytest.mark.parametrize("family", [f for f, _ in CASES])
+def test_answers_that_share_a_prompt_decode_as_alone(packages, family):
+    """Greedy answers that go on from a copy of the first's prompt state (KV panels, conv
+    windows, delta-rule and MTP states copied, each growing apart) are each the answer alone, in
+    every family; more answers than slots wait and still take the copy; one cancelled early
+    leaves the others whole."""
+    model = _model(packages, family)
+    prep = prepare(model, " ".join(CORPUS[:4]))
+    want = alone(model, prep, 20)
+    engine = Engine(model, parallel=2)
+    try:
+        first = engine.generate_tokens(prep.input_ids, 20, ignore_eos=True)
+        others = [engine.generate_tokens(prep.input_ids, 20, ignore_eos=True, after=first) for _ in range(3)]
+        gone = engine.generate_tokens(prep.input_ids, 200, ignore_eos=True, after=first)
+        got = [[] for _ in range(4)]
+        left = []
+        read_all([(s, g) for s, g in zip([first, *others], got)] + [(gone, left, 3)])
+        assert got == [want] * 4
+        assert [s.prefill_tokens for s in others] == [0, 0, 0]
+        assert first.fork is None        # the copy goes once every follower took it
+    finally:
+        engine.close()
