@@ -351,8 +351,8 @@ class Engine:
             if not free:
                 return
             lead = s.leader
-            if lead is not None and lead.fork is None and not (lead.ended or lead.cancelled):
-                i += 1
+            if lead is not None and lead.fork is None and lead.tok is None and not (lead.ended or lead.cancelled):
+                i += 1      # its leader's prompt is not computed yet
                 continue
             del self.waiting[i]
             self.clock += 1
