@@ -25,6 +25,7 @@ from __future__ import annotations
 import json as _json
 import re
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -509,7 +510,12 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     if engine is not None:   # every answer queued now: they decode together, from one prompt
         first = choice(0, t0)
         return [first] + [choice(i, t0, first.gen) for i in range(1, n)]
-    return [choice(0, t0)] + [_later(choice, i) for i in range(1, n)]
+    # one model decodes one answer at a time: an answer read before the ones ahead of it ended
+    # first runs those to their end (their events kept for their reader)
+    answers: list = [_Buffered(choice(0, t0))]
+    for i in range(1, n):
+        answers.append(_Buffered(_later(choice, i, answers[:i])))
+    return answers
 
 
 class _Choice:
@@ -531,8 +537,30 @@ class _Choice:
             self.gen.close()
 
 
-def _later(choice, i: int) -> Iterator[Event]:
-    """Answer i, started when first read (its time to first token counted from then)."""
+class _Buffered:
+    """An answer's events, with those run ahead of its reader kept (``drain``)."""
+
+    def __init__(self, events: Iterator[Event]):
+        self.events, self.kept = events, deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Event:
+        return self.kept.popleft() if self.kept else next(self.events)
+
+    def drain(self) -> None:
+        self.kept.extend(self.events)
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def _later(choice, i: int, ahead: list) -> Iterator[Event]:
+    """Answer i, started when first read, once the answers ahead of it ended (its time to first
+    token counted from then)."""
+    for a in ahead:
+        a.drain()
     yield from choice(i, time.perf_counter())
 
 

@@ -183,6 +183,7 @@ class Model:
         # the decoder's last hidden state at each length the cache can go back to (the MTP
         # block's row before a reused prefix needs it)
         self._hidden_at: dict[int, np.ndarray] = {}
+        self._generations = 0       # generations started (the last one owns the cache)
         self.mtp = None
         has_mtp = "mtp" in graphs and not self.low_memory
         undo = self.decoder.undo_rows if has_mtp or spec["speculative"] == "mtp" else 0
@@ -503,10 +504,26 @@ class Model:
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                         seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                         logprobs=logprobs, logit_bias=logit_bias, min_p=min_p)
-        gen = self._generate_tokens(input_ids, max_new_tokens, image, sampling, stop_ids, reuse_cache,
-                                    max_image_patches, ignore_eos, constraint)
+        gen = self._exclusive(self._generate_tokens(input_ids, max_new_tokens, image, sampling, stop_ids,
+                                                    reuse_cache, max_image_patches, ignore_eos, constraint))
         owner = self.__dict__.get("_owner")
         return gen if owner is None else owner.stream(gen)
+
+    def _exclusive(self, gen: Iterator[int]) -> Iterator[int]:
+        """``gen`` as the model's running generation. Generations share the model's one cache, so
+        one resumed after another started (whose prompt replaced the cache) would go on from the
+        other's state: it stops with an error instead of giving a wrong answer."""
+        self._generations += 1
+        mine = self._generations
+        try:
+            for tok in gen:
+                yield tok
+                if self._generations != mine:
+                    raise EdgevlError("another generation started on this model before this one ended (they "
+                                      "share its cache): read one to its end or close it first, or decode "
+                                      "several together with edgevl.engine.Engine")
+        finally:
+            gen.close()
 
     def _generate_tokens(self, input_ids, max_new_tokens, image, sampling: dict, stop_ids, reuse_cache,
                          max_image_patches, ignore_eos, constraint) -> Iterator[int]:

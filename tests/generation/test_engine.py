@@ -3,6 +3,7 @@ own KV cache, conv window, host state and expert routing, and each request gets 
 it gets alone (fp32) — with mixed prompt lengths, images, stop tokens, budgets, drafting, more
 requests than slots, and a client that goes away mid-answer."""
 
+import itertools
 import threading
 
 import numpy as np
@@ -588,7 +589,11 @@ def test_choices_are_each_the_answer_alone_with_its_seed(packages):
         assert [[ev.token for ev in e] for e in evs] == want
         n_images = len(encoded)
         choices = stream_choices(model, msgs, 3, seed=5, reuse_cache=True, **kw)
-        evs = [list(c) for c in choices]
+        evs = [[], [], []]
+        for row in itertools.zip_longest(*choices):     # read side by side: each runs once the ones ahead ended
+            for e, ev in zip(evs, row):
+                if ev is not None:
+                    e.append(ev)
         assert [[ev.token for ev in e] for e in evs] == want
         assert evs[1][-1].prefill_tokens < evs[1][-1].prompt_tokens // 2     # the prompt came from the cache
         assert n_images == 2 and len(encoded) == 3      # the image is encoded once per request of answers

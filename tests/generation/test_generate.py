@@ -36,6 +36,25 @@ def test_seeded_sampling_is_reproducible(model):
     assert greedy == edgevl.generate(model, "The quick", max_new_tokens=24, raw=True, seed=123)
 
 
+def test_a_generation_resumed_after_another_started_stops_with_an_error(model):
+    """Generations share the model's one cache: one read again after another started (whose
+    prompt replaced the cache) would go on from the other's state. It stops with a one-line
+    error instead; the later one, and any read to its end or closed first, are whole."""
+    a_ids, b_ids = model.tokenizer.encode("The quick"), model.tokenizer.encode("Once upon a")
+    want_b = list(model.generate_tokens(b_ids, 8, ignore_eos=True, reuse_cache=False))
+    a = model.generate_tokens(a_ids, 8, ignore_eos=True)
+    next(a)
+    b = model.generate_tokens(b_ids, 8, ignore_eos=True, reuse_cache=False)
+    got_b = [next(b)]
+    with pytest.raises(EdgevlError, match="another generation started on this model before this one ended"):
+        next(a)
+    assert got_b + list(b) == want_b
+    a = model.generate_tokens(a_ids, 8, ignore_eos=True)
+    next(a)
+    a.close()       # closed first: the next one runs as usual
+    assert list(model.generate_tokens(b_ids, 8, ignore_eos=True, reuse_cache=False)) == want_b
+
+
 def test_repetition_penalty_changes_greedy_choice(model):
     plain = list(model.generate_tokens(model.tokenizer.encode("The quick"), 24, ignore_eos=True))
     pen = list(model.generate_tokens(model.tokenizer.encode("The quick"), 24, ignore_eos=True,
