@@ -236,14 +236,17 @@ class OutputProcessor:
         return []
 
 
-def answer_header_points(tokenizer, input_ids: list, header: str, cache) -> list[int]:
-    """The lengths right after each occurrence of ``header`` (e.g. the chat template's opening of
-    an assistant turn) in ``input_ids``; ``cache`` (a ``weakref.WeakKeyDictionary``) keeps the
-    header's ids per tokenizer."""
-    if tokenizer not in cache:
-        cache[tokenizer] = tokenizer.encode(header)
-    head = cache[tokenizer]
-    ids, n = list(input_ids), len(head)
-    if not n:
-        return []
-    return [i + n for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head]
+def marker_points(tokenizer, input_ids: list, cache, after=(), before=()) -> list[int]:
+    """The lengths right after each occurrence in ``input_ids`` of a marker in ``after`` (e.g.
+    the chat template's opening of an assistant turn) and right before each of one in ``before``,
+    sorted; ``cache`` (a ``weakref.WeakKeyDictionary``) keeps the markers' ids per tokenizer."""
+    known = cache.setdefault(tokenizer, {})
+    ids, out = list(input_ids), set()
+    for text, shift in [(t, True) for t in after] + [(t, False) for t in before]:
+        if text not in known:
+            known[text] = tokenizer.encode(text)
+        head = known[text]
+        n = len(head)
+        if n:
+            out.update(i + n * shift for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head)
+    return sorted(out)

@@ -625,3 +625,38 @@ def test_answers_that_share_a_prompt_decode_as_alone(packages, family):
         assert first.fork is None        # the copy goes once every follower took it
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("family", [f for f, _ in CASES])
+def test_a_shared_system_prompt_or_image_is_not_computed_again(packages, family):
+    """Prefix reuse reaches recurrent models too: their state is snapshotted before each user
+    turn and after each image, so another conversation with the same system prompt, or another
+    question about the same image, computes only what differs (in the engine's slots as in a
+    lone model), and gets the tokens of a fresh run."""
+    model = _model(packages, family)
+    system = {"role": "system", "content": " ".join(CORPUS[:3])}
+    image = smooth_image(64, 90, 4)
+
+    def turn(q, with_image):
+        content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": q}]
+        return [system, {"role": "user", "content": content}]
+
+    cases = [(False, "Describe a cat."), (False, "Name a colour.")]
+    if model.vision is not None:
+        cases += [(True, "What is this?"), (True, "What colour is it?")]
+    preps = [prepare(model, turn(q, im), image=[image] if im else None) for im, q in cases]
+    fresh = [alone(model, p, 6) for p in preps]
+    engine = Engine(model, parallel=1)     # one slot: each request finds the one before it there
+    try:
+        for i, (p, want) in enumerate(zip(preps, fresh)):
+            s = engine.generate_tokens(p.input_ids, 6, image=p.encoded, ignore_eos=True)
+            assert list(s) == want, i
+            if i % 2:     # the second of each pair: only what differs was computed
+                ids = p.input_ids
+                shared = next(k for k, (a, b) in enumerate(zip(ids, preps[i - 1].input_ids)) if a != b)
+                points = [q for q in model.arch.snapshot_points(model.tokenizer, ids) if q <= shared]
+                reused = len(ids) - s.prefill_tokens
+                assert reused >= (shared if model.cache.truncatable else max(points)), (i, reused, shared, points)
+                assert reused > len(ids) // 2, (i, reused, len(ids))
+    finally:
+        engine.close()

@@ -49,7 +49,7 @@ from ...blocks.base import (
 )
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, answer_header_points, vision_quantized
+from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, marker_points, vision_quantized
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -373,6 +373,8 @@ def text_prefix(ckpt) -> str:
 # the architecture
 
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
+USER_HEADER = "<|im_start|>user"
+VISION_END = "<|vision_end|>"
 ANSWER_HEADER = "<|im_start|>assistant\n"
 
 
@@ -401,7 +403,7 @@ class Qwen3_5(Architecture):
     bench = BenchProfile(convert_args_of=lambda cfg: () if mtp_layers(cfg) else ("--no-mtp",))
 
     def __init__(self):
-        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
+        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> {marker: its ids}
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, on_tensor, mtp=options.get("mtp", "keep"),
@@ -420,9 +422,13 @@ class Qwen3_5(Architecture):
         return mrope_positions_of(input_ids, images, image_token_id)
 
     def snapshot_points(self, tokenizer, input_ids):
-        """After each ``<|im_start|>assistant\\n``: the template re-renders an earlier answer
-        without its reasoning, so a conversation's next turn first differs right there."""
-        return answer_header_points(tokenizer, input_ids, ANSWER_HEADER, self._headers)
+        """Where a later prompt may part from this one, for prefix reuse (recurrent state
+        goes back only to a snapshot): after each ``<|im_start|>assistant\\n`` (the template re-renders an
+        earlier answer without its reasoning, so a conversation's next turn first differs
+        there), before each ``<|im_start|>user`` (another conversation with the same system prompt)
+        and after each ``<|vision_end|>`` (another question about the same image)."""
+        return marker_points(tokenizer, input_ids, self._headers, after=(ANSWER_HEADER, VISION_END),
+                             before=(USER_HEADER,))
 
     def make_vision(self, pkg, net):
         return qwen_vision.open_vision(pkg, net)

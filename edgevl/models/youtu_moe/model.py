@@ -56,7 +56,7 @@ from ...blocks.base import (
 from ...blocks.mla import MlaArgs, emit_mla_core
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import VISION_OPTION, Architecture, answer_header_points, vision_quantized
+from ..protocol import VISION_OPTION, Architecture, marker_points, vision_quantized
 from ..youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
 from .layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
@@ -353,6 +353,8 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
 # ---------------------------------------------------------------------------------------------
 # the architecture
 
+USER_HEADER = "<|begin_of_text|>user"
+VISION_END = "<|vision_end|>"
 ANSWER_HEADER = "<|begin_of_text|>assistant\n"
 
 
@@ -369,7 +371,7 @@ class YoutuMoe(Architecture):
     bench = moe.bench_profile()
 
     def __init__(self):
-        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> the answer header's ids
+        self._headers = weakref.WeakKeyDictionary()   # tokenizer -> {marker: its ids}
 
     def convert(self, ckpt, out, dtype, options, on_tensor) -> dict:
         return convert(ckpt, out, dtype, options, on_tensor)
@@ -395,9 +397,13 @@ class YoutuMoe(Architecture):
         return mrope_positions_of(input_ids, images, image_token_id)
 
     def snapshot_points(self, tokenizer, input_ids):
-        """After each ``<|begin_of_text|>assistant\\n``: where a conversation's next turn may first
-        differ from the tokens generated (e.g. an answer re-rendered without its reasoning)."""
-        return answer_header_points(tokenizer, input_ids, ANSWER_HEADER, self._headers)
+        """Where a later prompt may part from this one, for prefix reuse (recurrent state
+        goes back only to a snapshot): after each ``<|begin_of_text|>assistant\\n`` (the template re-renders an
+        earlier answer without its reasoning, so a conversation's next turn first differs
+        there), before each ``<|begin_of_text|>user`` (another conversation with the same system prompt)
+        and after each ``<|vision_end|>`` (another question about the same image)."""
+        return marker_points(tokenizer, input_ids, self._headers, after=(ANSWER_HEADER, VISION_END),
+                             before=(USER_HEADER,))
 
     def make_vision(self, pkg, net):
         return qwen_vision.open_vision(pkg, net)
