@@ -47,6 +47,9 @@ RECHECK, RECHECK_MAX = 16, 128
 # 2 threads, 32 rows 10 ms a row, 128 rows 8), and putting longer prompts together would only
 # delay the first of them
 PROMPT_ROWS = 32
+# a free slot takes a copy of a running request's state when that gives at least this many more
+# of a new prompt's tokens (a copy costs about what computing a few tokens does)
+COPY_MIN_TOKENS = 16
 
 
 class Slot:
@@ -365,7 +368,26 @@ class Engine:
                 keys = self.model._keys(s.args["ids"], s.args["rows"]) if s.args["reuse"] else []
                 slot = max(free, key=lambda sl: (shared_prefix(sl.keys, keys), -sl.used))
                 slot.request, slot.used, s.slot = s, self.clock, slot
+                if keys:
+                    self._copy_prefix(slot, keys)
             self.active.append(s)
+
+    def _copy_prefix(self, slot: Slot, keys: list) -> None:
+        """Where a running request's state gives more of this prompt than the free ``slot``'s
+        cache does (the same system prompt or image, while that request decodes), the slot takes
+        a copy of it; the prompt then goes back to what it shares, as from any cache."""
+        def reach(sl: Slot) -> int:   # the prompt's tokens this slot's cache can give
+            n = min(shared_prefix(sl.keys, keys), len(keys) - 1)
+            return sl.cache.rollback_point(n) if n > 0 else 0
+
+        donors = [a.slot for a in self.active if a.tok is not None and a.filling is None and not a.ended]
+        donor = max(donors, key=reach, default=None)
+        if donor is not None and reach(donor) >= reach(slot) + COPY_MIN_TOKENS:
+            # copies of memory, no ncnn compute: here, between rounds, nothing else touches either
+            # state (a call to the owner thread while holding the lock could wait on a collector
+            # that runs there and needs the lock)
+            slot.cache, slot.keys, slot.hidden_at, slot.mtp = _fork(donor.cache, donor.keys, donor.hidden_at,
+                                                                    donor.mtp)
 
     def _let_go(self, s: Stream) -> None:
         """``s`` will not take its leader's state: the leader keeps it for one fewer."""

@@ -660,3 +660,26 @@ def test_a_shared_system_prompt_or_image_is_not_computed_again(packages, family)
                 assert reused > len(ids) // 2, (i, reused, len(ids))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("family", [f for f, _ in CASES])
+def test_a_prompt_sharing_a_running_requests_prefix_starts_from_a_copy(packages, family):
+    """A request that arrives while another with the same system prompt decodes takes a copy of
+    that one's state into its free slot and computes only its own turn; both get the tokens
+    they get alone."""
+    model = _model(packages, family)
+    system = {"role": "system", "content": " ".join(CORPUS[:3])}
+    a, b = (prepare(model, [system, {"role": "user", "content": q}]) for q in ("Describe a cat.", "Name a colour."))
+    want_a, want_b = alone(model, a, 16), alone(model, b, 8)
+    engine = Engine(model, parallel=2)
+    try:
+        first = engine.generate_tokens(a.input_ids, 16, ignore_eos=True)
+        got_a = [next(first)]            # its prompt is whole; it decodes on in its slot
+        second = engine.generate_tokens(b.input_ids, 8, ignore_eos=True)
+        got_b = list(second)
+        got_a += list(first)
+        assert (got_a, got_b) == (want_a, want_b)
+        shared = next(k for k, (x, y) in enumerate(zip(a.input_ids, b.input_ids)) if x != y)
+        assert len(b.input_ids) - second.prefill_tokens > shared // 2, (second.prefill_tokens, shared)
+    finally:
+        engine.close()
