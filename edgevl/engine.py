@@ -1,19 +1,20 @@
 """Continuous batching: several requests decode together over one loaded model.
 
-An :class:`Engine` owns ``parallel`` slots, each one sequence's decoder state (KV caches,
-recurrent and host states, the MTP block's rows). Requests take a free slot (the one whose cached
-tokens share the longest prefix with the prompt, so a repeated system prompt or image is not
-computed again), are prefilled a chunk per round (the chunks of several prompts and a row of
-each decoding request in one forward, so a long prompt delays the others by one chunk, not by all
-of it), and then decode together: each step is one decoder forward over the newest token of every
-decoding request
-(``Decoder.forward_rows``: the weights are read once for all rows; attention runs per sequence
-on its own KV cache, the conv windows and delta-rule steps of all rows together on the host),
-and each row is sampled with its own request's settings. A request that ends, is cancelled or
-whose client went away leaves at the next step; the others go on. Where the package has an MTP
-block, a request decoding alone drafts, as a lone ``generate`` does; with several, each round is
-either a drafting round (each drafts after its pending token, and one forward verifies the rows of
-all) or a plain step, whichever has measured faster at that many requests.
+An :class:`Engine` owns ``parallel`` slots, each one sequence's decoder state (KV caches, recurrent
+and host states, the MTP block's rows). Requests take a free slot (the one whose cached tokens
+share the longest prefix with the prompt, so a repeated system prompt or image is not computed
+again; or a copy of a running request's state, where that shares more; answers to one prompt,
+``after=``, compute it once and go on from copies), are prefilled a chunk per round (the chunks of
+several prompts and a row of each decoding request in one forward, so a long prompt delays the
+others by one chunk, not by all of it), and then decode together: each step is one decoder forward
+over the newest token of every decoding request (``Decoder.forward_rows``: the weights are read
+once for all rows; attention runs per sequence on its own KV cache, the conv windows and delta-rule
+steps of all rows together on the host), and each row is sampled with its own request's settings. A
+request that ends, is cancelled or whose client went away leaves at the next step; the others go
+on. Where the package has an MTP block, a request decoding alone drafts, as a lone ``generate``
+does; with several, each round is either a drafting round (each drafts after its pending token, and
+one forward verifies the rows of all) or a plain step, whichever has measured faster at that many
+requests.
 
 The scheduler runs on its own thread and hands every piece of ncnn work to the model's owner
 thread (``edgevl.owner``), one step at a time, so other callers of the model interleave with it.
