@@ -35,7 +35,7 @@ import numpy as np
 from . import speculative
 from .errors import EdgevlError
 from .model import shared_prefix
-from .runtime import state_bytes
+from .runtime import MAX_SNAPSHOTS, state_bytes
 from .sample import Sampler, sample
 
 _END = object()
@@ -205,8 +205,11 @@ class Engine:
         return s
 
     def state_bytes(self) -> int:
-        """Memory of one slot's decoder state at the full context (KV grows with the tokens)."""
-        return state_bytes(self.model.decoder.info["state"], self.model.max_context, self.model.kv_elem_bytes)
+        """Memory of one slot's decoder state at the full context (KV grows with the tokens), with
+        the snapshots of its recurrent state that prefix reuse keeps (``runtime.MAX_SNAPSHOTS``)."""
+        specs = self.model.decoder.info["state"]
+        return (state_bytes(specs, self.model.max_context, self.model.kv_elem_bytes)
+                + MAX_SNAPSHOTS * state_bytes([s for s in specs if s["kind"] != "kv"], 0))
 
     def close(self) -> None:
         with self.cond:

@@ -1482,12 +1482,13 @@ def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | No
 
 def memory_line(server) -> str:
     """What the slots may take beside the weights: each holds one sequence's state, which
-    grows with its tokens up to the context."""
+    grows with its tokens up to the context, and the snapshots of its recurrent state."""
     engine, model = server.engine, server.model
     weights = sum(p.stat().st_size for p in Path(model.path).iterdir() if p.is_file())
     each = engine.state_bytes()
     return (f"edgevl: {engine.parallel} slot{'s' if engine.parallel > 1 else ''} (--parallel) x up to "
-            f"{each / 2**20:.0f} MB of state each at the full {model.max_context}-token context, beside the "
+            f"{each / 2**20:.0f} MB of state each at the full {model.max_context}-token context (prefix "
+            f"snapshots included), beside the "
             f"package's {weights / 2**20:.0f} MB on disk: up to {(weights + engine.parallel * each) / 2**20:.0f} MB")
 
 

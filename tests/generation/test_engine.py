@@ -683,3 +683,27 @@ def test_a_prompt_sharing_a_running_requests_prefix_starts_from_a_copy(packages,
         assert len(b.input_ids) - second.prefill_tokens > shared // 2, (second.prefill_tokens, shared)
     finally:
         engine.close()
+
+
+def test_slot_memory_counts_the_snapshots_prefix_reuse_keeps(packages):
+    """The server's start-up memory line counts each slot's snapshots of recurrent state (a
+    prompt with several turns and an image keeps the most), not only the live state."""
+    from edgevl.runtime import MAX_SNAPSHOTS, state_bytes
+
+    model = _model(packages, "qwen3_5")
+    turns = [{"role": "system", "content": "Be brief."}]
+    for q in ("Describe a cat.", "And a dog?", "And a bird?"):
+        turns += [{"role": "user", "content": q}, {"role": "assistant", "content": "It is small."}]
+    turns.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]})
+    prep = prepare(model, turns, image=[smooth_image(64, 90, 4)])
+    model.reset()
+    alone(model, prep, 1)
+    snaps = model.cache._snapshots
+    assert len(snaps) == MAX_SNAPSHOTS
+    kept = sum(a.nbytes for v in snaps.values() for layer in v for a in (layer or ()))
+    engine = Engine(model, parallel=1)
+    try:
+        live = state_bytes(model.decoder.info["state"], model.max_context, model.kv_elem_bytes)
+        assert engine.state_bytes() - live == kept > 0
+    finally:
+        engine.close()
