@@ -1173,33 +1173,43 @@ class Handler(BaseHTTPRequestHandler):
             self._event(b"[DONE]")
         self.wfile.write(b"0\r\n\r\n")
 
-    def _stream(self, choices, include_usage: bool, tools=None):
-        """The answers as chat completion chunks, one answer after the other (with ``n`` > 1 they
-        decode together all the same; each chunk names its choice's index)."""
+    def _answers_stream(self, head: dict, choices, include_usage: bool, one, usage=None):
+        """A chat or text completion stream: each answer's chunks in turn (``one(index, events)``
+        sends them and returns the answer's last event; with ``n`` > 1 the answers decode together
+        all the same), then the usage chunk where asked (``usage(lasts)``) and the end. After the
+        headers an error can only be a final error event."""
         self._start_events()
-        head = self._head("chat.completion.chunk")
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
         lasts = []
         try:
             for index, events in enumerate(choices):
-                lasts.append(self._stream_choice(head, index, events, tools))
+                lasts.append(one(index, events))
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
             self._event(self._generation_error(e).body())
         else:
             if include_usage:
-                # extension fields for the chat page's stats: the server's own speeds (the stream's
-                # arrival times blur them) and speculative decoding's counts
-                ev = lasts[0]
-                usage = {**_usage(lasts), "timings": {"prompt_per_second": round(ev.prompt_tps, 1),
-                                                      "predicted_per_second": round(ev.generation_tps, 1)}}
-                if self.server.model.mtp is not None:   # this request's own counts
-                    usage["speculative"] = {"drafted": sum(e.drafted for e in lasts),
-                                            "accepted": sum(e.accepted for e in lasts)}
-                self._event({**head, "choices": [], "usage": usage})
+                self._event({**head, "choices": [], "usage": (usage or _usage)(lasts)})
         self._end_events()
+
+    def _stream(self, choices, include_usage: bool, tools=None):
+        """The answers as chat completion chunks (each names its choice's index)."""
+        head = self._head("chat.completion.chunk")
+        self._answers_stream(head, choices, include_usage,
+                             lambda index, events: self._stream_choice(head, index, events, tools), self._chat_usage)
+
+    def _chat_usage(self, lasts: list) -> dict:
+        """Usage, with extension fields for the chat page's stats: the server's own speeds (the
+        stream's arrival times blur them) and speculative decoding's counts."""
+        ev = lasts[0]
+        usage = {**_usage(lasts), "timings": {"prompt_per_second": round(ev.prompt_tps, 1),
+                                              "predicted_per_second": round(ev.generation_tps, 1)}}
+        if self.server.model.mtp is not None:   # this request's own counts
+            usage["speculative"] = {"drafted": sum(e.drafted for e in lasts),
+                                    "accepted": sum(e.accepted for e in lasts)}
+        return usage
 
     def _stream_choice(self, head: dict, index: int, events, tools):
         """One answer's chunks; returns its last event."""
@@ -1353,30 +1363,19 @@ class Handler(BaseHTTPRequestHandler):
                 for i, evs in enumerate(answers)], "usage": _usage([evs[-1] for evs in answers])})
             return
 
+        def one(i, events):
+            if echo:
+                self._event({**head, "choices": [choice(i, prompt, [], None)]})
+            for ev in events:
+                if ev.text or ev.logprobs:
+                    self._event({**head, "choices": [choice(i, ev.text, ev.logprobs, None)]})
+                elif self._client_gone():
+                    raise ConnectionError("the client hung up")
+            self._event({**head, "choices": [choice(i, "", [], ev.finish_reason)]})
+            return ev
+
         def send(choices):
-            self._start_events()
-            if include_usage:
-                head["usage"] = None
-            lasts = []
-            try:
-                for i, events in enumerate(choices):
-                    if echo:
-                        self._event({**head, "choices": [choice(i, prompt, [], None)]})
-                    for ev in events:
-                        if ev.text or ev.logprobs:
-                            self._event({**head, "choices": [choice(i, ev.text, ev.logprobs, None)]})
-                        elif self._client_gone():
-                            raise ConnectionError("the client hung up")
-                    self._event({**head, "choices": [choice(i, "", [], ev.finish_reason)]})
-                    lasts.append(ev)
-            except (ConnectionError, TimeoutError):
-                raise
-            except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
-                self._event(self._generation_error(e).body())
-            else:
-                if include_usage:
-                    self._event({**head, "choices": [], "usage": _usage(lasts)})
-            self._end_events()
+            self._answers_stream(head, choices, include_usage, one)
 
         self._run(lambda: prompt, kwargs, send)
 
