@@ -250,3 +250,15 @@ def marker_points(tokenizer, input_ids: list, cache, after=(), before=()) -> lis
         if n:
             out.update(i + n * shift for i, t in enumerate(ids) if t == head[0] and ids[i:i + n] == head)
     return sorted(out)
+
+
+VISION_END = "<|vision_end|>"   # the token that closes an image or video in the prompt
+
+
+def turn_points(tokenizer, input_ids: list, cache, user_header: str, answer_header: str) -> list[int]:
+    """``snapshot_points`` for a chat template with turn headers, where prefix reuse should land
+    (recurrent state goes back only to a snapshot): after each ``answer_header`` (a template that
+    re-renders an earlier answer without its reasoning makes a conversation's next turn first
+    differ there), before each ``user_header`` (another conversation with the same system prompt)
+    and after each ``<|vision_end|>`` (another question about the same image)."""
+    return marker_points(tokenizer, input_ids, cache, after=(answer_header, VISION_END), before=(user_header,))

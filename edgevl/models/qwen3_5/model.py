@@ -49,7 +49,7 @@ from ...blocks.base import (
 )
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, marker_points, vision_quantized
+from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, turn_points, vision_quantized
 
 PREFIX = "model.language_model"
 VISION_PREFIX = "model.visual"
@@ -374,7 +374,6 @@ def text_prefix(ckpt) -> str:
 
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 USER_HEADER = "<|im_start|>user"
-VISION_END = "<|vision_end|>"
 ANSWER_HEADER = "<|im_start|>assistant\n"
 
 
@@ -422,13 +421,7 @@ class Qwen3_5(Architecture):
         return mrope_positions_of(input_ids, images, image_token_id)
 
     def snapshot_points(self, tokenizer, input_ids):
-        """Where a later prompt may part from this one, for prefix reuse (recurrent state
-        goes back only to a snapshot): after each ``<|im_start|>assistant\\n`` (the template re-renders an
-        earlier answer without its reasoning, so a conversation's next turn first differs
-        there), before each ``<|im_start|>user`` (another conversation with the same system prompt)
-        and after each ``<|vision_end|>`` (another question about the same image)."""
-        return marker_points(tokenizer, input_ids, self._headers, after=(ANSWER_HEADER, VISION_END),
-                             before=(USER_HEADER,))
+        return turn_points(tokenizer, input_ids, self._headers, USER_HEADER, ANSWER_HEADER)
 
     def make_vision(self, pkg, net):
         return qwen_vision.open_vision(pkg, net)

@@ -56,7 +56,7 @@ from ...blocks.base import (
 from ...blocks.mla import MlaArgs, emit_mla_core
 from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
 from ...errors import EdgevlError
-from ..protocol import VISION_OPTION, Architecture, marker_points, vision_quantized
+from ..protocol import VISION_OPTION, Architecture, turn_points, vision_quantized
 from ..youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
 from .layout import CHECKPOINT_LAYOUT, CheckpointLayout
 
@@ -354,7 +354,6 @@ def convert(ckpt, out, dtype: str, options: dict, on_tensor, layout: CheckpointL
 # the architecture
 
 USER_HEADER = "<|begin_of_text|>user"
-VISION_END = "<|vision_end|>"
 ANSWER_HEADER = "<|begin_of_text|>assistant\n"
 
 
@@ -397,13 +396,7 @@ class YoutuMoe(Architecture):
         return mrope_positions_of(input_ids, images, image_token_id)
 
     def snapshot_points(self, tokenizer, input_ids):
-        """Where a later prompt may part from this one, for prefix reuse (recurrent state
-        goes back only to a snapshot): after each ``<|begin_of_text|>assistant\\n`` (the template re-renders an
-        earlier answer without its reasoning, so a conversation's next turn first differs
-        there), before each ``<|begin_of_text|>user`` (another conversation with the same system prompt)
-        and after each ``<|vision_end|>`` (another question about the same image)."""
-        return marker_points(tokenizer, input_ids, self._headers, after=(ANSWER_HEADER, VISION_END),
-                             before=(USER_HEADER,))
+        return turn_points(tokenizer, input_ids, self._headers, USER_HEADER, ANSWER_HEADER)
 
     def make_vision(self, pkg, net):
         return qwen_vision.open_vision(pkg, net)
