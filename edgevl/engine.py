@@ -405,11 +405,9 @@ class Engine:
         """Start ``s`` from its leader's state at the prompt's end (a copy, or the last one's
         the state itself): its first token is sampled from the same logits."""
         state, logits = lead.fork
-        s.leader = None
-        lead.followers -= 1
-        if lead.followers <= 0:
-            lead.fork = None
-        else:
+        last = lead.followers <= 1
+        self._let_go(s)
+        if not last:
             state = _fork(*state)
         s.slot.cache, s.slot.keys, s.slot.hidden_at, s.slot.mtp = state
         s.history = list(s.args["ids"])
