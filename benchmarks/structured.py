@@ -9,9 +9,14 @@
   the overhead a constrained token adds to a decode step, whatever the model.
 - ``compile``: time from schema to a ready matcher (the tokenizer adapter once, then per schema).
 - ``--package``: decode tok/s of that package with and without a constraint, side by side
-  (interleaved rounds), greedy, with its drafting off and on. The constraint is a JSON schema
-  whose answer is an object with one unbounded string (``LONG``): it does not end within the
-  tokens asked for, so free and constrained answers have the same length.
+  (interleaved rounds), greedy, with its drafting off and on; constrained twice, with the tokens
+  the grammar forces fed together (the default) and one token a pass (``FORCED_MAX = 0``).
+  ``--schema long`` (the default): an object with one string of at least 1000 characters (``LONG``),
+  which does not end within the tokens asked for, so free and constrained answers have the same length and almost
+  no token is forced. ``--schema receipt``: an extraction schema (``RECEIPT``: bounded strings,
+  integers, an array of objects, an enum) whose answer ends; each answer's tokens are reported too.
+  Run it on a checkpoint with a real vocabulary (``benchmarks/qwen_vocab.py``): a stand-in
+  tokenizer of a few characters a token forces far more of them.
 - ``--forced P``: the verifier accepts each draft with probability P whatever the model says
   (the drafts are among the allowed tokens; a rejection takes the best other allowed token):
   drafting at a given acceptance, on any checkpoint. Benchmark only.
@@ -38,8 +43,21 @@ SCHEMA = {"type": "object", "properties": {
         "price": {"type": "number"}}, "required": ["name", "qty", "price"], "additionalProperties": False}},
     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
     "required": ["store", "total", "items", "date"], "additionalProperties": False}
-LONG = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+# one string that cannot close within the tokens asked for (a random model soon closes a bare one)
+LONG = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000}}, "required": ["text"],
         "additionalProperties": False}
+# the extraction an application asks of a receipt photo, bounded so that a random model's answer ends
+RECEIPT = {"type": "object", "properties": {
+    "store": {"type": "string", "maxLength": 24},
+    "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+    "items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+        "price_cents": {"type": "integer", "minimum": 0, "maximum": 99999}},
+        "required": ["name", "qty", "price_cents"], "additionalProperties": False}},
+    "total_cents": {"type": "integer", "minimum": 0, "maximum": 999999},
+    "paid_by": {"enum": ["cash", "card", "phone"]}},
+    "required": ["store", "date", "items", "total_cents", "paid_by"], "additionalProperties": False}
+DECODE_SCHEMAS = {"long": LONG, "receipt": RECEIPT}
 ANSWER = ('{"store": "Corner Market", "total": 23.5, "items": [{"name": "apples", "qty": 3, "price": 4.5}, '
           '{"name": "bread", "qty": 1, "price": 3.2}, {"name": "milk", "qty": 2, "price": 1.9}], "date": "2026-03-14"}')
 
@@ -115,17 +133,18 @@ def force_acceptance(p: float) -> None:
 
 
 def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128, server: str | None = None,
-                 gguf: str | None = None, forced: float | None = None) -> dict:
-    """Greedy decode tok/s of ``n`` tokens, free and under the ``LONG`` schema (its answer does not
-    end within them), interleaved rounds; llama-server's in the same rounds if given."""
+                 gguf: str | None = None, forced: float | None = None, schema: str = "long") -> dict:
+    """Greedy decode tok/s of up to ``n`` tokens, free and under the ``schema`` (``DECODE_SCHEMAS``),
+    interleaved rounds; llama-server's in the same rounds if given. Free answers and answers to
+    ``long`` run to ``n`` tokens; a ``receipt`` answer ends where its JSON does."""
     import edgevl
-    from edgevl import structured
+    from edgevl import speculative, structured
     from edgevl.generate import prepare
 
     if forced is not None:
         force_acceptance(forced)
 
-    out, models = {}, {}
+    out, tokens, models = {}, {}, {}
     for spec in ("none", "mtp"):
         try:
             models[spec] = edgevl.load(pkg, threads=threads, speculative=spec)
@@ -133,32 +152,40 @@ def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128, server: 
             continue
     m0 = next(iter(models.values()))
     ids = prepare(m0, "Read the receipt.", thinking=False).input_ids
-    comp = {s: structured.compiled(m, structured.parse(None, LONG)) for s, m in models.items()}
+    body_schema = DECODE_SCHEMAS[schema]
+    comp = {s: structured.compiled(m, structured.parse(None, body_schema)) for s, m in models.items()}
+    jump = speculative.FORCED_MAX
+    ends = schema != "long"
     proc = url = None
     if server:
         proc, url = start_llama(server, gguf, threads, len(ids) + n + 64)
     try:
         for _ in range(rounds):
             for spec, m in models.items():
-                for name in ("free", "constrained"):
-                    c = comp[spec].constraint() if name == "constrained" else None
-                    gen = m.generate_tokens(ids, n, reuse_cache=False, ignore_eos=True, constraint=c)
+                for name in ("free", "constrained", "constrained, a token a pass"):
+                    c = comp[spec].constraint() if name != "free" else None
+                    speculative.FORCED_MAX = 0 if name.endswith("pass") else jump
+                    gen = m.generate_tokens(ids, n, reuse_cache=False, ignore_eos=not (ends and c), constraint=c)
                     next(gen)
                     t = time.perf_counter()
                     k = sum(1 for _ in gen)
                     out.setdefault(f"edgevl {spec} {name}", []).append(k / (time.perf_counter() - t))
+                    tokens[f"edgevl {spec} {name}"] = k + 1
+            speculative.FORCED_MAX = jump
             if url:
                 for name in ("free", "constrained"):
                     body = {"prompt": [int(i) for i in ids], "n_predict": n, "temperature": 0, "top_k": 1,
-                            "ignore_eos": True, "cache_prompt": False}
+                            "ignore_eos": not (ends and name == "constrained"), "cache_prompt": False}
                     if name == "constrained":
-                        body["json_schema"] = LONG
+                        body["json_schema"] = body_schema
                     req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
                                                  {"Content-Type": "application/json"})
                     with urllib.request.urlopen(req, timeout=1800) as r:
                         t = json.loads(r.read())["timings"]
                     out.setdefault(f"llama.cpp {name}", []).append(t["predicted_per_second"])
+                    tokens[f"llama.cpp {name}"] = t["predicted_n"]
     finally:
+        speculative.FORCED_MAX = jump
         if proc is not None:
             proc.terminate()
             proc.wait(30)
@@ -167,8 +194,11 @@ def decode_speed(pkg: str, threads: int, rounds: int = 5, n: int = 128, server: 
         if f"{who} free" in res:
             res[f"{who} ratio"] = res[f"{who} constrained"] / res[f"{who} free"]
     if "llama.cpp constrained" in res and "edgevl none constrained" in res:
-        res["edgevl none constrained / llama.cpp constrained"] = (res["edgevl none constrained"]
+        for name in ("constrained", "constrained, a token a pass"):
+            res[f"edgevl none {name} / llama.cpp constrained"] = (res[f"edgevl none {name}"]
                                                                   / res["llama.cpp constrained"])
+    res["schema"] = schema
+    res["answer tokens"] = tokens
     return res
 
 
@@ -193,12 +223,14 @@ def main() -> None:
     p.add_argument("--llama-server", default=None)
     p.add_argument("--gguf", default=None)
     p.add_argument("--forced", type=float, default=None, help="accept each draft with this probability")
+    p.add_argument("--schema", choices=sorted(DECODE_SCHEMAS), default="long")
     p.add_argument("--skip-mask", action="store_true", help="only the decode speeds")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     res = {} if a.skip_mask else {"mask": mask_cost(a.vocab)}
     if a.package:
-        res["decode"] = decode_speed(a.package, a.threads, a.rounds, a.tokens, a.llama_server, a.gguf, a.forced)
+        res["decode"] = decode_speed(a.package, a.threads, a.rounds, a.tokens, a.llama_server, a.gguf, a.forced,
+                                     a.schema)
         res["forced"] = a.forced
     print(json.dumps(res, indent=1))
     if a.json:

@@ -538,8 +538,15 @@ class Engine:
         self._emit(s, [tok], tok in a["stops"] or len(s.slot.keys) + 1 >= self.model.max_context or s.left <= 0)
 
     def _step(self, streams: list) -> None:
-        """One forward over the newest token of each stream (one row each)."""
+        """One forward over the newest token of each stream (one row each); where a request's
+        grammar forces the tokens after it, they go in with it (:meth:`_verify`)."""
         m = self.model
+        jumps = [speculative.forced(m, s.args["constraint"], s.left, len(s.slot.keys)) for s in streams]
+        if any(jumps):
+            for s in streams:
+                s.history.append(int(s.tok))
+            self._verify(streams, [[s.tok, *j] for s, j in zip(streams, jumps)], [True] * len(streams))
+            return
         t0 = time.perf_counter()
         caches = [s.slot.cache for s in streams]
         pos = np.array([[c.next_position for c in caches]], np.int64)
@@ -579,11 +586,24 @@ class Engine:
         catching_up = any(len(s.slot.mtp["js"]) > m.mtp.k + 1 for s in streams)
         for s in streams:
             s.history.append(int(s.tok))
-        # the block drafts for all of them together (each pass over one row of each)
-        counts = [speculative.draft_count(m, m.mtp, s.left, len(s.slot.keys), s.trial) for s in streams]
+        # where a grammar forces the next tokens they are the drafts; the block drafts for the
+        # others together (each pass over one row of each)
+        jumps = [speculative.forced(m, s.args["constraint"], s.left, len(s.slot.keys)) for s in streams]
+        counts = [0 if j else speculative.draft_count(m, m.mtp, s.left, len(s.slot.keys), s.trial)
+                  for s, j in zip(streams, jumps)]
         drafts = m.mtp.draft_rows([s.slot.mtp for s in streams], [s.tok for s in streams], counts,
                                   [s.args["constraint"] for s in streams])
-        rows = [[s.tok, *speculative.allowed(d, s.args["constraint"])] for s, d in zip(streams, drafts)]
+        rows = [[s.tok, *(j or speculative.allowed(d, s.args["constraint"]))]
+                for s, d, j in zip(streams, drafts, jumps)]
+        tokens = self._verify(streams, rows, [bool(j) for j in jumps])
+        if not catching_up and not any(jumps):
+            self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
+
+    def _verify(self, streams: list, rows: list, forced: list) -> int:
+        """One forward over each stream's ``rows`` (its pending token and drafts after it; the
+        grammar's where ``forced``), then each keeps its accepted drafts and a token of the
+        decoder's own (speculative.settle, as a lone cycle). Returns the tokens taken."""
+        m = self.model
         caches = [s.slot.cache for s in streams]
         pos = np.concatenate([np.arange(c.next_position, c.next_position + len(r), dtype=np.int64)
                               for c, r in zip(caches, rows)])[None]
@@ -592,22 +612,22 @@ class Engine:
         logits = m.head(hidden)
         self.steps += 1
         self.rows += len(hidden)
-        self.cycles += 1
+        self.cycles += not all(forced)      # rounds where the block drafted
         at = tokens = 0
-        for s, r in zip(streams, rows):
+        for s, r, f in zip(streams, rows, forced):
             n = len(r)
             with bound(m, s.slot):
-                before = (m.mtp.drafted, m.mtp.accepted)
+                before = (m.mtp.drafted, m.mtp.accepted) if m.mtp is not None else (0, 0)
                 emit, end = speculative.settle(m, m.mtp, s.args["sampler"], r, n, hidden[at:at + n],
                                                logits[at:at + n], pos[:, at:at + n], s.history, s.args["stops"],
-                                               s.left, s.trial, s.args["constraint"])
-                s.drafted += m.mtp.drafted - before[0]
-                s.accepted += m.mtp.accepted - before[1]
+                                               s.left, s.trial, s.args["constraint"], forced_rows=f)
+                if m.mtp is not None:
+                    s.drafted += m.mtp.drafted - before[0]
+                    s.accepted += m.mtp.accepted - before[1]
             at += n
             tokens += len(emit)
             self._took(s, emit, end)
-        if not catching_up:
-            self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
+        return tokens
 
     def _cycle(self, streams: list) -> None:
         """A lone stream drafts: one draft-and-verify cycle (speculative.cycle)."""

@@ -197,6 +197,12 @@ class Model:
     def family(self) -> str:
         return self.arch.name
 
+    @functools.cached_property
+    def undo_limit(self) -> int:
+        """The most rows of one forward the decoder can take back afterwards (0: none; a
+        low-memory model runs plain steps only): a verify pass's bound."""
+        return 0 if self.low_memory else self.decoder.undo_rows
+
     def runtime_stats(self) -> dict:
         """What the runtime measured beyond speed (e.g. an expert cache's hit rate):
         {name: {..., "summary": one line}}; with speculative decoding ``speculative``:
@@ -539,12 +545,27 @@ class Model:
             yield from speculative.generate(self, self.mtp, sampler, logits, history, stops, int(max_new_tokens),
                                             constraint)
             return
-        for _ in range(int(max_new_tokens)):
+        left = int(max_new_tokens)
+        while left > 0:
             tok = sample(sampler, constraint, logits, history)
+            left -= 1
             yield tok
-            if tok in stops or len(self.cache_keys) + 1 >= self.max_context:  # total length = context
-                return
-            history.append(tok)
+            while True:
+                if tok in stops or len(self.cache_keys) + 1 >= self.max_context:  # total length = context
+                    return
+                history.append(tok)
+                jump = speculative.forced(self, constraint, left, len(self.cache_keys))
+                if not jump:
+                    break
+                # the grammar forces the next tokens: one pass takes them and gives the one after
+                emit, end = speculative.cycle(self, None, sampler, tok, history, stops, left, None, constraint,
+                                              jump)
+                yield from emit
+                history += emit[:-1]
+                left -= len(emit)
+                if end or left <= 0:
+                    return
+                tok = emit[-1]
             logits = self.step(tok)
 
     @_on_owner

@@ -28,6 +28,9 @@ from .runtime import Decoder, LMHead, layer_outputs
 from .sample import check, sample
 
 MODES = ("none", "mtp")
+# The most grammar-forced tokens fed in one pass (:func:`forced`; 0: none, each takes a step):
+# within the masks a constraint keeps, and a pass of 9 rows still costs far less than 9 steps.
+FORCED_MAX = 8
 # When drafting stops paying (docs/speculative.md, "When it turns itself off"): after
 # AUTO_OFF_CYCLES steps in a row without an accepted draft, or when fewer than AUTO_OFF_RATE of
 # the drafts were accepted once AUTO_OFF_AFTER were made, decoding goes on plainly, and tries
@@ -191,12 +194,17 @@ class Mtp:
             self.cache.rollback(n)
             del self.rows[n:]
 
-    def add(self, embeds, hidden, positions, first: int) -> None:
+    def add(self, embeds, hidden, positions, first: int, token: int | None = None) -> None:
         """Rows ``first``, ``first + 1`` ... waiting: the decoder's hidden states [n, H] at those
         positions ([axes, n]) and the embeddings of the tokens after each but the last ([n - 1, H];
-        the last row's comes with the next token)."""
+        the last row's comes with the next token). ``token``: the one at ``first``, which rows
+        still waiting before it need (a cycle that did not draft left them)."""
         if self.js and self.js[-1] + 1 != first:
             self._clear()        # not contiguous (a plain step in between): start again here
+        elif self.js and token is not None:
+            self.embeds.append(self.model.embedding([token])[0])
+        elif self.js:
+            self._clear()
         if not self.js and self.rows and self.rows[-1] >= first:
             return
         self.embeds += list(np.asarray(embeds, np.float32).reshape(-1, hidden.shape[1]))
@@ -367,22 +375,38 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
         tok = emit[-1]
 
 
-def cycle(model, mtp: Mtp, sampler, tok: int, history: list, stops: set, left: int, trial: Trial,
-          constraint=None) -> tuple:
+def forced(model, constraint, left: int, fed: int) -> list[int]:
+    """The tokens a ``constraint``'s grammar forces after the pending token (a key's name, the
+    punctuation between fields), to feed with it in one pass as drafts that cannot be rejected:
+    each is the only token allowed where it stands, so sampling there takes it, and the pass
+    gives the token after them too. Up to FORCED_MAX, and only where the decoder can take rows
+    back (``fed``: the tokens in the cache; ``left``: the answer's budget)."""
+    if constraint is None or FORCED_MAX <= 0:
+        return []
+    rows = model.undo_limit
+    limit = min(FORCED_MAX, rows - 1, left - 1, model.max_context - fed - 2)
+    return constraint.forced(limit) if limit > 0 else []
+
+
+def cycle(model, mtp: Mtp | None, sampler, tok: int, history: list, stops: set, left: int, trial: Trial | None,
+          constraint=None, jump: list | None = None) -> tuple:
     """One draft-and-verify cycle from ``tok``, the newest token not yet fed to the decoder:
     (the tokens it decides, 1 to K+1, and whether the answer ends with them). ``history``
     holds the tokens up to ``tok`` (not the ones decided here); ``constraint`` as in
-    :func:`generate`."""
-    rows = propose(model, mtp, tok, left, trial, constraint)
+    :func:`generate`. Where the grammar forces the next tokens, they are the drafts
+    (``jump``, else :func:`forced` finds them); without a block (``mtp`` None), only they are."""
+    if jump is None:
+        jump = forced(model, constraint, left, len(model.cache_keys))
+    rows = [tok, *jump] if jump or mtp is None else propose(model, mtp, tok, left, trial, constraint)
     # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
     # 4th row (taken back with the rejected ones) costs less than it saves
-    fed_rows = rows + rows[-1:] if len(rows) == 3 and mtp.pad else rows
+    fed_rows = rows + rows[-1:] if len(rows) == 3 and model.undo_limit >= 4 else rows
     start = model.cache.next_position
     pos = np.arange(start, start + len(fed_rows), dtype=np.int64)[None]
     with model._whole_or_nothing():
         hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=len(rows) > 1)
         return settle(model, mtp, sampler, rows, len(fed_rows), hidden, model.logits(hidden), pos, history, stops,
-                      left, trial, constraint)
+                      left, trial, constraint, forced_rows=bool(jump))
 
 
 def propose(model, mtp: Mtp, tok: int, left: int, trial: Trial, constraint=None) -> list[int]:
@@ -405,12 +429,14 @@ def allowed(drafts: list, constraint=None) -> list:
     return drafts
 
 
-def settle(model, mtp: Mtp, sampler, rows: list, fed_rows: int, hidden, lg, pos, history: list, stops: set,
-           left: int, trial: Trial, constraint=None) -> tuple:
+def settle(model, mtp: Mtp | None, sampler, rows: list, fed_rows: int, hidden, lg, pos, history: list, stops: set,
+           left: int, trial: Trial | None, constraint=None, forced_rows: bool = False) -> tuple:
     """The verify pass's outcome for the ``rows`` of :func:`propose` (fed first among the
     ``fed_rows`` rows the decoder took; ``hidden``, logits ``lg`` and positions ``pos`` of
     those): the drafts checked in order, the rows after the first rejection (or past the
-    answer's end) taken back, the block given the kept rows. Returns as :func:`cycle`."""
+    answer's end) taken back, the block given the kept rows. Returns as :func:`cycle`.
+    ``forced_rows``: the drafts are the grammar's (:func:`forced`), not the block's; they count
+    as plain tokens, not in its acceptance."""
     fed = len(model.cache_keys)
     drafts = rows[1:]
     out = []
@@ -431,10 +457,16 @@ def settle(model, mtp: Mtp, sampler, rows: list, fed_rows: int, hidden, lg, pos,
     model.decoder.undo(model.cache, fed_rows, fed_rows - keep)
     model.cache_keys.extend(rows[:keep])
     model.note_hidden(hidden[keep - 1])
-    # a draft counts where its target is part of the answer (not past its end)
-    d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
-    mtp.drafted += d
-    mtp.accepted += a
-    if trial.update(d, a, len(emit)):
-        mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed)
+    if mtp is None:
+        return emit, bool(end)
+    if forced_rows:     # the block still follows the decoder while drafting is on
+        follow = trial.active or trial.update(0, 0, len(emit))
+    else:
+        # a draft counts where its target is part of the answer (not past its end)
+        d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
+        mtp.drafted += d
+        mtp.accepted += a
+        follow = trial.update(d, a, len(emit))
+    if follow:
+        mtp.add(model.embedding(rows[1:keep]), hidden[:keep], pos[:, :keep], fed, rows[0])
     return emit, bool(end)

@@ -361,6 +361,28 @@ class Constraint:
             del self._masks[next(iter(self._masks))]
         return mask
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next, each the only one it allows after those before it
+        (a key's name, the punctuation between fields), up to ``limit``; none inside the reasoning
+        block, none past the grammar's end. The state is left as it was; the masks met on the way
+        stay kept (:meth:`allowed`), so the pass that takes the tokens reads them again for free."""
+        out: list[int] = []
+        if self.thinking:
+            return out
+        try:
+            while len(out) < limit and not self.matcher.is_stopped():
+                mask = self.allowed()
+                if np.count_nonzero(mask) != 1:
+                    break
+                tok = int(np.argmax(mask))
+                if tok in self.eos:
+                    break
+                self.advance(tok)
+                out.append(tok)
+        finally:
+            self.rollback(len(out))
+        return out
+
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (one row) with the disallowed tokens at -inf: sampling then sees only the
         allowed ones (penalties, temperature, top-k/top-p included)."""
