@@ -545,7 +545,7 @@ class Engine:
         if any(jumps):
             for s in streams:
                 s.history.append(int(s.tok))
-            self._verify(streams, [[s.tok, *j] for s, j in zip(streams, jumps)], [True] * len(streams))
+            self._verify(streams, [[s.tok, *j] for s, j in zip(streams, jumps)], [0] * len(streams))
             return
         t0 = time.perf_counter()
         caches = [s.slot.cache for s in streams]
@@ -593,16 +593,21 @@ class Engine:
                   for s, j in zip(streams, jumps)]
         drafts = m.mtp.draft_rows([s.slot.mtp for s in streams], [s.tok for s in streams], counts,
                                   [s.args["constraint"] for s in streams])
-        rows = [[s.tok, *(j or speculative.allowed(d, s.args["constraint"]))]
-                for s, d, j in zip(streams, drafts, jumps)]
-        tokens = self._verify(streams, rows, [bool(j) for j in jumps])
+        rows, owns = [], []
+        for s, d, j in zip(streams, drafts, jumps):
+            c = s.args["constraint"]
+            d = speculative.allowed(d, c)
+            rows.append([s.tok, *(j or d), *(speculative.forced(m, c, s.left, len(s.slot.keys), d) if d else [])])
+            owns.append(0 if j else len(d))
+        tokens = self._verify(streams, rows, owns, drafting=not all(jumps))
         if not catching_up and not any(jumps):
             self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
 
-    def _verify(self, streams: list, rows: list, forced: list) -> int:
-        """One forward over each stream's ``rows`` (its pending token and drafts after it; the
-        grammar's where ``forced``), then each keeps its accepted drafts and a token of the
-        decoder's own (speculative.settle, as a lone cycle). Returns the tokens taken."""
+    def _verify(self, streams: list, rows: list, owns: list, drafting: bool = False) -> int:
+        """One forward over each stream's ``rows`` (its pending token and drafts after it, the
+        first ``owns[i]`` of them the block's, the rest forced by its grammar), then each keeps
+        its accepted drafts and a token of the decoder's own (speculative.settle, as a lone
+        cycle). ``drafting``: a drafting round (counted in ``cycles``). Returns the tokens taken."""
         m = self.model
         caches = [s.slot.cache for s in streams]
         pos = np.concatenate([np.arange(c.next_position, c.next_position + len(r), dtype=np.int64)
@@ -612,15 +617,15 @@ class Engine:
         logits = m.head(hidden)
         self.steps += 1
         self.rows += len(hidden)
-        self.cycles += not all(forced)      # rounds where the block drafted
+        self.cycles += drafting
         at = tokens = 0
-        for s, r, f in zip(streams, rows, forced):
+        for s, r, own in zip(streams, rows, owns):
             n = len(r)
             with bound(m, s.slot):
                 before = (m.mtp.drafted, m.mtp.accepted) if m.mtp is not None else (0, 0)
                 emit, end = speculative.settle(m, m.mtp, s.args["sampler"], r, n, hidden[at:at + n],
                                                logits[at:at + n], pos[:, at:at + n], s.history, s.args["stops"],
-                                               s.left, s.trial, s.args["constraint"], forced_rows=f)
+                                               s.left, s.trial, s.args["constraint"], own)
                 if m.mtp is not None:
                     s.drafted += m.mtp.drafted - before[0]
                     s.accepted += m.mtp.accepted - before[1]

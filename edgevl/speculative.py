@@ -375,17 +375,26 @@ def generate(model, mtp: Mtp, sampler, logits, history: list, stops: set, max_ne
         tok = emit[-1]
 
 
-def forced(model, constraint, left: int, fed: int) -> list[int]:
+def forced(model, constraint, left: int, fed: int, after: list | None = None) -> list[int]:
     """The tokens a ``constraint``'s grammar forces after the pending token (a key's name, the
     punctuation between fields), to feed with it in one pass as drafts that cannot be rejected:
     each is the only token allowed where it stands, so sampling there takes it, and the pass
     gives the token after them too. Up to FORCED_MAX, and only where the decoder can take rows
-    back (``fed``: the tokens in the cache; ``left``: the answer's budget)."""
+    back (``fed``: the tokens in the cache; ``left``: the answer's budget). ``after``: the
+    block's drafts (allowed), which the forced tokens follow: they stand or fall with them."""
+    after = after or []
     if constraint is None or FORCED_MAX <= 0:
         return []
-    rows = model.undo_limit
-    limit = min(FORCED_MAX, rows - 1, left - 1, model.max_context - fed - 2)
-    return constraint.forced(limit) if limit > 0 else []
+    n = len(after)
+    limit = min(FORCED_MAX, model.undo_limit - 1 - n, left - 1 - n, model.max_context - fed - 2 - n)
+    if limit <= 0:
+        return []
+    for d in after:
+        constraint.advance(d)
+    try:
+        return constraint.forced(limit)
+    finally:
+        constraint.rollback(n)
 
 
 def cycle(model, mtp: Mtp | None, sampler, tok: int, history: list, stops: set, left: int, trial: Trial | None,
@@ -397,7 +406,7 @@ def cycle(model, mtp: Mtp | None, sampler, tok: int, history: list, stops: set, 
     (``jump``, else :func:`forced` finds them); without a block (``mtp`` None), only they are."""
     if jump is None:
         jump = forced(model, constraint, left, len(model.cache_keys))
-    rows = [tok, *jump] if jump or mtp is None else propose(model, mtp, tok, left, trial, constraint)
+    rows, own = ([tok, *jump], 0) if jump or mtp is None else propose(model, mtp, tok, left, trial, constraint)
     # ncnn's Gemm runs 3 rows slower than 4 (bf16: 2 + 1 rows, the weights read twice): a
     # 4th row (taken back with the rejected ones) costs less than it saves
     fed_rows = rows + rows[-1:] if len(rows) == 3 and model.undo_limit >= 4 else rows
@@ -406,14 +415,17 @@ def cycle(model, mtp: Mtp | None, sampler, tok: int, history: list, stops: set, 
     with model._whole_or_nothing():
         hidden, _ = model.decoder.forward(model.embedding(fed_rows), model.cache, pos, undoable=len(rows) > 1)
         return settle(model, mtp, sampler, rows, len(fed_rows), hidden, model.logits(hidden), pos, history, stops,
-                      left, trial, constraint, forced_rows=bool(jump))
+                      left, trial, constraint, own)
 
 
-def propose(model, mtp: Mtp, tok: int, left: int, trial: Trial, constraint=None) -> list[int]:
+def propose(model, mtp: Mtp, tok: int, left: int, trial: Trial, constraint=None) -> tuple[list[int], int]:
     """A cycle's rows: ``tok`` and the drafts after it (as many as ``trial`` says pay, none while
-    drafting is off; with a ``constraint``, only those the grammar allows)."""
+    drafting is off; with a ``constraint``, only those the grammar allows, then the tokens it
+    forces after them), and how many of the drafts are the block's."""
     m = draft_count(model, mtp, left, len(model.cache_keys), trial)
-    return [tok, *allowed(mtp.draft(tok, m, constraint=constraint) if m > 0 else [], constraint)]
+    drafts = allowed(mtp.draft(tok, m, constraint=constraint) if m > 0 else [], constraint)
+    tail = forced(model, constraint, left, len(model.cache_keys), drafts) if drafts else []
+    return [tok, *drafts, *tail], len(drafts)
 
 
 def draft_count(model, mtp: Mtp, left: int, fed: int, trial: Trial) -> int:
@@ -430,13 +442,13 @@ def allowed(drafts: list, constraint=None) -> list:
 
 
 def settle(model, mtp: Mtp | None, sampler, rows: list, fed_rows: int, hidden, lg, pos, history: list, stops: set,
-           left: int, trial: Trial | None, constraint=None, forced_rows: bool = False) -> tuple:
+           left: int, trial: Trial | None, constraint=None, own: int | None = None) -> tuple:
     """The verify pass's outcome for the ``rows`` of :func:`propose` (fed first among the
     ``fed_rows`` rows the decoder took; ``hidden``, logits ``lg`` and positions ``pos`` of
     those): the drafts checked in order, the rows after the first rejection (or past the
     answer's end) taken back, the block given the kept rows. Returns as :func:`cycle`.
-    ``forced_rows``: the drafts are the grammar's (:func:`forced`), not the block's; they count
-    as plain tokens, not in its acceptance."""
+    ``own``: how many of the drafts are the block's (None: all); the rest are the grammar's
+    (:func:`forced`), which count as plain tokens, not in the block's acceptance."""
     fed = len(model.cache_keys)
     drafts = rows[1:]
     out = []
@@ -459,11 +471,13 @@ def settle(model, mtp: Mtp | None, sampler, rows: list, fed_rows: int, hidden, l
     model.note_hidden(hidden[keep - 1])
     if mtp is None:
         return emit, bool(end)
-    if forced_rows:     # the block still follows the decoder while drafting is on
+    own = len(drafts) if own is None else own
+    if not own:     # the block still follows the decoder while drafting is on
         follow = trial.active or trial.update(0, 0, len(emit))
     else:
         # a draft counts where its target is part of the answer (not past its end)
-        d, a = (min(len(drafts), len(emit)), min(accepted, len(emit))) if end else (len(drafts), accepted)
+        mine = min(accepted, own)
+        d, a = (min(own, len(emit)), min(mine, len(emit))) if end else (own, mine)
         mtp.drafted += d
         mtp.accepted += a
         follow = trial.update(d, a, len(emit))
