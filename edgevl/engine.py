@@ -600,7 +600,8 @@ class Engine:
             rows.append([s.tok, *(j or d), *(speculative.forced(m, c, s.left, len(s.slot.keys), d) if d else [])])
             owns.append(0 if j else len(d))
         tokens = self._verify(streams, rows, owns, drafting=not all(jumps))
-        if not catching_up and not any(jumps):
+        # a round with forced tokens (a grammar's, not the block's) says nothing of drafting's rate
+        if not catching_up and all(len(r) == 1 + own for r, own in zip(rows, owns)):
             self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
 
     def _verify(self, streams: list, rows: list, owns: list, drafting: bool = False) -> int:
