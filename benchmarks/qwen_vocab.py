@@ -14,10 +14,10 @@ config.json and generation_config.json. The model's vocabulary rows must cover t
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from edgevl.random_model import QWEN_NOT_SPECIAL, QWEN_PRETOKENIZE, QWEN_SPECIALS
@@ -86,7 +86,15 @@ def tokenizer_from_ranks(ranks: dict):
 
 
 def main() -> None:
-    tiktoken, ck, out = map(Path, sys.argv[1:4])
+    p = argparse.ArgumentParser(description="Give a random checkpoint Qwen's real vocabulary.")
+    p.add_argument("tiktoken", type=Path, help="qwen.tiktoken (ranked byte-level BPE tokens)")
+    p.add_argument("ck", type=Path, help="the checkpoint folder to copy")
+    p.add_argument("out", type=Path, help="the new checkpoint folder")
+    a = p.parse_args()
+    tiktoken, ck, out = a.tiktoken, a.ck, a.out
+    for path in (tiktoken, ck / "tokenizer.json", ck / "config.json"):
+        if not path.is_file():
+            p.error(f"{path} not found")
     tok = tokenizer_from_ranks(read_ranks(tiktoken))
     out.mkdir(parents=True, exist_ok=True)
     for f in ck.iterdir():

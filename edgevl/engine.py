@@ -541,7 +541,7 @@ class Engine:
         """One forward over the newest token of each stream (one row each); where a request's
         grammar forces the tokens after it, they go in with it (:meth:`_verify`)."""
         m = self.model
-        jumps = [speculative.forced(m, s.args["constraint"], s.left, len(s.slot.keys)) for s in streams]
+        jumps = [self._forced(s) for s in streams]
         if any(jumps):
             for s in streams:
                 s.history.append(int(s.tok))
@@ -588,21 +588,24 @@ class Engine:
             s.history.append(int(s.tok))
         # where a grammar forces the next tokens they are the drafts; the block drafts for the
         # others together (each pass over one row of each)
-        jumps = [speculative.forced(m, s.args["constraint"], s.left, len(s.slot.keys)) for s in streams]
+        jumps = [self._forced(s) for s in streams]
         counts = [0 if j else speculative.draft_count(m, m.mtp, s.left, len(s.slot.keys), s.trial)
                   for s, j in zip(streams, jumps)]
         drafts = m.mtp.draft_rows([s.slot.mtp for s in streams], [s.tok for s in streams], counts,
                                   [s.args["constraint"] for s in streams])
         rows, owns = [], []
         for s, d, j in zip(streams, drafts, jumps):
-            c = s.args["constraint"]
-            d = speculative.allowed(d, c)
-            rows.append([s.tok, *(j or d), *(speculative.forced(m, c, s.left, len(s.slot.keys), d) if d else [])])
+            d = speculative.allowed(d, s.args["constraint"])
+            rows.append([s.tok, *(j or d), *(self._forced(s, d) if d else [])])
             owns.append(0 if j else len(d))
         tokens = self._verify(streams, rows, owns, drafting=not all(jumps))
         # a round with forced tokens (a grammar's, not the block's) says nothing of drafting's rate
         if not catching_up and all(len(r) == 1 + own for r, own in zip(rows, owns)):
             self._measure(("draft", len(streams)), tokens, time.perf_counter() - t0)
+
+    def _forced(self, s: Stream, after: list | None = None) -> list:
+        """The tokens ``s``'s grammar forces after its pending token (and ``after``, its drafts)."""
+        return speculative.forced(self.model, s.args["constraint"], s.left, len(s.slot.keys), after)
 
     def _verify(self, streams: list, rows: list, owns: list, drafting: bool = False) -> int:
         """One forward over each stream's ``rows`` (its pending token and drafts after it, the

@@ -139,34 +139,22 @@ def test_the_block_drafts_among_the_tokens_the_grammar_allows(qwen, monkeypatch)
     assert sum(map(len, drafted)) > 20
 
 
-def test_drafts_the_grammar_forbids_never_reach_the_verify_pass(qwen, qwen_plain, monkeypatch):
-    """An oracle drafter (the answer's own next tokens, every third one swapped for a token the
-    grammar forbids): accepted drafts are kept, forbidden ones are cut before the decoder runs,
-    and the answer is the one plain decoding gives."""
-    schema = SCHEMAS["receipt"]
-    kw = dict(json_schema=schema, thinking=False, temperature=0, max_new_tokens=160)
-    want = edgevl.complete(qwen_plain, PROMPT, **kw)
-    ref = qwen.tokenizer.encode(want.text) + sorted(qwen.eos_ids)[:1]
-    forbidden = qwen.tokenizer.token_to_id("<|vision_start|>")
-    start = {}
-    calls, fed = [], []
+def _oracle_block(qwen, monkeypatch, propose) -> list:
+    """Make ``qwen``'s block draft ``propose(g, m)``: up to ``m`` tokens after the pending one, the
+    answer's ``g``-th token. Returns the decode passes from then on, as (rows, whether the block
+    drafted since the pass before)."""
+    start, passes, drafted = {}, [], [False]
+    real_forward, real_prefill = qwen.decoder.forward, qwen.prefill
 
     def draft(tok, m, constraint=None):
-        g = len(qwen.cache_keys) - start["n"]      # the pending token is the answer's g-th
-        out = list(ref[g + 1:g + 1 + m])
-        if len(calls) % 3 == 2 and out:
-            out[-1] = forbidden
-        calls.append(out)
-        return out
-
-    real_forward = qwen.decoder.forward
+        drafted[0] = True
+        return propose(len(qwen.cache_keys) - start["n"], m)
 
     def forward(x, cache, pos, **k):
         if "n" in start and "undoable" in k:      # a decode cycle's pass (not the prompt's)
-            fed.append(x.shape[0])
+            passes.append((x.shape[0], drafted[0]))
+            drafted[0] = False
         return real_forward(x, cache, pos, **k)
-
-    real_prefill = qwen.prefill
 
     def prefill(ids, *a, **k):
         out = real_prefill(ids, *a, **k)
@@ -177,13 +165,35 @@ def test_drafts_the_grammar_forbids_never_reach_the_verify_pass(qwen, qwen_plain
     monkeypatch.setattr(qwen.decoder, "forward", forward)
     monkeypatch.setattr(qwen, "prefill", prefill)
     monkeypatch.setattr(qwen.mtp, "adaptive", False)
+    return passes
+
+
+def test_drafts_the_grammar_forbids_never_reach_the_verify_pass(qwen, qwen_plain, monkeypatch):
+    """An oracle drafter (the answer's own next tokens, every third one swapped for a token the
+    grammar forbids): accepted drafts are kept, forbidden ones are cut before the decoder runs,
+    and the answer is the one plain decoding gives."""
+    schema = SCHEMAS["receipt"]
+    kw = dict(json_schema=schema, thinking=False, temperature=0, max_new_tokens=160)
+    want = edgevl.complete(qwen_plain, PROMPT, **kw)
+    ref = qwen.tokenizer.encode(want.text) + sorted(qwen.eos_ids)[:1]
+    forbidden = qwen.tokenizer.token_to_id("<|vision_start|>")
+    calls = []
+
+    def propose(g, m):
+        out = list(ref[g + 1:g + 1 + m])
+        if len(calls) % 3 == 2 and out:
+            out[-1] = forbidden
+        calls.append(out)
+        return out
+
+    passes = _oracle_block(qwen, monkeypatch, propose)
     monkeypatch.setattr(speculative, "FORCED_MAX", 0)    # every cycle the oracle's drafts
     got = edgevl.complete(qwen, PROMPT, reuse_cache=False, **kw)
     assert got.text == want.text
     assert qwen.mtp.accepted > 0
     assert any(forbidden in c for c in calls)
     # a cycle fed at most the pending token and the allowed drafts (a forbidden one never)
-    assert fed and max(fed) <= 1 + qwen.mtp.k
+    assert passes and max(n for n, _ in passes) <= 1 + qwen.mtp.k
 
 
 def test_constraint_starts_after_the_reasoning_block(qwen):
@@ -441,34 +451,15 @@ def test_tokens_forced_after_the_blocks_draft_ride_in_its_pass(qwen, qwen_plain,
     kw = dict(json_schema=SCHEMAS["receipt"], thinking=False, temperature=0, max_new_tokens=160)
     want = edgevl.complete(qwen_plain, PROMPT, **kw)
     ref = qwen.tokenizer.encode(want.text) + sorted(qwen.eos_ids)[:1]
-    start, drafted, passes = {}, [], []
+    own = []
 
-    def draft(tok, m, constraint=None):
-        g = len(qwen.cache_keys) - start["n"]      # the pending token is the answer's g-th
-        drafted.append(list(ref[g + 1:g + 2]))
-        return drafted[-1]
+    def propose(g, m):
+        own.extend(ref[g + 1:g + 2])
+        return list(ref[g + 1:g + 2])
 
-    real_forward, real_prefill = qwen.decoder.forward, qwen.prefill
-
-    def forward(x, cache, pos, **k):
-        if "n" in start and "undoable" in k:
-            passes.append((x.shape[0], bool(drafted) and drafted[-1] is not None))
-            if drafted:
-                drafted.append(None)      # this pass used the last draft
-        return real_forward(x, cache, pos, **k)
-
-    def prefill(ids, *a, **k):
-        out = real_prefill(ids, *a, **k)
-        start["n"] = len(ids)
-        return out
-
-    monkeypatch.setattr(qwen.mtp, "draft", draft)
-    monkeypatch.setattr(qwen.decoder, "forward", forward)
-    monkeypatch.setattr(qwen, "prefill", prefill)
-    monkeypatch.setattr(qwen.mtp, "adaptive", False)
+    passes = _oracle_block(qwen, monkeypatch, propose)
     got = edgevl.complete(qwen, PROMPT, reuse_cache=False, **kw)
     assert got.text == want.text
-    own = [d for d in drafted if d]
     # a pass after a one-token draft: the pending token, the draft, and the tokens forced after it
     assert max(n for n, after_draft in passes if after_draft) > 2
     assert 0 < qwen.mtp.accepted <= qwen.mtp.drafted <= len(own)
