@@ -5,6 +5,7 @@
     GET  /health                liveness, no API key needed
     GET  /                      the chat page (edgevl/web; its files need no key, the API does)
     GET  /props                 what the model takes and its defaults, for the page
+    GET  /metrics               Prometheus metrics: requests, tokens, latencies, memory
 
 Design:
 - ``ThreadingHTTPServer``: a thread per connection, so /health, errors and 429s answer while
@@ -84,6 +85,7 @@ from . import __version__, responses, structured
 from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
 from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stream_choices
+from .metrics import Registry, process_metrics
 from .model import Model, load
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias
 
@@ -848,6 +850,114 @@ def _usage(lasts: list) -> dict:
             "prompt_tokens_details": {"cached_tokens": ev.prompt_tokens - ev.prefill_tokens}}
 
 
+# -- metrics (GET /metrics) -----------------------------------------------------------------------
+
+ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
+          "/health", "/props", "/metrics", "/")
+# seconds; a CPU's first token takes from a fraction of a second (short text) to minutes (video)
+TTFT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+TPOT_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+def _route_label(path: str) -> str:
+    """A request's route as a label: the known routes, and one value for all others (a label
+    per unknown path would let clients grow the metrics without bound)."""
+    path = urlsplit(path).path.rstrip("/") or "/"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    if path.startswith("/web/"):
+        return "/web"
+    return path if path in ROUTES else "other"
+
+
+def server_metrics(server) -> Registry:
+    """The metrics of ``server`` (docs/openai-api.md, "Metrics"): its own counts and latencies,
+    the gate's and the engine's counters read when scraped, the process's memory and CPU time."""
+    reg, engine, gate, model = Registry(), server.engine, server.gate, server.model
+    reg.add("edgevl_info", "The model served and this edgevl (always 1).", "gauge",
+            ("model", "family", "dtype", "version"),
+            read=lambda: {(server.model_id, model.arch.name, model.dtype, __version__): 1})
+    reg.add("edgevl_slots", "Requests that can decode at once (--parallel).", "gauge", read=lambda: engine.parallel)
+    reg.add("edgevl_requests_running", "Requests holding a slot.", "gauge", read=lambda: gate.held)
+    reg.add("edgevl_requests_waiting", "Requests waiting for a slot (429 past --max-queue).", "gauge",
+            read=lambda: gate.waiting)
+    reg.add("edgevl_http_requests_total", "HTTP requests answered, by route and status code.",
+            labels=("route", "status"))
+    reg.add("edgevl_answers_total", "Answers generated (n per request) by how they ended: stop, length, cancelled "
+            "(the client went away) or error.", labels=("finish_reason",))
+    reg.add("edgevl_prompt_tokens_total", "Prompt tokens of the requests that ran (usage.prompt_tokens).")
+    reg.add("edgevl_prompt_tokens_cached_total", "Prompt tokens taken from a slot's cache instead of computed "
+            "(usage.prompt_tokens_details.cached_tokens).")
+    reg.add("edgevl_generation_tokens_total", "Tokens generated (usage.completion_tokens).")
+    reg.add("edgevl_draft_tokens_total", "Tokens drafted by speculative decoding.")
+    reg.add("edgevl_draft_tokens_accepted_total", "Drafted tokens that the model's own pass confirmed.")
+    reg.add("edgevl_time_to_first_token_seconds", "From a request's arrival to each answer's first token, "
+            "waiting for a slot included.", "histogram", buckets=TTFT_BUCKETS)
+    reg.add("edgevl_time_per_output_token_seconds", "Each answer's time per token after its first.", "histogram",
+            buckets=TPOT_BUCKETS)
+    reg.add("edgevl_request_duration_seconds", "From a request's arrival to each answer's end.", "histogram",
+            buckets=DURATION_BUCKETS)
+    reg.add("edgevl_engine_forwards_total", "Decoder forwards of the engine: decode (a row, or a verify pass, of "
+            "each decoding request) and prompt (prompt chunks beside the decoding requests' rows).",
+            labels=("kind",), read=lambda: {("decode",): engine.steps, ("prompt",): engine.prompts})
+    reg.add("edgevl_engine_decode_rows_total", "Rows the decode forwards carried (over the decode forwards: the "
+            "mean batch).", read=lambda: engine.rows)
+    process_metrics(reg)
+    return reg
+
+
+class _Observed:
+    """One answer's events on their way to the client, counted in the server's metrics once the
+    answer ends (its last event), is closed before its end (the client went away, or another
+    answer failed) or fails."""
+
+    def __init__(self, choice, index: int, arrived: float, metrics: Registry):
+        self.choice, self.index, self.arrived, self.metrics = choice, index, arrived, metrics
+        self.first = self.last = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            ev = next(self.choice)
+        except StopIteration:
+            self._end(self.last.finish_reason if self.last is not None else "stop")
+            raise
+        except BaseException:
+            self._end("error")
+            raise
+        if self.first is None:
+            self.first = time.monotonic()
+        self.last = ev
+        return ev
+
+    def close(self) -> None:
+        self._end("cancelled")
+        self.choice.close()
+
+    def _end(self, reason) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, now, ev = self.metrics, time.monotonic(), self.last
+        m.inc("edgevl_answers_total", finish_reason=reason or "stop")
+        if ev is None:
+            return
+        if self.index == 0:     # the prompt is one per request, whatever n
+            m.inc("edgevl_prompt_tokens_total", ev.prompt_tokens)
+            m.inc("edgevl_prompt_tokens_cached_total", ev.prompt_tokens - ev.prefill_tokens)
+        m.inc("edgevl_generation_tokens_total", ev.generation_tokens)
+        m.inc("edgevl_draft_tokens_total", ev.drafted)
+        m.inc("edgevl_draft_tokens_accepted_total", ev.accepted)
+        m.observe("edgevl_time_to_first_token_seconds", self.first - self.arrived)
+        m.observe("edgevl_request_duration_seconds", now - self.arrived)
+        if ev.generation_tokens > 1:
+            m.observe("edgevl_time_per_output_token_seconds", (now - self.first) / (ev.generation_tokens - 1))
+
+
 # -- HTTP ----------------------------------------------------------------------------------------
 
 class Handler(BaseHTTPRequestHandler):
@@ -881,15 +991,15 @@ class Handler(BaseHTTPRequestHandler):
                   "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
                   "/v1/completions": ("POST", self._completions), "/v1/responses": ("POST", self._responses),
                   "/tokenize": ("POST", self._tokenize), "/detokenize": ("POST", self._detokenize),
-                  "/": ("GET", lambda: self._page("index.html"))}
+                  "/metrics": ("GET", self._metrics), "/": ("GET", lambda: self._page("index.html"))}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
         if path.startswith("/web/"):
             routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
             raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/responses, "
-                            "POST /v1/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health "
-                            "and the chat page at /", code="unknown_route")
+                            "POST /v1/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health, "
+                            "GET /metrics and the chat page at /", code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
@@ -900,6 +1010,8 @@ class Handler(BaseHTTPRequestHandler):
         self._sent = False  # headers out: errors can no longer get a status
         self._chunked = False  # a stream's headers are out: what is written goes in chunks
         self._probed = -math.inf  # when _probe last wrote
+        self._arrived = time.monotonic()  # for the latencies in /metrics
+        self._status = None  # the status sent, if any
         lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
@@ -918,6 +1030,14 @@ class Handler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - a bug: log it, answer 500, keep serving
             traceback.print_exc()
             self._fail(HTTPError(500, "internal server error; see the server log", code="internal_error"))
+        finally:
+            if self._status is not None:
+                self.server.metrics.inc("edgevl_http_requests_total", route=_route_label(self.path),
+                                        status=self._status)
+
+    def send_response(self, code, message=None):
+        self._status = code
+        super().send_response(code, message)
 
     def _fail(self, e: HTTPError):
         if self._sent:
@@ -1042,6 +1162,16 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
         self._sent = True
 
+    def _metrics(self):
+        self._check_key()
+        body = self.server.metrics.render().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self._sent = True
+
     def _props(self):
         from .web import props
 
@@ -1081,7 +1211,8 @@ class Handler(BaseHTTPRequestHandler):
             given = prompt()
             choices = []
             try:
-                choices = stream_choices(self.server.model, given, engine=self.server.engine, **kwargs)
+                choices = [_Observed(c, i, self._arrived, self.server.metrics) for i, c in
+                           enumerate(stream_choices(self.server.model, given, engine=self.server.engine, **kwargs))]
                 # template, images, prefill: errors here still get a status
                 firsts = [next(c) for c in choices]
                 if streamer is not None:
@@ -1434,6 +1565,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.engine = Engine(model, parallel)   # checks parallel before the port is taken
         self.gate = Gate(int(max_queue), parallel)
         self.created = int(time.time())
+        self.metrics = server_metrics(self)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             super().__init__((host, int(port)), Handler)

@@ -37,12 +37,13 @@ def post_reply(port, body, timeout=60):
     return r.status, (json.loads(raw) if r.getheader("Content-Type") == "application/json" else raw)
 
 
-def send_raw(port, body: dict) -> socket.socket:
+def send_raw(port, body: dict, headers: dict | None = None) -> socket.socket:
     """A chat completion request sent on a socket the caller keeps (and closes to hang up)."""
     data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra
+              + b"Content-Length: %d\r\n\r\n" % len(data) + data)
     return s
 
 
