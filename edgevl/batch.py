@@ -4,8 +4,9 @@
 
 Input: a folder of images (recursive, sorted; ids are the relative paths, a file name that is
 not UTF-8 written with backslash escapes such as ``\\xff.png``) or a JSONL / CSV / Parquet file
-with an image column (a path, relative to the file's folder) and optionally a prompt and an id
-column. Output (by extension): JSONL or Parquet, one row per input with the fields of ``FIELDS``;
+with an image column (a path, relative to the file's folder; in Parquet also the image file's
+bytes, or Hugging Face datasets' {bytes, path}, read a row group at a time as rows run) and
+optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input with the fields of ``FIELDS``;
 ``error`` is null when the row went well.
 
 Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
@@ -51,6 +52,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -108,7 +110,10 @@ def process_row(model, item: dict, options: dict) -> dict:
         try:
             text, thought, last = [], [], None
             # reuse_cache=False: an answer must not depend on which row the worker ran before
-            for ev in stream_events(model, item["prompt"], image=item["source"], video=item.get("video_source"),
+            source = item["source"]
+            if isinstance(source, ParquetImage):
+                source = source.load()
+            for ev in stream_events(model, item["prompt"], image=source, video=item.get("video_source"),
                                     reuse_cache=False, **options):   # response_format: constrained answers
                 text.append(ev.text)
                 thought.append(ev.reasoning)
@@ -151,7 +156,8 @@ def _pyarrow():
 
 def read_input(src, prompt: str | None = None, image_column: str = "image", prompt_column: str = "prompt",
                id_column: str = "id") -> list[dict]:
-    """The job's rows: ``{"id", "image" (as given), "source" (path or PIL image), "prompt", "error"}``."""
+    """The job's rows: ``{"id", "image" (as given), "source" (a path, a PIL image, image bytes or a
+    ``ParquetImage``), "prompt", "error"}``."""
     if prompt is not None and _text(prompt) != prompt:
         raise EdgevlError("--prompt is not valid UTF-8 text (it has a lone surrogate or undecodable bytes); "
                           "pass it as UTF-8")
@@ -251,11 +257,92 @@ def _csv_records(path: Path, _cols) -> list:
 def _parquet_records(path: Path, cols) -> list:
     _, pq = _pyarrow()
     try:
-        names = pq.read_schema(path).names
-        table = pq.read_table(path, columns=[c for c in cols if c in names])  # not a big image-bytes column
+        schema = pq.read_schema(path)
+        image = cols[0] if cols[0] in schema.names else None
+        kind = _image_bytes_kind(schema.field(image).type) if image is not None else None
+        # an image-bytes column is read row group by row group as the rows run (ParquetImage); only
+        # its file names (Hugging Face's {bytes, path}) are read now
+        wanted = [c for c in cols if c in schema.names and not (c == image and kind)]
+        if kind == "struct_path":
+            wanted.append(f"{image}.path")   # Arrow's nested field reference
+        table = pq.read_table(path, columns=wanted)  # not the other columns (e.g. a big image-bytes one)
+        if kind == "struct_path":   # the nested field comes back as the last column, named "path"
+            table = table.rename_columns(table.column_names[:-1] + [_NAMES])
+        meta = pq.ParquetFile(path).metadata
+        groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] if kind else []
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
         raise EdgevlError(f"{path} is not a readable Parquet file ({e})") from None
-    return list(enumerate(table.to_pylist(), 1))
+    records = table.to_pylist()
+    if kind:
+        at = 0
+        for g, n in enumerate(groups):
+            for i in range(n):
+                r = records[at + i]
+                r[image] = ParquetImage(str(path), image, g, i, r.pop(_NAMES, None))
+            at += n
+    return list(enumerate(records, 1))
+
+
+_NAMES = "\0image file names"     # no column's name: where _parquet_records keeps them for a moment
+
+
+def _image_bytes_kind(t) -> str | None:
+    """How a Parquet column holds images, if it holds their bytes: "binary" (a column of
+    bytes), "struct" / "struct_path" (Hugging Face datasets' ``Image`` feature: {bytes, path})."""
+    pa, _ = _pyarrow()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+        b = t.field(t.get_field_index("bytes")).type
+        if pa.types.is_binary(b) or pa.types.is_large_binary(b):
+            p = t.get_field_index("path")
+            return "struct_path" if p >= 0 and pa.types.is_string(t.field(p).type) else "struct"
+    return None
+
+
+class ParquetImage:
+    """An image stored in a Parquet file (bytes, or Hugging Face's {bytes, path}), read when its
+    row runs: a job holds one row group's images at a time, not the file's, and a worker process
+    gets four small fields, not the image. ``path``: the file name Hugging Face stored beside
+    the bytes (shown in the output's ``image`` field), if any."""
+
+    __slots__ = ("file", "column", "group", "index", "path")
+
+    def __init__(self, file: str, column: str, group: int, index: int, path: str | None):
+        self.file, self.column, self.group, self.index, self.path = file, column, group, index, path
+
+    def __reduce__(self):
+        return ParquetImage, (self.file, self.column, self.group, self.index, self.path)
+
+    def load(self) -> bytes:
+        """The image file's bytes (EdgevlError: none in the cell, or the file changed)."""
+        _, pq = _pyarrow()
+        key = (self.file, self.column, self.group)
+        with _GROUP_LOCK:
+            if _GROUP.get("key") != key:
+                _GROUP.clear()   # one row group at a time
+                try:
+                    col = pq.ParquetFile(self.file).read_row_group(self.group, columns=[self.column])
+                except Exception as e:  # noqa: BLE001 - the file went away or changed under the job
+                    raise EdgevlError(f"cannot read the images of {self.file} again ({type(e).__name__}: {e}); "
+                                      "was it changed while the job ran?") from None
+                _GROUP.update(key=key, column=col.column(0))
+            column = _GROUP["column"]
+        if self.index >= len(column):
+            raise EdgevlError(f"{self.file} has fewer rows than when the job started; run the job again")
+        v = column[self.index].as_py()
+        if isinstance(v, dict):
+            v = v.get("bytes")
+            if not v and self.path:
+                raise EdgevlError(f"the {self.column!r} value has no image bytes, only the file name "
+                                  f"{self.path!r}; store the bytes, or give image paths in a column of text")
+        if not v:
+            raise EdgevlError(f"no image in the {self.column!r} column")
+        return v
+
+
+_GROUP: dict = {}     # the row group of images ParquetImage.load read last, in this process
+_GROUP_LOCK = threading.Lock()
 
 
 def _table_rows(records, base: Path | None, name: str, where: str, prompt, image_column, prompt_column,
@@ -274,8 +361,11 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
     rows, seen = [], {}
     for n, r in records:
         img, err, shown, source = r.get(image_column), None, None, None
-        if isinstance(img, Image.Image):
+        if isinstance(img, dict) and "bytes" in img:  # Hugging Face datasets' Image: {bytes, path}
+            img = img["bytes"] or img.get("path")
+        if isinstance(img, (Image.Image, ParquetImage, bytes, bytearray)):
             source = img
+            shown = img.path if isinstance(img, ParquetImage) else None
         elif isinstance(img, (str, os.PathLike)) and str(img).strip():
             shown = str(img).strip()
             if shown.startswith(("http://", "https://")):
@@ -303,7 +393,10 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
         if source is None and vsource is None and err is None:
             err = f"no image or video in the {image_column!r} and {VIDEO_COLUMN!r} columns"
         rid = r.get(id_column)
-        rid = _text(str(rid) if rid is not None and str(rid) != "" else shown or video or f"{where} {n}")
+        if rid is None or str(rid) == "":   # file names stored beside image bytes may repeat: not ids
+            rid = f"{where} {n}" if isinstance(source, (ParquetImage, bytes, bytearray)) else \
+                shown or video or f"{where} {n}"
+        rid = _text(str(rid))
         p = r.get(prompt_column)
         p = str(p) if p is not None and str(p).strip() else prompt
         if p is None and err is None:
@@ -785,7 +878,7 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
     # Two rows in flight per worker, so a worker never waits for this process to hand it the next
     # one (it may be slow to get a core on a busy machine). Not with PIL images: a big pickled image
     # and a big answer could fill both directions of the pipe at once.
-    depth = 2 if all(isinstance(it["source"], (str, type(None))) for it in todo) else 1
+    depth = 2 if all(isinstance(it["source"], (str, type(None), ParquetImage)) for it in todo) else 1
 
     def start():
         parent, child = ctx.Pipe()
@@ -927,7 +1020,8 @@ def _run_ray(settings: dict, todo: list[dict], workers: int, address: str | None
     ray = _import_ray()
     for it in todo:
         if not isinstance(it["source"], str) and it["error"] is None:
-            raise EdgevlError("with Ray, images must be file paths (the actors read them), not PIL images")
+            raise EdgevlError("with Ray, images must be file paths (the actors read them), not PIL images or "
+                              "image bytes; run without --ray (--workers N for several processes)")
     # Ray Data holds the rows as Arrow text, which must be UTF-8: a path that is not (a file name
     # that is not UTF-8) fails its own row here instead of the whole job.
     unsent = [it for it in todo if _clean(it) != it]

@@ -498,7 +498,7 @@ class Model:
         """Yield new token ids (temperature 0 = greedy); stops at eos, ``stop_ids`` or the context end.
 
         ``input_ids`` must already hold each image's expanded placeholder run; ``image`` is a
-        path / PIL image, or a list of them in prompt order (or ``(rows, info)`` pairs as
+        path / PIL image / image file's bytes, or a list of them in prompt order (or ``(rows, info)`` pairs as
         ``encode_image`` returns them; bare row arrays work for 1-D-position models).
         The loop runs on the owner thread one token per request (it never runs ahead of the
         consumer); a consumer that stops early releases the thread for the next call.

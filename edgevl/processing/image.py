@@ -14,6 +14,7 @@ written down.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -47,14 +48,15 @@ _16BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def load_image(image) -> Image.Image:
-    """Return ``image`` (a path or a PIL image) as a loaded 8-bit RGB PIL image.
+    """Return ``image`` (a path, the bytes of an image file, or a PIL image) as a loaded 8-bit
+    RGB PIL image.
 
     Conversion follows ``PIL.Image.convert("RGB")``, which is what HF does: alpha is dropped
     (not composited), palette/CMYK/greyscale/1-bit are expanded. One deliberate exception:
     16-bit greyscale ("I;16*" and "I", which is how Pillow opens 16-bit PNG/TIFF) is scaled
     with ``>> 8``; Pillow would clamp every sample above 255 to white.
 
-    For paths the EXIF orientation is applied first, as ``transformers.image_utils.load_image``
+    For paths and bytes the EXIF orientation is applied first, as ``transformers.image_utils.load_image``
     does; a PIL image passed in is used as it is, like the HF processor does.
     """
     if isinstance(image, Image.Image):
@@ -67,8 +69,14 @@ def load_image(image) -> Image.Image:
         return _to_rgb(image, "the image")
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not data:
+            raise EdgevlError("The image is empty (0 bytes); pass the bytes of an image file.")
+        return _decode(io.BytesIO(data), f"{len(data)} bytes of image data", "the image")
     raise EdgevlError(
-        f"Unsupported image type {type(image).__name__}; pass a file path or a PIL.Image.Image."
+        f"Unsupported image type {type(image).__name__}; pass a file path, the bytes of an image file or a "
+        "PIL.Image.Image."
     )
 
 
@@ -84,31 +92,40 @@ def _open_path(path: Path) -> Image.Image:
     if size == 0:
         raise EdgevlError(f"Image file is empty (0 bytes): {path}; re-export or re-download it.")
     try:
+        # Pillow does not close a file object it was given, and closing ours leaves the decoded
+        # pixels alone: no copy of a huge image (Image.close() would free them).
+        with open(path, "rb") as f:
+            return _decode(f, str(path), str(path))
+    except PermissionError:
+        raise EdgevlError(f"Permission denied reading image file {path}; check its permissions.") from None
+    except OSError as e:
+        raise EdgevlError(f"Cannot read image file {path} ({e.strerror or e}); check the disk and the path.") from None
+
+
+def _decode(f, name: str, shown: str) -> Image.Image:
+    """Decode an image file's contents (``f``: a binary file object); ``name`` says which in
+    errors ("photo.jpg", "1234 bytes of image data"), ``shown`` in the RGB conversion's."""
+    try:
         with warnings.catch_warnings():
             # Images between Pillow's warning and error limits are fine for us: they are
             # downscaled by the patch budget [3.2] and the resize works in row blocks.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            # Pillow does not close a file object it was given, and closing ours leaves the
-            # decoded pixels alone: no copy of a huge image (Image.close() would free them).
-            with open(path, "rb") as f:
-                im = Image.open(f)
-                im.load()  # decode now so truncated files fail here, not later
-            return _to_rgb(exif_transpose(im), str(path))
+            im = Image.open(f)
+            im.load()  # decode now so truncated files fail here, not later
+        return _to_rgb(exif_transpose(im), shown)
     except EdgevlError:
         raise
     except Image.DecompressionBombError as e:
-        raise EdgevlError(_bomb_message(path, e)) from None
+        raise EdgevlError(_bomb_message(name, e)) from None
     except UnidentifiedImageError:
         raise EdgevlError(
-            f"Not a readable image file: {path}; use PNG, JPEG, WebP, BMP, GIF or TIFF."
+            f"Not a readable image file: {name}; use PNG, JPEG, WebP, BMP, GIF or TIFF."
         ) from None
-    except PermissionError:
-        raise EdgevlError(f"Permission denied reading image file {path}; check its permissions.") from None
     except MemoryError:
-        raise EdgevlError(f"Not enough memory to decode {path}; downscale the image first.") from None
+        raise EdgevlError(f"Not enough memory to decode {name}; downscale the image first.") from None
     except Exception as e:  # noqa: BLE001 - truncated/corrupt data raises OSError, SyntaxError, ...
         raise EdgevlError(
-            f"Could not decode image file {path} (truncated or corrupt: {e}); re-export or re-download it."
+            f"Could not decode image file {name} (truncated or corrupt: {e}); re-export or re-download it."
         ) from None
 
 
@@ -122,7 +139,7 @@ def exif_transpose(im: Image.Image) -> Image.Image:
     return im
 
 
-def _bomb_message(path: Path, err: Exception) -> str:
+def _bomb_message(path, err: Exception) -> str:
     nums = [int(n) for n in re.findall(r"\d+", str(err))]
     limit = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
     pixels = nums[0] if nums else None

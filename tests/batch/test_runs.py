@@ -302,6 +302,42 @@ def test_parquet_input_and_output_resume(pkg, scenes, reference, tmp_path):
     assert out.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 2
 
 
+def test_parquet_image_bytes_hugging_face_layout_and_a_bytes_column(pkg, scenes, reference, tmp_path):
+    """Images stored in the table (Hugging Face datasets' {bytes, path} struct, or a plain bytes
+    column) answer as the same files do; they are read a row group at a time as rows run, so a
+    worker gets a few small fields per row, never the image."""
+    import pickle
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from edgevl.batch import read_input
+
+    _, paths = scenes
+    ids = list(paths)[:6]
+    data = [paths[i].read_bytes() for i in ids]
+    hf = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    src = tmp_path / "hf.parquet"
+    cells = [{"bytes": d, "path": f"{i}"} for i, d in zip(ids, data)] + [None, {"bytes": b"junk", "path": "j.png"}]
+    pq.write_table(pa.table({"image": pa.array(cells, type=hf), "prompt": [PROMPT] * len(cells)}), src,
+                   row_group_size=3)
+    items = read_input(src)
+    assert all(len(pickle.dumps(it["source"])) < 400 for it in items)      # not the image
+    rows = list(edgevl.batch(pkg, src, output=tmp_path / "hf.jsonl", threads=1))
+    assert [r["id"] for r in rows] == [f"row {n}" for n in range(1, 9)]     # stored names may repeat: not ids
+    assert [r["image"] for r in rows] == ids + [None, "j.png"]
+    assert [r["answer"] for r in rows[:6]] == [reference[i] for i in ids]
+    assert rows[6]["error"] == "no image in the 'image' column"
+    assert rows[7]["error"].startswith("Not a readable image file: 4 bytes of image data")
+
+    plain = tmp_path / "bytes.parquet"
+    pq.write_table(pa.table({"id": ids, "pixels": data}), plain, row_group_size=4)
+    p = run_cli(pkg, "--input", plain, "--image-column", "pixels", "--prompt", PROMPT, "--output",
+                tmp_path / "bytes.jsonl", "--workers", 2, "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    assert {r["id"]: r["answer"] for r in read_jsonl(tmp_path / "bytes.jsonl")} == {i: reference[i] for i in ids}
+
+
 def _listening_ports_of(pids):
     """(address, port) of every listening TCP socket owned by ``pids`` (from /proc)."""
     inodes = set()

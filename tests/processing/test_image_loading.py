@@ -97,6 +97,29 @@ def test_exif_orientation_applied_for_paths(tmp_path):
     assert load_image(p).size == (20, 40)
 
 
+def test_image_file_bytes_load_as_the_file_does(tmp_path):
+    """Bytes of an image file (a table's image column, an API caller's) decode as that file:
+    the same pixels, the EXIF orientation applied, and bad bytes the same one-line errors."""
+    p = tmp_path / "n.png"
+    Image.fromarray(noise_pixels(30, 50, seed=7)).save(p)
+    assert np.array_equal(np.asarray(load_image(p.read_bytes())), np.asarray(load_image(p)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    o = tmp_path / "o.jpg"
+    Image.new("RGB", (40, 20), (50, 60, 70)).save(o, exif=exif)
+    assert load_image(bytearray(o.read_bytes())).size == (20, 40)
+    with pytest.raises(EdgevlError, match="empty"):
+        load_image(b"")
+    with pytest.raises(EdgevlError, match="Not a readable image file: 4 bytes of image data"):
+        load_image(b"junk")
+    with pytest.raises(EdgevlError, match="truncated or corrupt"):
+        load_image(p.read_bytes()[:200])
+    bomb = tmp_path / "bomb.png"
+    _png_header_only(bomb, 20000, 10000)
+    with pytest.raises(EdgevlError, match="too large: 200000000 pixels"):
+        load_image(bomb.read_bytes())
+
+
 def _png_header_only(path: Path, w: int, h: int):
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IEND", b""))
