@@ -6,8 +6,8 @@ Input: a folder of images (recursive, sorted; ids are the relative paths, a file
 not UTF-8 written with backslash escapes such as ``\\xff.png``) or a JSONL / CSV / Parquet file
 with an image column (a path, relative to the file's folder; in Parquet also the image file's
 bytes, or Hugging Face datasets' {bytes, path}, read a row group at a time as rows run) and
-optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input with the fields of ``FIELDS``;
-``error`` is null when the row went well.
+optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input
+with the fields of ``FIELDS``; ``error`` is null when the row went well.
 
 Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
 into ``answer``; ``thinking`` (CLI: ``--thinking/--no-thinking``) and ``chat_template_kwargs`` reach
@@ -302,9 +302,10 @@ def _image_bytes_kind(t) -> str | None:
 
 class ParquetImage:
     """An image stored in a Parquet file (bytes, or Hugging Face's {bytes, path}), read when its
-    row runs: a job holds one row group's images at a time, not the file's, and a worker process
-    gets four small fields, not the image. ``path``: the file name Hugging Face stored beside
-    the bytes (shown in the output's ``image`` field), if any."""
+    row runs: a job holds a row group's images at a time (two at most), not the file's, and a
+    worker process gets a few small fields, not the image. ``path``: the file name Hugging Face
+    stored beside the bytes (shown in the output's ``image`` field), if any; a cell with a name
+    and no bytes names a file (relative to the table's folder), as Hugging Face writes local ones."""
 
     __slots__ = ("file", "column", "group", "index", "path")
 
@@ -314,34 +315,34 @@ class ParquetImage:
     def __reduce__(self):
         return ParquetImage, (self.file, self.column, self.group, self.index, self.path)
 
-    def load(self) -> bytes:
-        """The image file's bytes (EdgevlError: none in the cell, or the file changed)."""
+    def load(self) -> bytes | str:
+        """The image file's bytes, or its path (EdgevlError: none in the cell, or the file changed)."""
         _, pq = _pyarrow()
         key = (self.file, self.column, self.group)
         with _GROUP_LOCK:
-            if _GROUP.get("key") != key:
-                _GROUP.clear()   # one row group at a time
+            column = _GROUPS.pop(key, None)
+            if column is None:
                 try:
-                    col = pq.ParquetFile(self.file).read_row_group(self.group, columns=[self.column])
+                    column = pq.ParquetFile(self.file).read_row_group(self.group, columns=[self.column]).column(0)
                 except Exception as e:  # noqa: BLE001 - the file went away or changed under the job
                     raise EdgevlError(f"cannot read the images of {self.file} again ({type(e).__name__}: {e}); "
                                       "was it changed while the job ran?") from None
-                _GROUP.update(key=key, column=col.column(0))
-            column = _GROUP["column"]
+            _GROUPS[key] = column           # the newest last
+            while len(_GROUPS) > 2:
+                _GROUPS.pop(next(iter(_GROUPS)))
         if self.index >= len(column):
             raise EdgevlError(f"{self.file} has fewer rows than when the job started; run the job again")
         v = column[self.index].as_py()
         if isinstance(v, dict):
-            v = v.get("bytes")
-            if not v and self.path:
-                raise EdgevlError(f"the {self.column!r} value has no image bytes, only the file name "
-                                  f"{self.path!r}; store the bytes, or give image paths in a column of text")
+            v = v.get("bytes") or (v.get("path") and str(Path(self.file).parent / Path(v["path"]).expanduser()))
         if not v:
             raise EdgevlError(f"no image in the {self.column!r} column")
         return v
 
 
-_GROUP: dict = {}     # the row group of images ParquetImage.load read last, in this process
+# the row groups of images ParquetImage.load read last, in this process: two, as the rows in
+# flight together (an engine's slots) may straddle a row group's end
+_GROUPS: dict = {}
 _GROUP_LOCK = threading.Lock()
 
 

@@ -318,15 +318,17 @@ def test_parquet_image_bytes_hugging_face_layout_and_a_bytes_column(pkg, scenes,
     data = [paths[i].read_bytes() for i in ids]
     hf = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     src = tmp_path / "hf.parquet"
-    cells = [{"bytes": d, "path": f"{i}"} for i, d in zip(ids, data)] + [None, {"bytes": b"junk", "path": "j.png"}]
+    cells = [{"bytes": d, "path": f"{i}"} for i, d in zip(ids, data)] + [None, {"bytes": b"junk", "path": "j.png"},
+                                                                           {"bytes": None, "path": str(paths[ids[1]])}]
     pq.write_table(pa.table({"image": pa.array(cells, type=hf), "prompt": [PROMPT] * len(cells)}), src,
                    row_group_size=3)
     items = read_input(src)
     assert all(len(pickle.dumps(it["source"])) < 400 for it in items)      # not the image
     rows = list(edgevl.batch(pkg, src, output=tmp_path / "hf.jsonl", threads=1))
-    assert [r["id"] for r in rows] == [f"row {n}" for n in range(1, 9)]     # stored names may repeat: not ids
-    assert [r["image"] for r in rows] == ids + [None, "j.png"]
-    assert [r["answer"] for r in rows[:6]] == [reference[i] for i in ids]
+    assert [r["id"] for r in rows] == [f"row {n}" for n in range(1, 10)]    # stored names may repeat: not ids
+    assert [r["image"] for r in rows] == ids + [None, "j.png", str(paths[ids[1]])]
+    # a name without bytes is a file, as Hugging Face writes local images
+    assert [r["answer"] for r in rows[:6] + rows[8:]] == [reference[i] for i in ids] + [reference[ids[1]]]
     assert rows[6]["error"] == "no image in the 'image' column"
     assert rows[7]["error"].startswith("Not a readable image file: 4 bytes of image data")
 
