@@ -68,6 +68,7 @@ import ipaddress
 import json
 import math
 import select
+import signal
 import socket
 import sys
 import threading
@@ -100,7 +101,7 @@ class HTTPError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error"}
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -854,6 +855,7 @@ def _usage(lasts: list) -> dict:
 
 ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
           "/health", "/props", "/metrics", "/")
+GENERATING = ("/v1/chat/completions", "/v1/responses", "/v1/completions")   # refused while draining
 # seconds; a CPU's first token takes from a fraction of a second (short text) to minutes (video)
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 TPOT_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -1004,6 +1006,10 @@ class Handler(BaseHTTPRequestHandler):
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
                             headers={"Allow": allowed})
+        if self.server.draining and path in GENERATING:
+            self.close_connection = True
+            raise HTTPError(503, "the server is shutting down; send the request to another instance or retry "
+                            "shortly", code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
         return fn
 
     def _dispatch(self, method: str):
@@ -1012,6 +1018,7 @@ class Handler(BaseHTTPRequestHandler):
         self._probed = -math.inf  # when _probe last wrote
         self._arrived = time.monotonic()  # for the latencies in /metrics
         self._status = None  # the status sent, if any
+        self._writing = threading.Lock()  # one stream chunk at a time (_side_by_side)
         lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
@@ -1136,7 +1143,8 @@ class Handler(BaseHTTPRequestHandler):
         if now - self._probed < 1:
             return
         if self._chunked:
-            self.wfile.write(b"4\r\n: \n\n\r\n")
+            with self._writing:
+                self.wfile.write(b"4\r\n: \n\n\r\n")
         elif not self._sent and self.request_version not in ("HTTP/0.9", "HTTP/1.0"):
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._probed = now
@@ -1144,8 +1152,10 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes --------------------------------------------------------------------------------
     def _health(self):
         s = self.server
-        self._send(200, {"status": "ok", "model": s.model_id, "busy": s.gate.locked(), "running": s.gate.held,
-                         "slots": s.engine.parallel, "waiting": s.gate.waiting})
+        # 503 while draining: a load balancer's health check takes this instance out
+        self._send(503 if s.draining else 200,
+                   {"status": "draining" if s.draining else "ok", "model": s.model_id, "busy": s.gate.locked(),
+                    "running": s.gate.held, "slots": s.engine.parallel, "waiting": s.gate.waiting})
 
     def _page(self, name: str):
         """A file of the chat page: open without the API key, as the page must load to ask for it."""
@@ -1213,14 +1223,15 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 choices = [_Observed(c, i, self._arrived, self.server.metrics) for i, c in
                            enumerate(stream_choices(self.server.model, given, engine=self.server.engine, **kwargs))]
-                # template, images, prefill: errors here still get a status
-                firsts = [next(c) for c in choices]
+                # template, images, prefill: errors here still get a status (the answers share
+                # them: the first answer's first event tells; the others may wait for a slot)
+                first = next(choices[0])
                 if streamer is not None:
-                    streamer([chain([f], c) for f, c in zip(firsts, choices)])
+                    streamer([chain([first], choices[0]), *choices[1:]])
                     return None
                 out = []
-                for first, c in zip(firsts, choices):
-                    evs = [first]
+                for i, c in enumerate(choices):
+                    evs = [first] if i == 0 else []
                     for ev in c:
                         evs.append(ev)
                         if self._client_gone():  # nobody will read the answer: free the model now
@@ -1305,17 +1316,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
     def _answers_stream(self, head: dict, choices, include_usage: bool, one, usage=None):
-        """A chat or text completion stream: each answer's chunks in turn (``one(index, events)``
-        sends them and returns the answer's last event; with ``n`` > 1 the answers decode together
-        all the same), then the usage chunk where asked (``usage(lasts)``) and the end. After the
-        headers an error can only be a final error event."""
+        """A chat or text completion stream: each answer's chunks (``one(index, events)`` sends
+        them and returns the answer's last event; with ``n`` > 1 they interleave, as the answers
+        decode together), then the usage chunk where asked (``usage(lasts)``) and the end. After
+        the headers an error can only be a final error event."""
         self._start_events()
         if include_usage:
             head["usage"] = None  # as OpenAI: null on every chunk but the last
-        lasts = []
         try:
-            for index, events in enumerate(choices):
-                lasts.append(one(index, events))
+            lasts = [one(0, choices[0])] if len(choices) == 1 else self._side_by_side(choices, one)
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers an error can only be an event
@@ -1324,6 +1333,29 @@ class Handler(BaseHTTPRequestHandler):
             if include_usage:
                 self._event({**head, "choices": [], "usage": (usage or _usage)(lasts)})
         self._end_events()
+
+    def _side_by_side(self, choices, one) -> list:
+        """``one(index, events)`` of every answer at once, each on a thread of its own, so that a
+        client sees the n answers grow together (as OpenAI streams them) instead of answer 2
+        waiting for answer 1's end; writes take turns (``_event``). Their last events, in order;
+        a client gone first among the errors, else the first error, once every answer is done."""
+        lasts, errors = [None] * len(choices), []
+
+        def run(i, events):
+            try:
+                lasts[i] = one(i, events)
+            except BaseException as e:  # noqa: BLE001 - handed to the request's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i, c), name=f"edgevl-answer-{i}", daemon=True)
+                   for i, c in enumerate(choices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise next((e for e in errors if isinstance(e, (ConnectionError, TimeoutError))), errors[0])
+        return lasts
 
     def _stream(self, choices, include_usage: bool, tools=None):
         """The answers as chat completion chunks (each names its choice's index)."""
@@ -1514,7 +1546,8 @@ class Handler(BaseHTTPRequestHandler):
         """One server-sent event in its own chunk; ``kind``: its ``event:`` name (the Responses stream's)."""
         data = (b"event: %s\n" % kind.encode() if kind else b"") + b"data: " + (
             obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        with self._writing:     # answers streamed side by side write from their own threads
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
 def _one_malloc_arena() -> None:
@@ -1566,6 +1599,8 @@ class EdgevlServer(ThreadingHTTPServer):
         self.gate = Gate(int(max_queue), parallel)
         self.created = int(time.time())
         self.metrics = server_metrics(self)
+        self.draining = False
+        self.drained = None     # after a drain: whether every request ended within the grace
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             super().__init__((host, int(port)), Handler)
@@ -1592,6 +1627,20 @@ class EdgevlServer(ThreadingHTTPServer):
     def stop(self):
         self.shutdown()
         self.server_close()
+
+    def drain(self, grace: float) -> bool:
+        """Stop gracefully (SIGTERM): new generation requests get 503 and /health 503 at once;
+        the requests under way and those already queued run on for up to ``grace`` seconds; then
+        ``serve_forever`` returns. True when every one of them ended within ``grace``."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.gate.held or self.gate.waiting:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self.drained = not (self.gate.held or self.gate.waiting)   # before serve_forever returns
+        self.shutdown()
+        return self.drained
 
     def server_close(self):
         super().server_close()
@@ -1634,8 +1683,11 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
           strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
-          parallel: int = 4) -> int:
-    """Serve until Ctrl-C (the ``edgevl serve`` command)."""
+          parallel: int = 4, shutdown_grace: float = 30.0) -> int:
+    """Serve until Ctrl-C, or SIGTERM (``EdgevlServer.drain``: the requests under way get up to
+    ``shutdown_grace`` seconds to end; a second SIGTERM stops at once): the ``edgevl serve`` command."""
+    if not shutdown_grace >= 0:
+        raise EdgevlError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
@@ -1650,10 +1702,25 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
     page = server.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
     print(f"edgevl: chat page at {page}/", flush=True)
     print(memory_line(server), flush=True)
+    def on_term(signum, frame):
+        if server.draining:     # a second SIGTERM: stop now
+            raise KeyboardInterrupt
+        print(f"edgevl: SIGTERM: finishing the requests under way (up to {shutdown_grace:g} s), refusing new ones "
+              "(503)", file=sys.stderr, flush=True)
+        # not on this thread: it runs serve_forever, which drain's shutdown() waits for
+        threading.Thread(target=server.drain, args=(shutdown_grace,), name="edgevl-drain", daemon=True).start()
+
+    installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
+    previous = signal.signal(signal.SIGTERM, on_term) if installed else None
     try:
         server.serve_forever()
+        if server.drained is not None:
+            print("edgevl: every request ended; stopped" if server.drained else
+                  f"edgevl: stopped after {shutdown_grace:g} s with requests still under way", file=sys.stderr)
     except KeyboardInterrupt:
         print("\nedgevl: shutting down", file=sys.stderr)
     finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         server.server_close()
     return 0

@@ -178,6 +178,8 @@ def test_n_answers_decode_together_each_as_alone(pkgs, text_server):
         assert "".join(m.delta.content or "" for m in mine) == a.message.content
         assert [m.finish_reason for m in mine if m.finish_reason] == [a.finish_reason]
     assert chunks[-1].usage.completion_tokens == made
+    order = [ch.choices[0].index for ch in chunks if ch.choices]
+    assert order != sorted(order), "the answers decode together: their chunks come as they are made"
     # greedy answers are all the greedy answer; the legacy endpoint takes n too
     r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, n=2)
     assert r.choices[0].message.content == r.choices[1].message.content == reference(pkgs[1], MSGS, 8)[0]
@@ -192,6 +194,30 @@ def test_n_answers_decode_together_each_as_alone(pkgs, text_server):
     # the Responses API gives one answer
     status, body, _ = raw(text_server, "POST", "/v1/responses", {"input": "hi", "n": 2})
     assert status == 400 and body["error"]["param"] == "n", body
+
+
+def test_n_answers_beyond_the_slots_stream_from_the_first_token(pkgs):
+    """With more answers than slots, the later answers wait for a slot; the stream still starts
+    with the first answer's first token, not once every answer has begun."""
+    srv, _ = make_server(pkgs[1], parallel=1)
+    try:
+        steps = srv.engine.steps
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": MSGS, "max_tokens": 60, "n": 2,
+                                                                 "stream": True, "temperature": 1.0, "seed": 2}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        first = None
+        for line in r:
+            if line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+                first = srv.engine.steps - steps
+                break
+        rest = r.read()
+        conn.close()
+        assert first is not None and first < 30, first     # the first answer alone is 60 steps
+        assert rest.endswith(b"data: [DONE]\n\n") and b"\"index\": 1" in rest
+    finally:
+        srv.stop()
 
 
 def test_n_answers_stop_when_the_client_hangs_up(text_server):
