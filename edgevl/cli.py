@@ -455,7 +455,8 @@ def cmd_serve(a) -> int:
     return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
-                 thinking=a.thinking, parallel=a.parallel, shutdown_grace=a.shutdown_grace)
+                 thinking=a.thinking, parallel=a.parallel, shutdown_grace=a.shutdown_grace,
+                 allow_origins=a.allow_origin)
 
 
 def cmd_check(a) -> int:
@@ -628,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
+    s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from this origin (e.g. http://localhost:3000; '*': any) call the API from "
+                   "a browser (CORS); repeatable (default: same origin only, as the chat page)")
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests (503) and let those under way finish for up to this "
                    "long before stopping (default: 30)")

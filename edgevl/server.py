@@ -983,6 +983,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_PATCH(self):
         self._dispatch("PATCH")
 
+    def do_OPTIONS(self):
+        self._dispatch("OPTIONS")
+
     def log_message(self, format, *args):
         if self.server.access_log:
             super().log_message(format, *args)
@@ -1029,7 +1032,10 @@ class Handler(BaseHTTPRequestHandler):
                 raise HTTPError(400, f"conflicting Content-Length headers {sorted(lengths)}; send one")
             if self._unread < 0 and not chunked:
                 raise HTTPError(400, f"invalid Content-Length header {length!r}")
-            self._route(method)()
+            if method == "OPTIONS":
+                self._preflight()
+            else:
+                self._route(method)()
         except HTTPError as e:
             self._fail(e)
         except (ConnectionError, TimeoutError):  # the client went away: nothing to answer
@@ -1045,6 +1051,42 @@ class Handler(BaseHTTPRequestHandler):
     def send_response(self, code, message=None):
         self._status = code
         super().send_response(code, message)
+        origin = self._cors_origin()
+        if origin is not None:   # every answer to an allowed origin, errors and streams included
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Expose-Headers", "Retry-After")
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+
+    def _cors_origin(self) -> str | None:
+        """What Access-Control-Allow-Origin says to this request: None unless it comes from a web
+        page on an origin ``--allow-origin`` names (or any, with ``*``)."""
+        allowed = self.server.allow_origins
+        origin = getattr(self, "headers", None) and self.headers.get("Origin")
+        if not allowed or not origin:
+            return None
+        if "*" in allowed:
+            return "*"
+        return origin if origin.strip().rstrip("/").lower() in allowed else None
+
+    def _preflight(self):
+        """A browser's CORS preflight (OPTIONS): allowed origins may send any method the routes
+        take, with any headers (Authorization for the key, Content-Type for JSON)."""
+        origin = self.headers.get("Origin")
+        if not origin or not self.headers.get("Access-Control-Request-Method"):
+            raise HTTPError(405, "OPTIONS answers CORS preflight requests only (with Origin and "
+                            "Access-Control-Request-Method)", code="method_not_allowed", headers={"Allow": "GET, POST"})
+        if self._cors_origin() is None:
+            raise HTTPError(403, f"web pages from {origin} may not call this server; start it with --allow-origin "
+                            f"{origin}", code="origin_not_allowed")
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", "GET, POST")
+        self.send_header("Access-Control-Allow-Headers",
+                         self.headers.get("Access-Control-Request-Headers") or "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        self._sent = True
 
     def _fail(self, e: HTTPError):
         if self._sent:
@@ -1570,7 +1612,7 @@ class EdgevlServer(ThreadingHTTPServer):
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
                  max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
-                 thinking: bool | None = None, parallel: int = 4):
+                 thinking: bool | None = None, parallel: int = 4, allow_origins=None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
@@ -1580,6 +1622,7 @@ class EdgevlServer(ThreadingHTTPServer):
             if not image_dir.is_dir():
                 raise EdgevlError(f"--allow-image-dir {image_dir} is not a folder")
         self.model, self.api_key, self.image_dir = model, api_key or None, image_dir
+        self.allow_origins = _origins(allow_origins)
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
@@ -1647,6 +1690,21 @@ class EdgevlServer(ThreadingHTTPServer):
         self.engine.close()
 
 
+def _origins(given) -> frozenset:
+    """``--allow-origin`` values as the Origin header spells them (scheme://host[:port], lower
+    case), or "*"; anything else is a one-line error."""
+    out = set()
+    for o in given or ():
+        o = str(o).strip().rstrip("/").lower()
+        if o != "*":
+            parts = urlsplit(o)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query:
+                raise EdgevlError(f"--allow-origin takes an origin such as http://localhost:3000 (scheme, host and "
+                                  f"port, no path) or '*', got {o!r}")
+        out.add(o)
+    return frozenset(out)
+
+
 def make_server(model, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
                 **options) -> tuple[EdgevlServer, threading.Thread]:
     """Start a server in a background thread (port 0 = a free port; see ``server.url``);
@@ -1683,7 +1741,7 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
           strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
-          parallel: int = 4, shutdown_grace: float = 30.0) -> int:
+          parallel: int = 4, shutdown_grace: float = 30.0, allow_origins=None) -> int:
     """Serve until Ctrl-C, or SIGTERM (``EdgevlServer.drain``: the requests under way get up to
     ``shutdown_grace`` seconds to end; a second SIGTERM stops at once): the ``edgevl serve`` command."""
     if not shutdown_grace >= 0:
@@ -1693,7 +1751,11 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,
-                          chat_template_kwargs=chat_template_kwargs, thinking=thinking, parallel=parallel)
+                          chat_template_kwargs=chat_template_kwargs, thinking=thinking, parallel=parallel,
+                          allow_origins=allow_origins)
+    if not api_key and "*" in server.allow_origins:
+        print("warning: --allow-origin '*' without --api-key: any web page open in a browser that can reach this "
+              "port can use the model", file=sys.stderr)
     if not api_key and not _is_loopback(host):
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

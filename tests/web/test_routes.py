@@ -82,3 +82,26 @@ def test_props_say_what_the_model_takes(demo):
     assert p["thinking"] == {"reasoning": False, "switch": False, "default": None, "on": {}, "off": {}}
     assert p["speculative"] == "none" and p["max_body"] == demo.max_body
     assert p["defaults"]["temperature"] == 0.0 and p["defaults"]["max_tokens"] is None
+
+
+FETCH = """
+const [url, done] = arguments;
+fetch(url + "/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json",
+      "Authorization": "Bearer k"}, body: JSON.stringify({messages: [{role: "user", content: "Describe the image."}],
+      max_tokens: 3})})
+  .then((r) => r.json()).then((j) => done("answer: " + j.choices[0].message.content), (e) => done("error: " + e));
+"""
+
+
+def test_a_web_app_on_another_origin_calls_the_api_only_where_allowed(demo_model, start_server, driver):
+    """A real browser, from a page on one origin, calls servers on others: the one that names the
+    page's origin in --allow-origin answers; the one that names none is blocked by the browser."""
+    # a document of the app's origin: this server's /health (the chat page's policy would keep its
+    # fetches to its own server)
+    page = start_server(demo_model)
+    allowed = start_server(demo_model, api_key="k", allow_origins=[page.url])
+    closed = start_server(demo_model, api_key="k")
+    driver.get(page.url + "/health")
+    driver.set_script_timeout(60)
+    assert driver.execute_async_script(FETCH, allowed.url).startswith("answer: ")
+    assert driver.execute_async_script(FETCH, closed.url).startswith("error: TypeError")
