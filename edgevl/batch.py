@@ -4,9 +4,9 @@
 
 Input: a folder of images (recursive, sorted; ids are the relative paths, a file name that is
 not UTF-8 written with backslash escapes such as ``\\xff.png``) or a JSONL / CSV / Parquet file
-with an image column (a path, relative to the file's folder; in Parquet also the image file's
-bytes, or Hugging Face datasets' {bytes, path}, read a row group at a time as rows run) and
-optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input
+with an image column (a path, relative to the file's folder, or an http(s) URL that the row's
+worker fetches; in Parquet also the image file's bytes, or Hugging Face datasets' {bytes, path},
+read a row group at a time as rows run) and optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input
 with the fields of ``FIELDS``; ``error`` is null when the row went well.
 
 Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
@@ -80,6 +80,11 @@ OUTPUT_EXTS = (".jsonl", ".parquet")
 INSTALL_PARQUET = "Parquet needs pyarrow: pip install 'edgevl[parquet]'"
 INSTALL_RAY = "--ray needs Ray Data: pip install 'edgevl[ray]'"
 CSV_FIELD_LIMIT = 2**31 - 1  # the largest the csv module takes everywhere (a C long)
+# an image URL of a table: fetched by the worker that runs its row, within these bounds
+FETCH_TIMEOUT = 30.0         # seconds without a byte (connecting, or between reads)
+FETCH_MAX_BYTES = 64 << 20   # larger answers are no image this tool could use on a CPU anyway
+FETCH_TRIES = 3              # on a dropped connection, a timeout, 429 or 5xx
+FETCH_BACKOFF = 1.0          # seconds before the second try, twice that before the third
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +118,8 @@ def process_row(model, item: dict, options: dict) -> dict:
             source = item["source"]
             if isinstance(source, ParquetImage):
                 source = source.load()
+            elif isinstance(source, str) and source.lower().startswith(("http://", "https://")):
+                source = fetch_image(source)
             for ev in stream_events(model, item["prompt"], image=source, video=item.get("video_source"),
                                     reuse_cache=False, **options):   # response_format: constrained answers
                 text.append(ev.text)
@@ -135,6 +142,45 @@ def process_row(model, item: dict, options: dict) -> dict:
             row["error"] = f"{type(e).__name__}: {e}"
     row["seconds"] = round(time.perf_counter() - t0, 4)
     return _clean(row)  # e.g. an error naming a file whose name is not UTF-8
+
+
+def fetch_image(url: str) -> bytes:
+    """An image URL's bytes: bounded in time (``FETCH_TIMEOUT`` without a byte) and size
+    (``FETCH_MAX_BYTES``), tried ``FETCH_TRIES`` times where trying again may help (a dropped
+    connection, a timeout, 429, 5xx); every failure is one line naming the URL."""
+    import urllib.error
+    import urllib.request
+
+    from . import __version__
+
+    why = ""
+    for attempt in range(FETCH_TRIES):
+        if attempt:
+            time.sleep(attempt * FETCH_BACKOFF)
+        req = urllib.request.Request(url, headers={"User-Agent": f"edgevl/{__version__} (batch)"})
+        try:
+            with urllib.request.urlopen(req, timeout=FETCH_TIMEOUT) as r:
+                size = r.headers.get("Content-Length")
+                if size and size.isdigit() and int(size) > FETCH_MAX_BYTES:
+                    raise EdgevlError(f"{url} is {int(size)} bytes, over the {FETCH_MAX_BYTES >> 20} MB an image "
+                                      "may have here; download and downscale it")
+                data = r.read(FETCH_MAX_BYTES + 1)
+            if len(data) > FETCH_MAX_BYTES:
+                raise EdgevlError(f"{url} is over the {FETCH_MAX_BYTES >> 20} MB an image may have here; download "
+                                  "and downscale it")
+            return data
+        except urllib.error.HTTPError as e:
+            why = f"HTTP {e.code} {e.reason}"
+            if e.code != 429 and e.code < 500:
+                break
+        except urllib.error.URLError as e:
+            why = str(getattr(e.reason, "strerror", None) or e.reason)
+        except (TimeoutError, OSError) as e:   # a read that timed out, a connection reset mid-way
+            why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        except ValueError as e:                # e.g. a URL with no host
+            raise EdgevlError(f"cannot fetch {url}: {e}") from None
+    tries = f" ({FETCH_TRIES} tries)" if attempt else ""
+    raise EdgevlError(f"cannot fetch {url}: {why}{tries}; check the URL, or download the image and give its path")
 
 
 def _wants_json(response_format) -> bool:
@@ -369,8 +415,8 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
             shown = img.path if isinstance(img, ParquetImage) else None
         elif isinstance(img, (str, os.PathLike)) and str(img).strip():
             shown = str(img).strip()
-            if shown.startswith(("http://", "https://")):
-                err = "remote image URLs are not fetched; download the images and give local paths"
+            if shown.lower().startswith(("http://", "https://")):
+                source = shown      # fetched when its row runs (fetch_image), by the worker that runs it
             else:
                 p = Path(shown).expanduser()
                 source = str(p if p.is_absolute() or base is None else base / p)

@@ -340,6 +340,71 @@ def test_parquet_image_bytes_hugging_face_layout_and_a_bytes_column(pkg, scenes,
     assert {r["id"]: r["answer"] for r in read_jsonl(tmp_path / "bytes.jsonl")} == {i: reference[i] for i in ids}
 
 
+def test_image_urls_are_fetched_by_the_rows_worker_within_bounds(model, scenes, reference, tmp_path, monkeypatch):
+    """A table of image URLs (a local web server here): each row fetches its image, answers as the
+    file does; a 503 is tried again, a 404 is not; a server that stalls or refuses is a row error
+    after a few tries, and an answer over the size bound is refused."""
+    import http.server
+    import threading
+
+    batch_mod = sys.modules["edgevl.batch"]     # edgevl.batch is also the function's name
+
+    _, paths = scenes
+    ids = list(paths)[:3]
+    seen = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen[self.path] = seen.get(self.path, 0) + 1
+            name = self.path.lstrip("/")
+            if name == "flaky.png" and seen[self.path] == 1:
+                self.send_error(503)
+                return
+            if name == "slow.png":
+                time.sleep(1.5)
+            path = paths.get(name.split("?")[0])
+            path = path or (paths[ids[0]] if name in ("flaky.png", "slow.png") else None)
+            if path is None:
+                self.send_error(404)
+                return
+            data = path.read_bytes()
+            self.send_response(200)
+            if "nolength" not in self.path:     # else the body ends where the connection does
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{web.server_address[1]}"
+    monkeypatch.setattr(batch_mod, "FETCH_TIMEOUT", 0.5)
+    monkeypatch.setattr(batch_mod, "FETCH_BACKOFF", 0.01)
+    try:
+        urls = [f"{base}/{i}" for i in ids] + [f"{base}/flaky.png", f"{base}/nope.png", f"{base}/slow.png",
+                                                "http://127.0.0.1:1/refused.png"]
+        src = tmp_path / "urls.csv"
+        src.write_text("image\n" + "\n".join(urls) + "\n")
+        rows = {r["id"]: r for r in edgevl.batch(model, src, PROMPT, output=tmp_path / "out.jsonl")}
+        for i in ids:
+            assert rows[f"{base}/{i}"]["answer"] == reference[i] and rows[f"{base}/{i}"]["image"] == f"{base}/{i}"
+        assert rows[f"{base}/flaky.png"]["answer"] == reference[ids[0]] and seen["/flaky.png"] == 2
+        assert rows[f"{base}/nope.png"]["error"] == (f"cannot fetch {base}/nope.png: HTTP 404 Not Found; check the "
+                                                     "URL, or download the image and give its path")
+        assert seen["/nope.png"] == 1                                          # a 404 is not tried again
+        assert rows[f"{base}/slow.png"]["error"].startswith(f"cannot fetch {base}/slow.png: timed out (3 tries)")
+        assert "(3 tries)" in rows["http://127.0.0.1:1/refused.png"]["error"]
+        monkeypatch.setattr(batch_mod, "FETCH_MAX_BYTES", 100)
+        with pytest.raises(edgevl.EdgevlError, match=r"bytes, over the 0 MB an image may have here"):
+            batch_mod.fetch_image(f"{base}/{ids[0]}")
+        with pytest.raises(edgevl.EdgevlError, match=r"is over the 0 MB an image may have here"):
+            batch_mod.fetch_image(f"{base}/{ids[0]}?nolength")
+    finally:
+        web.shutdown()
+
+
 def _listening_ports_of(pids):
     """(address, port) of every listening TCP socket owned by ``pids`` (from /proc)."""
     inodes = set()
