@@ -910,12 +910,12 @@ def server_metrics(server) -> Registry:
 
 
 class _Observed:
-    """One answer's events on their way to the client, counted in the server's metrics once the
-    answer ends (its last event), is closed before its end (the client went away, or another
-    answer failed) or fails."""
+    """One answer's events on their way to the client, counted in the server's metrics (and
+    handed to ``on_end(index, last event)``) once the answer ends (its last event), is closed
+    before its end (the client went away, or another answer failed) or fails."""
 
-    def __init__(self, choice, index: int, arrived: float, metrics: Registry):
-        self.choice, self.index, self.arrived, self.metrics = choice, index, arrived, metrics
+    def __init__(self, choice, index: int, arrived: float, metrics: Registry, on_end=None):
+        self.choice, self.index, self.arrived, self.metrics, self.on_end = choice, index, arrived, metrics, on_end
         self.first = self.last = None
         self.done = False
 
@@ -948,6 +948,8 @@ class _Observed:
         m.inc("edgevl_answers_total", finish_reason=reason or "stop")
         if ev is None:
             return
+        if self.on_end is not None:
+            self.on_end(self.index, ev)
         if self.index == 0:     # the prompt is one per request, whatever n
             m.inc("edgevl_prompt_tokens_total", ev.prompt_tokens)
             m.inc("edgevl_prompt_tokens_cached_total", ev.prompt_tokens - ev.prefill_tokens)
@@ -990,6 +992,18 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.access_log:
             super().log_message(format, *args)
 
+    def log_request(self, code="-", size="-"):
+        pass    # a request is logged once it is over (_dispatch): with its time and tokens
+
+    def _log_done(self, method: str):
+        """The access log's line for a request: what was asked, the status, how long it took
+        and, for an answer, its tokens (as its usage counts them)."""
+        line = f'"{method} {self.path[:200]}" {self._status} in {time.monotonic() - self._arrived:.3f} s'
+        if self._tokens is not None:
+            prompt, cached, made = self._tokens
+            line += f", {prompt} prompt tokens ({cached} cached), {made} generated"
+        self.log_message("%s", line)
+
     def _route(self, method: str):
         path = urlsplit(self.path).path.rstrip("/") or "/"
         routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
@@ -1021,6 +1035,7 @@ class Handler(BaseHTTPRequestHandler):
         self._probed = -math.inf  # when _probe last wrote
         self._arrived = time.monotonic()  # for the latencies in /metrics
         self._status = None  # the status sent, if any
+        self._tokens = None  # [prompt, cached, generated] once an answer ended (the access log)
         self._writing = threading.Lock()  # one stream chunk at a time (_side_by_side)
         lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
@@ -1047,6 +1062,7 @@ class Handler(BaseHTTPRequestHandler):
             if self._status is not None:
                 self.server.metrics.inc("edgevl_http_requests_total", route=_route_label(self.path),
                                         status=self._status)
+                self._log_done(method)
 
     def send_response(self, code, message=None):
         self._status = code
@@ -1214,6 +1230,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
         self._sent = True
 
+    def _answered(self, index: int, ev) -> None:
+        """An answer's last event (``_Observed``): its tokens go on the request's log line."""
+        with self._writing:     # answers streamed side by side end on their own threads
+            prompt, cached, made = self._tokens or (0, 0, 0)
+            if index == 0:
+                prompt, cached = ev.prompt_tokens, ev.prompt_tokens - ev.prefill_tokens
+            self._tokens = [prompt, cached, made + ev.generation_tokens]
+
     def _metrics(self):
         self._check_key()
         body = self.server.metrics.render().encode()
@@ -1263,7 +1287,7 @@ class Handler(BaseHTTPRequestHandler):
             given = prompt()
             choices = []
             try:
-                choices = [_Observed(c, i, self._arrived, self.server.metrics) for i, c in
+                choices = [_Observed(c, i, self._arrived, self.server.metrics, self._answered) for i, c in
                            enumerate(stream_choices(self.server.model, given, engine=self.server.engine, **kwargs))]
                 # template, images, prefill: errors here still get a status (the answers share
                 # them: the first answer's first event tells; the others may wait for a slot)

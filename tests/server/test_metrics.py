@@ -146,3 +146,23 @@ def test_registry_writes_prometheus_text():
     assert out[("t_seconds_sum", ())] == pytest.approx(3.6) and out[("t_seconds_count", ())] == 3
     with pytest.raises(ValueError, match="takes the labels"):
         reg.inc("t_total", 1)
+
+
+def test_the_access_log_has_each_requests_time_and_tokens(capfd):
+    """`edgevl serve`'s log: a line per request once it is over, with its status, its time and,
+    for an answer, the tokens its usage reports."""
+    srv, _ = make_server(edgevl.load(demo_package()), access_log=True)
+    try:
+        port = srv.server_address[1]
+        status, reply, _ = post(port, {"messages": MSGS, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 1})
+        assert status == 200
+        assert post(port, {"messages": []})[0] == 400
+    finally:
+        srv.stop()
+    log = capfd.readouterr().err
+    u = reply["usage"]
+    line = (f'"POST /v1/chat/completions" 200 in \\d+\\.\\d{{3}} s, {u["prompt_tokens"]} prompt tokens '
+            f'\\({u["prompt_tokens_details"]["cached_tokens"]} cached\\), {u["completion_tokens"]} generated\n')
+    assert re.search(line, log), log
+    assert re.search(r'"POST /v1/chat/completions" 400 in \d+\.\d{3} s\n', log), log
+    assert log.count('"POST /v1/chat/completions"') == 2       # once each, when it is over
