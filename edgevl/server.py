@@ -998,7 +998,8 @@ class Handler(BaseHTTPRequestHandler):
     def _log_done(self, method: str):
         """The access log's line for a request: what was asked, the status, how long it took
         and, for an answer, its tokens (as its usage counts them)."""
-        line = f'"{method} {self.path[:200]}" {self._status} in {time.monotonic() - self._arrived:.3f} s'
+        path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in self.path[:200])  # no terminal escapes
+        line = f'"{method} {path}" {self._status} in {time.monotonic() - self._arrived:.3f} s'
         if self._tokens is not None:
             prompt, cached, made = self._tokens
             line += f", {prompt} prompt tokens ({cached} cached), {made} generated"
