@@ -6,8 +6,9 @@ Input: a folder of images (recursive, sorted; ids are the relative paths, a file
 not UTF-8 written with backslash escapes such as ``\\xff.png``) or a JSONL / CSV / Parquet file
 with an image column (a path, relative to the file's folder, or an http(s) URL that the row's
 worker fetches; in Parquet also the image file's bytes, or Hugging Face datasets' {bytes, path},
-read a row group at a time as rows run) and optionally a prompt and an id column. Output (by extension): JSONL or Parquet, one row per input
-with the fields of ``FIELDS``; ``error`` is null when the row went well.
+read a row group at a time as rows run) and optionally a prompt and an id column. Output (by
+extension): JSONL or Parquet, one row per input with the fields of ``FIELDS``; ``error`` is null
+when the row went well.
 
 Thinking models: the thinking goes to ``reasoning`` (null for a model that did not think), never
 into ``answer``; ``thinking`` (CLI: ``--thinking/--no-thinking``) and ``chat_template_kwargs`` reach

@@ -894,11 +894,11 @@ def server_metrics(server) -> Registry:
     reg.add("edgevl_generation_tokens_total", "Tokens generated (usage.completion_tokens).")
     reg.add("edgevl_draft_tokens_total", "Tokens drafted by speculative decoding.")
     reg.add("edgevl_draft_tokens_accepted_total", "Drafted tokens that the model's own pass confirmed.")
-    reg.add("edgevl_time_to_first_token_seconds", "From a request's arrival to each answer's first token, "
-            "waiting for a slot included.", "histogram", buckets=TTFT_BUCKETS)
-    reg.add("edgevl_time_per_output_token_seconds", "Each answer's time per token after its first.", "histogram",
-            buckets=TPOT_BUCKETS)
-    reg.add("edgevl_request_duration_seconds", "From a request's arrival to each answer's end.", "histogram",
+    reg.add("edgevl_time_to_first_token_seconds", "From a request's arrival to its first token, waiting for a "
+            "slot included.", "histogram", buckets=TTFT_BUCKETS)
+    reg.add("edgevl_time_per_output_token_seconds", "A request's time per token after its first (of its first "
+            "answer).", "histogram", buckets=TPOT_BUCKETS)
+    reg.add("edgevl_request_duration_seconds", "From a request's arrival to its (first) answer's end.", "histogram",
             buckets=DURATION_BUCKETS)
     reg.add("edgevl_engine_forwards_total", "Decoder forwards of the engine: decode (a row, or a verify pass, of "
             "each decoding request) and prompt (prompt chunks beside the decoding requests' rows).",
@@ -950,12 +950,15 @@ class _Observed:
             return
         if self.on_end is not None:
             self.on_end(self.index, ev)
-        if self.index == 0:     # the prompt is one per request, whatever n
-            m.inc("edgevl_prompt_tokens_total", ev.prompt_tokens)
-            m.inc("edgevl_prompt_tokens_cached_total", ev.prompt_tokens - ev.prefill_tokens)
         m.inc("edgevl_generation_tokens_total", ev.generation_tokens)
         m.inc("edgevl_draft_tokens_total", ev.drafted)
         m.inc("edgevl_draft_tokens_accepted_total", ev.accepted)
+        if self.index != 0:
+            return
+        # once per request, whatever n: its prompt, and its latencies as its first answer's (the
+        # others of an answer not streamed are read only after it, so their times say nothing)
+        m.inc("edgevl_prompt_tokens_total", ev.prompt_tokens)
+        m.inc("edgevl_prompt_tokens_cached_total", ev.prompt_tokens - ev.prefill_tokens)
         m.observe("edgevl_time_to_first_token_seconds", self.first - self.arrived)
         m.observe("edgevl_request_duration_seconds", now - self.arrived)
         if ev.generation_tokens > 1:

@@ -107,7 +107,7 @@ def test_metrics_count_what_the_answers_reported(srv):
     assert grew("edgevl_answers_total", finish_reason="length") == 4
     for h in ("edgevl_time_to_first_token_seconds", "edgevl_request_duration_seconds",
               "edgevl_time_per_output_token_seconds"):
-        assert grew(f"{h}_count") == 4, h
+        assert grew(f"{h}_count") == 3, h       # a request's latencies, whatever its n
     assert 0 < grew("edgevl_time_to_first_token_seconds_sum") < grew("edgevl_request_duration_seconds_sum")
     decode = grew("edgevl_engine_forwards_total", kind="decode")
     assert decode > 0 and grew("edgevl_engine_decode_rows_total") >= decode
