@@ -67,6 +67,7 @@ import io
 import ipaddress
 import json
 import math
+import re
 import select
 import signal
 import socket
@@ -856,6 +857,7 @@ def _usage(lasts: list) -> dict:
 ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
           "/health", "/props", "/metrics", "/")
 GENERATING = ("/v1/chat/completions", "/v1/responses", "/v1/completions")   # refused while draining
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # a client's X-Request-Id we echo: visible ASCII
 # seconds; a CPU's first token takes from a fraction of a second (short text) to minutes (video)
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 TPOT_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -995,6 +997,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.access_log:
             super().log_message(format, *args)
 
+    def parse_request(self):
+        self._request_id = None   # not the previous request's on this connection (a malformed one gets none)
+        return super().parse_request()
+
     def log_request(self, code="-", size="-"):
         pass    # a request is logged once it is over (_dispatch): with its time and tokens
 
@@ -1006,7 +1012,7 @@ class Handler(BaseHTTPRequestHandler):
         if self._tokens is not None:
             prompt, cached, made = self._tokens
             line += f", {prompt} prompt tokens ({cached} cached), {made} generated"
-        self.log_message("%s", line)
+        self.log_message("%s [%s]", line, self._request_id)
 
     def _route(self, method: str):
         path = urlsplit(self.path).path.rstrip("/") or "/"
@@ -1041,6 +1047,9 @@ class Handler(BaseHTTPRequestHandler):
         self._status = None  # the status sent, if any
         self._tokens = None  # [prompt, cached, generated] once an answer ended (the access log)
         self._writing = threading.Lock()  # one stream chunk at a time (_side_by_side)
+        # a gateway's trace id goes on the answer and the log line; else one of ours
+        given = self.headers.get("X-Request-Id", "")
+        self._request_id = given if REQUEST_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
         lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
         length = self.headers.get("Content-Length", "0").strip()
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
@@ -1071,10 +1080,12 @@ class Handler(BaseHTTPRequestHandler):
     def send_response(self, code, message=None):
         self._status = code
         super().send_response(code, message)
+        if getattr(self, "_request_id", None):
+            self.send_header("X-Request-Id", self._request_id)
         origin = self._cors_origin()
         if origin is not None:   # every answer to an allowed origin, errors and streams included
             self.send_header("Access-Control-Allow-Origin", origin)
-            self.send_header("Access-Control-Expose-Headers", "Retry-After")
+            self.send_header("Access-Control-Expose-Headers", "Retry-After, X-Request-Id")
             if origin != "*":
                 self.send_header("Vary", "Origin")
 

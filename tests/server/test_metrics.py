@@ -148,21 +148,27 @@ def test_registry_writes_prometheus_text():
         reg.inc("t_total", 1)
 
 
-def test_the_access_log_has_each_requests_time_and_tokens(capfd):
-    """`edgevl serve`'s log: a line per request once it is over, with its status, its time and,
-    for an answer, the tokens its usage reports."""
+def test_the_access_log_has_each_requests_time_tokens_and_id(capfd):
+    """`edgevl serve`'s log: a line per request once it is over, with its status, its time, for an
+    answer the tokens its usage reports, and the request's id: a gateway's X-Request-Id (visible
+    ASCII, up to 128 characters), else one of the server's, also sent back in that header."""
     srv, _ = make_server(edgevl.load(demo_package()), access_log=True)
     try:
         port = srv.server_address[1]
-        status, reply, _ = post(port, {"messages": MSGS, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 1})
-        assert status == 200
-        assert post(port, {"messages": []})[0] == 400
+        status, reply, r = post(port, {"messages": MSGS, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 1},
+                                headers={"X-Request-Id": "trace-7f3a"})
+        assert status == 200 and r.getheader("X-Request-Id") == "trace-7f3a"
+        status, _, r = post(port, {"messages": []}, headers={"X-Request-Id": "has spaces"})
+        assert status == 400
+        ours = r.getheader("X-Request-Id")
+        assert re.fullmatch(r"req_[0-9a-f]{32}", ours)
     finally:
         srv.stop()
     log = capfd.readouterr().err
     u = reply["usage"]
     line = (f'"POST /v1/chat/completions" 200 in \\d+\\.\\d{{3}} s, {u["prompt_tokens"]} prompt tokens '
-            f'\\({u["prompt_tokens_details"]["cached_tokens"]} cached\\), {u["completion_tokens"]} generated\n')
+            f'\\({u["prompt_tokens_details"]["cached_tokens"]} cached\\), {u["completion_tokens"]} generated '
+            r'\[trace-7f3a\]\n')
     assert re.search(line, log), log
-    assert re.search(r'"POST /v1/chat/completions" 400 in \d+\.\d{3} s\n', log), log
+    assert re.search(r'"POST /v1/chat/completions" 400 in \d+\.\d{3} s \[' + ours + r'\]\n', log), log
     assert log.count('"POST /v1/chat/completions"') == 2       # once each, when it is over
