@@ -446,9 +446,10 @@ def cmd_chat(a) -> int:
 
 def cmd_serve(a) -> int:
     from . import load
-    from .server import serve
+    from .server import check_options, serve
 
     check_model_args(a)
+    check_options(a.max_tokens, a.allow_origin, a.shutdown_grace)   # before a model loads
     path = resolve_model(a.model)
     model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
@@ -456,7 +457,7 @@ def cmd_serve(a) -> int:
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
                  thinking=a.thinking, parallel=a.parallel, shutdown_grace=a.shutdown_grace,
-                 allow_origins=a.allow_origin)
+                 allow_origins=a.allow_origin, max_tokens=a.max_tokens)
 
 
 def cmd_check(a) -> int:
@@ -629,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
+    s.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens one answer may generate: requests that give no max_tokens get N, larger "
+                   "ones are cut to N (finish_reason 'length') (default: up to the context end)")
     s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from this origin (e.g. http://localhost:3000; '*': any) call the API from "
                    "a browser (CORS); repeatable (default: same origin only, as the chat page)")

@@ -565,6 +565,8 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")
     if max_tokens is None:
         max_tokens = default_max_tokens
+    if server.max_tokens is not None:   # the operator's cap (--max-tokens): a longer answer ends as "length"
+        max_tokens = server.max_tokens if max_tokens is None else min(max_tokens, server.max_tokens)
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
         temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
@@ -1651,11 +1653,13 @@ class EdgevlServer(ThreadingHTTPServer):
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
                  max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
-                 thinking: bool | None = None, parallel: int = 4, allow_origins=None):
+                 thinking: bool | None = None, parallel: int = 4, allow_origins=None, max_tokens: int | None = None):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
             raise EdgevlError(f"--max-queue must be >= 0, got {max_queue}")
+        check_options(max_tokens=max_tokens)
+        self.max_tokens = max_tokens
         if image_dir is not None:
             image_dir = Path(image_dir).expanduser().resolve()
             if not image_dir.is_dir():
@@ -1729,6 +1733,15 @@ class EdgevlServer(ThreadingHTTPServer):
         self.engine.close()
 
 
+def check_options(max_tokens=None, allow_origins=None, shutdown_grace: float = 0.0) -> None:
+    """The server's own limits, checked before a model loads (``edgevl serve``): one-line errors."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise EdgevlError(f"--max-tokens must be a whole number >= 1, got {max_tokens!r}")
+    if not shutdown_grace >= 0:
+        raise EdgevlError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    _origins(allow_origins)
+
+
 def _origins(given) -> frozenset:
     """``--allow-origin`` values as the Origin header spells them (scheme://host[:port], lower
     case), or "*"; anything else is a one-line error."""
@@ -1780,18 +1793,18 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
           strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
-          parallel: int = 4, shutdown_grace: float = 30.0, allow_origins=None) -> int:
+          parallel: int = 4, shutdown_grace: float = 30.0, allow_origins=None,
+          max_tokens: int | None = None) -> int:
     """Serve until Ctrl-C, or SIGTERM (``EdgevlServer.drain``: the requests under way get up to
     ``shutdown_grace`` seconds to end; a second SIGTERM stops at once): the ``edgevl serve`` command."""
-    if not shutdown_grace >= 0:
-        raise EdgevlError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    check_options(max_tokens, allow_origins, shutdown_grace)
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,
                           chat_template_kwargs=chat_template_kwargs, thinking=thinking, parallel=parallel,
-                          allow_origins=allow_origins)
+                          allow_origins=allow_origins, max_tokens=max_tokens)
     if not api_key and "*" in server.allow_origins:
         print("warning: --allow-origin '*' without --api-key: any web page open in a browser that can reach this "
               "port can use the model", file=sys.stderr)

@@ -103,6 +103,14 @@ def test_chat_and_serve_refuse_absurd_threads_before_loading(pkg, capsys):
                    "--max-image-patches must be between 4")
 
 
+@pytest.mark.parametrize("flag, value, says", [("--max-tokens", "0", "--max-tokens must be a whole number >= 1"),
+                                               ("--shutdown-grace", "-1", "--shutdown-grace must be >= 0 seconds"),
+                                               ("--allow-origin", "localhost:3000", "--allow-origin takes an origin")])
+def test_serve_refuses_absurd_limits_before_loading(capsys, tmp_path, flag, value, says):
+    # a folder that is no package: the limit is refused before the model is even looked at
+    one_line_error(*cli(capsys, "serve", tmp_path / "nothing", flag, value, "--port", "0")[::2], says)
+
+
 def test_image_of_extreme_aspect_ratio(capsys, tmp_path):
     Image.fromarray(np.zeros((1, 100000, 3), np.uint8)).save(tmp_path / "line.png")
     one_line_error(*cli(capsys, "run", "--prompt", "hi", "--image", tmp_path / "line.png")[::2], "cannot be fitted")

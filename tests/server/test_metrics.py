@@ -172,3 +172,22 @@ def test_the_access_log_has_each_requests_time_tokens_and_id(capfd):
     assert re.search(line, log), log
     assert re.search(r'"POST /v1/chat/completions" 400 in \d+\.\d{3} s \[' + ours + r'\]\n', log), log
     assert log.count('"POST /v1/chat/completions"') == 2       # once each, when it is over
+
+
+def test_max_tokens_caps_every_answer():
+    """`edgevl serve --max-tokens N`: a request that gives none gets N; one that asks for more is
+    cut at N (finish_reason "length"); one that asks for fewer gets what it asked."""
+    model = edgevl.load(demo_package())
+    model.eos_ids = set()       # answers would run on: only the limits end them
+    srv, _ = make_server(model, max_tokens=5)
+    try:
+        port = srv.server_address[1]
+        for asked, got in ((None, 5), (100, 5), (3, 3)):
+            body = {"messages": MSGS} | ({} if asked is None else {"max_tokens": asked})
+            status, reply, _ = post(port, body)
+            assert status == 200 and reply["usage"]["completion_tokens"] == got, (asked, reply)
+            assert reply["choices"][0]["finish_reason"] == "length"
+        status, reply, _ = post(port, {"prompt": "Once", "max_tokens": 50}, path="/v1/completions")
+        assert status == 200 and reply["usage"]["completion_tokens"] == 5
+    finally:
+        srv.stop()
