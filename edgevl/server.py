@@ -891,7 +891,8 @@ def server_metrics(server) -> Registry:
     reg.add("edgevl_http_requests_total", "HTTP requests answered, by route and status code.",
             labels=("route", "status"))
     reg.add("edgevl_answers_total", "Answers generated (n per request) by how they ended: stop, length, cancelled "
-            "(the client went away) or error.", labels=("finish_reason",))
+            "(the client went away), refused (the request's mistake, found once it ran: a 400) or error (the "
+            "server's fault: a 500).", labels=("finish_reason",))
     reg.add("edgevl_prompt_tokens_total", "Prompt tokens of the requests that ran (usage.prompt_tokens).")
     reg.add("edgevl_prompt_tokens_cached_total", "Prompt tokens taken from a slot's cache instead of computed "
             "(usage.prompt_tokens_details.cached_tokens).")
@@ -932,8 +933,9 @@ class _Observed:
         except StopIteration:
             self._end(self.last.finish_reason if self.last is not None else "stop")
             raise
-        except BaseException:
-            self._end("error")
+        except BaseException as e:
+            # the request's own mistake, found only once it ran (a 400), or the server's fault
+            self._end("refused" if isinstance(e, EdgevlError) and not isinstance(e, PackageError) else "error")
             raise
         if self.first is None:
             self.first = time.monotonic()

@@ -191,3 +191,22 @@ def test_max_tokens_caps_every_answer():
         assert status == 200 and reply["usage"]["completion_tokens"] == 5
     finally:
         srv.stop()
+
+
+def test_failed_answers_are_refused_or_errors_by_whose_fault(srv, monkeypatch):
+    """An answer that fails once it runs counts as `refused` when the request was at fault (its
+    status a 400) and as `error` when the server was (a 500)."""
+    from edgevl.errors import EdgevlError, PackageError
+
+    port = srv.server_address[1]
+    before = parse(scrape(port)[2])
+    for fault, status in ((EdgevlError("this request cannot run"), 400), (PackageError("the package broke"), 500)):
+        def forward(*a, fault=fault, **k):
+            raise fault
+        monkeypatch.setattr(srv.model.decoder, "forward", forward)
+        assert post(port, {"messages": MSGS, "max_tokens": 3}, headers=AUTH)[0] == status
+        monkeypatch.undo()
+    after = parse(scrape(port)[2])
+    for reason in ("refused", "error"):
+        key = ("edgevl_answers_total", (("finish_reason", reason),))
+        assert after[key] - before.get(key, 0) == 1, reason
