@@ -19,6 +19,7 @@ they carry an error field).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -446,14 +447,15 @@ def cmd_chat(a) -> int:
 
 def cmd_serve(a) -> int:
     from . import load
-    from .server import check_options, serve
+    from .server import api_keys_from, check_options, serve
 
     check_model_args(a)
     check_options(a.max_tokens, a.allow_origin, a.shutdown_grace)   # before a model loads
+    keys = api_keys_from(a.api_key, a.api_key_file, os.environ.get("EDGEVL_API_KEY"))
     path = resolve_model(a.model)
     model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
-    return serve(model, host=a.host, port=a.port, api_key=a.api_key, image_dir=a.allow_image_dir,
+    return serve(model, host=a.host, port=a.port, api_key=keys, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
                  thinking=a.thinking, parallel=a.parallel, shutdown_grace=a.shutdown_grace,
@@ -620,7 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY'; repeatable, any of them will do (default: "
+                   "EDGEVL_API_KEY if set, else no key)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="keys one per line, as --api-key (kept out of the process list, which other users see)")
     s.add_argument("--allow-image-dir", default=None,
                    help="local image paths are allowed only under this folder (default: none, data: URLs only)")
     s.add_argument("--parallel", type=int, default=4,

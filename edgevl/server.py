@@ -1164,11 +1164,14 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def _check_key(self):
-        key = self.server.api_key
-        if key is None:
+        keys = self.server.api_keys
+        if not keys:
             return
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        given = token.strip().encode()
+        # every key compared, in constant time each: which key matched leaks no timing
+        ok = [hmac.compare_digest(given, k.encode()) for k in keys]
+        if scheme.lower() != "bearer" or not any(ok):
             raise HTTPError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
                             code="invalid_api_key")
 
@@ -1651,7 +1654,7 @@ class EdgevlServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64  # the listen backlog: bursts of clients must not be dropped before the 429 logic
 
-    def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+    def __init__(self, model: Model, host: str = "127.0.0.1", port: int = 8080, api_key=None,
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
                  max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
@@ -1666,7 +1669,10 @@ class EdgevlServer(ThreadingHTTPServer):
             image_dir = Path(image_dir).expanduser().resolve()
             if not image_dir.is_dir():
                 raise EdgevlError(f"--allow-image-dir {image_dir} is not a folder")
-        self.model, self.api_key, self.image_dir = model, api_key or None, image_dir
+        # one key, or several (one per app, each revocable alone)
+        self.api_keys = tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or ()) if k)
+        self.api_key = self.api_keys[0] if self.api_keys else None
+        self.model, self.image_dir = model, image_dir
         self.allow_origins = _origins(allow_origins)
         self.max_body, self.access_log = int(max_body), access_log
         self.allow_special_in_content = allow_special_in_content
@@ -1791,7 +1797,31 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+def api_keys_from(keys=None, key_file=None, env=None) -> list[str]:
+    """The keys ``edgevl serve`` requires: ``--api-key`` (repeatable), the lines of
+    ``--api-key-file`` (blank lines and # comments skipped), else ``EDGEVL_API_KEY`` (``env``).
+    A key file keeps keys out of the process list, where any user of the machine sees arguments."""
+    out = [k for k in keys or () if k]
+    if key_file is not None:
+        try:
+            text = Path(key_file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgevlError(f"cannot read --api-key-file {key_file} ({getattr(e, 'strerror', None) or e}); "
+                              "give a text file with one key per line") from None
+        found = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise EdgevlError(f"--api-key-file {key_file} holds no key; put one key per line")
+        out += found
+    if not out and env:
+        out = [env]
+    bad = [k for k in out if any(c.isspace() for c in k) or not k.isprintable()]
+    if bad:
+        raise EdgevlError("an API key may not hold spaces or control characters (clients send it in one header); "
+                          "check --api-key, --api-key-file and EDGEVL_API_KEY")
+    return out
+
+
+def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key=None,
           threads: int | None = None, image_dir=None, max_queue: int = 8, model_name: str | None = None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
           strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
