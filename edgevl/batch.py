@@ -83,6 +83,7 @@ INSTALL_RAY = "--ray needs Ray Data: pip install 'edgevl[ray]'"
 CSV_FIELD_LIMIT = 2**31 - 1  # the largest the csv module takes everywhere (a C long)
 # an image URL of a table: fetched by the worker that runs its row, within these bounds
 FETCH_TIMEOUT = 30.0         # seconds without a byte (connecting, or between reads)
+FETCH_DEADLINE = 120.0       # seconds for the whole image, however it trickles in
 FETCH_MAX_BYTES = 64 << 20   # larger answers are no image this tool could use on a CPU anyway
 FETCH_TRIES = 3              # on a dropped connection, a timeout, 429 or 5xx
 FETCH_BACKOFF = 1.0          # seconds before the second try, twice that before the third
@@ -146,7 +147,8 @@ def process_row(model, item: dict, options: dict) -> dict:
 
 
 def fetch_image(url: str) -> bytes:
-    """An image URL's bytes: bounded in time (``FETCH_TIMEOUT`` without a byte) and size
+    """An image URL's bytes: bounded in time (``FETCH_TIMEOUT`` without a byte, ``FETCH_DEADLINE``
+    in all) and size
     (``FETCH_MAX_BYTES``), tried ``FETCH_TRIES`` times where trying again may help (a dropped
     connection, a timeout, 429, 5xx); every failure is one line naming the URL."""
     import urllib.error
@@ -165,7 +167,13 @@ def fetch_image(url: str) -> bytes:
                 if size and size.isdigit() and int(size) > FETCH_MAX_BYTES:
                     raise EdgevlError(f"{url} is {int(size)} bytes, over the {FETCH_MAX_BYTES >> 20} MB an image "
                                       "may have here; download and downscale it")
-                data = r.read(FETCH_MAX_BYTES + 1)
+                data, t0 = b"", time.monotonic()
+                # read1: what has arrived, so that the deadline is looked at between arrivals
+                while len(data) <= FETCH_MAX_BYTES and (part := r.read1(min(1 << 20, FETCH_MAX_BYTES + 1 - len(data)))):
+                    data += part
+                    if time.monotonic() - t0 > FETCH_DEADLINE:  # a server that trickles bytes forever
+                        raise EdgevlError(f"{url} took over {FETCH_DEADLINE:g} s to download; download it yourself "
+                                          "and give its path")
             if len(data) > FETCH_MAX_BYTES:
                 raise EdgevlError(f"{url} is over the {FETCH_MAX_BYTES >> 20} MB an image may have here; download "
                                   "and downscale it")

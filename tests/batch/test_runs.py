@@ -362,6 +362,14 @@ def test_image_urls_are_fetched_by_the_rows_worker_within_bounds(model, scenes, 
                 return
             if name == "slow.png":
                 time.sleep(1.5)
+            if name == "trickle.png":    # a byte every 0.2 s: never silent for FETCH_TIMEOUT
+                self.send_response(200)
+                self.end_headers()
+                for _ in range(20):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+                return
             path = paths.get(name.split("?")[0])
             path = path or (paths[ids[0]] if name in ("flaky.png", "slow.png") else None)
             if path is None:
@@ -401,6 +409,11 @@ def test_image_urls_are_fetched_by_the_rows_worker_within_bounds(model, scenes, 
             batch_mod.fetch_image(f"{base}/{ids[0]}")
         with pytest.raises(edgevl.EdgevlError, match=r"is over the 0 MB an image may have here"):
             batch_mod.fetch_image(f"{base}/{ids[0]}?nolength")
+        monkeypatch.setattr(batch_mod, "FETCH_DEADLINE", 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(edgevl.EdgevlError, match=r"trickle.png took over 1 s to download"):
+            batch_mod.fetch_image(f"{base}/trickle.png")
+        assert time.monotonic() - t0 < 3
     finally:
         web.shutdown()
 
