@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import jsonschema
 import numpy as np
@@ -87,11 +88,23 @@ def test_drafting_gives_the_same_constrained_answer(qwen, qwen_plain):
         assert edgevl.generate(qwen, PROMPT, **kw) == edgevl.generate(qwen_plain, PROMPT, **kw)
 
 
+def _together(model, engine, asks, kws) -> list:
+    """Each ``(prompt, schema)`` of ``asks`` from its own thread at once through ``engine``: the answers."""
+    got = [None] * len(asks)
+
+    def ask(i):
+        got[i] = edgevl.generate(model, asks[i][0], engine=engine, **kws[i])
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return got
+
+
 def test_constrained_requests_drafting_together_answer_as_alone(qwen, qwen_plain, monkeypatch):
     """In the engine, every round a drafting round over all requests (their drafts steered by
     each one's own grammar, one verify pass): each answer is the one plain decoding gives alone."""
-    import threading
-
     from edgevl.engine import Engine
 
     asks = [(PROMPT, SCHEMAS["receipt"]), ("Name the objects.", SCHEMAS["camera_event"]), ("Say hello.", None)]
@@ -99,17 +112,8 @@ def test_constrained_requests_drafting_together_answer_as_alone(qwen, qwen_plain
     want = [edgevl.generate(qwen_plain, prompt, **kw) for (prompt, _), kw in zip(asks, kws)]
     monkeypatch.setattr(Engine, "_choose", lambda self, decoding, **_: self._run(self._draft, decoding))
     engine = Engine(qwen, parallel=3)
-    got = [None] * len(asks)
-
-    def ask(i):
-        got[i] = edgevl.generate(qwen, asks[i][0], engine=engine, **kws[i])
     try:
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert got == want
+        assert _together(qwen, engine, asks, kws) == want
         assert engine.cycles > 0 and any(len(s.mtp["rows"]) for s in engine.slots)
     finally:
         engine.close()
@@ -404,8 +408,6 @@ def test_forced_tokens_in_the_engine_and_with_drafting_answer_as_plain_decoding(
     """The engine feeds each request's forced tokens with its pending token (requests without
     them take one row in the same pass), with and without the block drafting: every answer is
     the one plain decoding gives alone, one token per pass."""
-    import threading
-
     from edgevl.engine import Engine
 
     asks = [(PROMPT, SCHEMAS["receipt"], dict(temperature=0)),
@@ -427,17 +429,8 @@ def test_forced_tokens_in_the_engine_and_with_drafting_answer_as_plain_decoding(
     for model in (qwen_plain, qwen):
         rounds.clear()
         engine = Engine(model, parallel=3)
-        got = [None] * len(asks)
-
-        def ask(i, model=model, engine=engine, got=got):
-            got[i] = edgevl.generate(model, asks[i][0], engine=engine, **kws[i])
         try:
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-            assert got == want, model.speculative
+            assert _together(model, engine, asks, kws) == want, model.speculative
             assert max(n for r in rounds for n in r) > 1, model.speculative
         finally:
             engine.close()
