@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -22,12 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EdgevlError
+from .metrics import peak_rss
 
 KEYS = ("load_s", "prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_bytes", "kv_bytes_per_token")
-
-
-def _peak_rss() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -60,7 +56,7 @@ def worker_edgevl(a: dict) -> dict:
     if n != a["gen_tokens"]:
         raise EdgevlError(f"decoded {n} tokens instead of {a['gen_tokens']} (the context is too short?)")
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
-            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": peak_rss(),
             "kv_bytes_per_token": m.cache.bytes() / max(1, m.cache.length),
             "dtype": m.dtype, "options": m.manifest.get("options", {}), "load_options": m.options,
             "llamacpp_type": m.arch.bench.type_of(m.manifest), "runtime": m.runtime_stats()}
@@ -96,7 +92,7 @@ def worker_torch(a: dict) -> dict:
     dec = time.perf_counter() - t1
     n = len(ids) + a["gen_tokens"]
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
-            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(),
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": peak_rss(),
             "kv_bytes_per_token": ref.state_bytes(state) / n, "dtype": "+".join(dtypes)}
 
 
@@ -129,7 +125,7 @@ def worker_llamacpp(a: dict) -> dict:
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     dec = time.perf_counter() - t1
     return {"load_s": load, "prefill_tok_s": len(ids) / ttft, "ttft_s": ttft,
-            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": _peak_rss(), "kv_bytes_per_token": None}
+            "decode_tok_s": a["gen_tokens"] / dec, "peak_rss_bytes": peak_rss(), "kv_bytes_per_token": None}
 
 
 def bench_image(width: int, height: int, seed: int = 0):
@@ -162,7 +158,7 @@ def worker_edgevl_image(a: dict) -> dict:
         img = Image.fromarray(bench_image(w, h))
         (rows, _), wall, cpu = _timed(lambda img=img: m.encode_image(img))
         out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": int(rows.shape[0])}
-    return {"images": out, "peak_rss_bytes": _peak_rss(), "dtype": m.dtype}
+    return {"images": out, "peak_rss_bytes": peak_rss(), "dtype": m.dtype}
 
 
 def worker_llamacpp_image(a: dict) -> dict:
@@ -207,7 +203,7 @@ def worker_llamacpp_image(a: dict) -> dict:
         img = bench_image(w, h)
         tokens, wall, cpu = _timed(lambda img=img: encode(img))  # mtmd_tokenize preprocesses the image
         out[f"{w}x{h}"] = {"encode_s": wall, "encode_cpu_s": cpu, "tokens": tokens}
-    return {"images": out, "peak_rss_bytes": _peak_rss()}
+    return {"images": out, "peak_rss_bytes": peak_rss()}
 
 
 WORKERS = {"edgevl": worker_edgevl, "torch": worker_torch, "llamacpp": worker_llamacpp,

@@ -95,6 +95,11 @@ class Registry:
             return "\n".join(line for m in self.metrics.values() for line in m.lines()) + "\n"
 
 
+def peak_rss() -> int:
+    """The most resident memory this process has held, in bytes (ru_maxrss is KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def process_metrics(reg: Registry) -> None:
     """The process's memory and CPU time (what an edge box's operator watches): resident memory
     from /proc (0 where there is none), its peak and the CPU time from getrusage."""
@@ -108,8 +113,7 @@ def process_metrics(reg: Registry) -> None:
             return 0
 
     def peak() -> float:
-        # ru_maxrss is KiB on Linux, sampled by the kernel: never show it under the current size
-        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+        return max(peak_rss(), rss())   # the kernel updates the peak lazily: never under the current size
 
     def cpu() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)

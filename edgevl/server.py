@@ -856,8 +856,11 @@ def _usage(lasts: list) -> dict:
 
 # -- metrics (GET /metrics) -----------------------------------------------------------------------
 
-ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
-          "/health", "/props", "/metrics", "/")
+# path -> (method, Handler method); besides them /v1/models/{id} and the page's /web/{file}
+ROUTES = {"/health": ("GET", "_health"), "/v1/models": ("GET", "_models"), "/v1/chat/completions": ("POST", "_chat"),
+          "/props": ("GET", "_props"), "/v1/completions": ("POST", "_completions"),
+          "/v1/responses": ("POST", "_responses"), "/tokenize": ("POST", "_tokenize"),
+          "/detokenize": ("POST", "_detokenize"), "/metrics": ("GET", "_metrics"), "/": ("GET", "_index")}
 GENERATING = ("/v1/chat/completions", "/v1/responses", "/v1/completions")   # refused while draining
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # a client's X-Request-Id we echo: visible ASCII
 # seconds; a CPU's first token takes from a fraction of a second (short text) to minutes (video)
@@ -1020,11 +1023,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str):
         path = urlsplit(self.path).path.rstrip("/") or "/"
-        routes = {"/health": ("GET", self._health), "/v1/models": ("GET", self._models),
-                  "/v1/chat/completions": ("POST", self._chat), "/props": ("GET", self._props),
-                  "/v1/completions": ("POST", self._completions), "/v1/responses": ("POST", self._responses),
-                  "/tokenize": ("POST", self._tokenize), "/detokenize": ("POST", self._detokenize),
-                  "/metrics": ("GET", self._metrics), "/": ("GET", lambda: self._page("index.html"))}
+        routes = {p: (m, getattr(self, name)) for p, (m, name) in ROUTES.items()}
         if path.startswith("/v1/models/"):
             routes[path] = ("GET", lambda: self._models(path[len("/v1/models/"):]))
         if path.startswith("/web/"):
@@ -1236,6 +1235,9 @@ class Handler(BaseHTTPRequestHandler):
         self._send(503 if s.draining else 200,
                    {"status": "draining" if s.draining else "ok", "model": s.model_id, "busy": s.gate.locked(),
                     "running": s.gate.held, "slots": s.engine.parallel, "waiting": s.gate.waiting})
+
+    def _index(self):
+        self._page("index.html")
 
     def _page(self, name: str):
         """A file of the chat page: open without the API key, as the page must load to ask for it."""
@@ -1671,7 +1673,6 @@ class EdgevlServer(ThreadingHTTPServer):
                 raise EdgevlError(f"--allow-image-dir {image_dir} is not a folder")
         # one key, or several (one per app, each revocable alone)
         self.api_keys = tuple(k for k in ([api_key] if isinstance(api_key, str) else api_key or ()) if k)
-        self.api_key = self.api_keys[0] if self.api_keys else None
         self.model, self.image_dir = model, image_dir
         self.allow_origins = _origins(allow_origins)
         self.max_body, self.access_log = int(max_body), access_log
@@ -1728,9 +1729,7 @@ class EdgevlServer(ThreadingHTTPServer):
         ``serve_forever`` returns. True when every one of them ended within ``grace``."""
         self.draining = True
         deadline = time.monotonic() + grace
-        while self.gate.held or self.gate.waiting:
-            if time.monotonic() >= deadline:
-                break
+        while (self.gate.held or self.gate.waiting) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.drained = not (self.gate.held or self.gate.waiting)   # before serve_forever returns
         self.shutdown()
