@@ -120,7 +120,7 @@ def process_row(model, item: dict, options: dict) -> dict:
             source = item["source"]
             if isinstance(source, ParquetImage):
                 source = source.load()
-            elif isinstance(source, str) and source.lower().startswith(("http://", "https://")):
+            elif isinstance(source, str) and _is_url(source):
                 source = fetch_image(source)
             for ev in stream_events(model, item["prompt"], image=source, video=item.get("video_source"),
                                     reuse_cache=False, **options):   # response_format: constrained answers
@@ -146,11 +146,14 @@ def process_row(model, item: dict, options: dict) -> dict:
     return _clean(row)  # e.g. an error naming a file whose name is not UTF-8
 
 
+def _is_url(s: str) -> bool:
+    return s.lower().startswith(("http://", "https://"))
+
+
 def fetch_image(url: str) -> bytes:
     """An image URL's bytes: bounded in time (``FETCH_TIMEOUT`` without a byte, ``FETCH_DEADLINE``
-    in all) and size
-    (``FETCH_MAX_BYTES``), tried ``FETCH_TRIES`` times where trying again may help (a dropped
-    connection, a timeout, 429, 5xx); every failure is one line naming the URL."""
+    in all) and size (``FETCH_MAX_BYTES``), tried ``FETCH_TRIES`` times where trying again may
+    help (a dropped connection, a timeout, 429, 5xx); every failure is one line naming the URL."""
     import urllib.error
     import urllib.request
 
@@ -323,8 +326,10 @@ def _parquet_records(path: Path, cols) -> list:
         table = pq.read_table(path, columns=wanted)  # not the other columns (e.g. a big image-bytes one)
         if kind == "struct_path":   # the nested field comes back as the last column, named "path"
             table = table.rename_columns(table.column_names[:-1] + [_NAMES])
-        meta = pq.ParquetFile(path).metadata
-        groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] if kind else []
+        groups = []
+        if kind:    # where each row's image lies: its row group and its place there
+            meta = pq.ParquetFile(path).metadata
+            groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
         raise EdgevlError(f"{path} is not a readable Parquet file ({e})") from None
     records = table.to_pylist()
@@ -424,7 +429,7 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
             shown = img.path if isinstance(img, ParquetImage) else None
         elif isinstance(img, (str, os.PathLike)) and str(img).strip():
             shown = str(img).strip()
-            if shown.lower().startswith(("http://", "https://")):
+            if _is_url(shown):
                 source = shown      # fetched when its row runs (fetch_image), by the worker that runs it
             else:
                 p = Path(shown).expanduser()
