@@ -3,6 +3,7 @@
     python benchmarks/prompt_reuse.py answers PKG [--n 4] [--words 300] [--tokens 32] [--rounds 3]
                                               [--threads 2] [--json OUT]
     python benchmarks/prompt_reuse.py system PKG [--words 160] [--rounds 5] [--threads 2] [--json OUT]
+    python benchmarks/prompt_reuse.py image PKG [--size 384] [--rounds 5] [--threads 2] [--json OUT]
 
 - ``answers``: a prompt of ``--words`` words, ``--n`` sampled answers of ``--tokens`` tokens each
   through ``edgevl.stream_choices`` on an ``Engine`` with ``--n`` slots, no prefix reuse. "shared"
@@ -13,6 +14,11 @@
   ``--words`` words ("first": the whole prompt is computed), then another question under the same
   system prompt ("second": only what the cache cannot give is computed). Time to the first token
   of each (one token generated), and the tokens each computed.
+- ``image``: each round a picture of its own (``--size`` square), a question about it ("first"), then
+  the next turn as a chat client sends it (the conversation again, the picture included): "second"
+  with the image cache (the picture is not encoded again), "second, encoded again" with the cache
+  off (``image_cache_mb=0``), each after its own first turn from an empty cache. Time to the first
+  token (one token generated).
 
 Interleaved rounds, each with prompts of its own; medians over the rounds.
 """
@@ -72,14 +78,39 @@ def system(model, a, times: dict, out: dict) -> None:
             counts[kind] = {"prompt_tokens": evs[-1].prompt_tokens, "computed": evs[-1].prefill_tokens}
 
 
+def image(model, a, times: dict, out: dict) -> None:
+    import numpy as np
+    from PIL import Image
+
+    budget = model.image_cache.limit
+    for r in range(a.rounds):
+        y, x = np.mgrid[0:a.size, 0:a.size]
+        pic = Image.fromarray(np.stack([(x * (r + 3)) % 256, (y * 5 + r * 40) % 256, (x + y) % 256], -1)
+                              .astype(np.uint8))
+        first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is this? ({r})"}]}]
+        second = first + [{"role": "assistant", "content": "A pattern of stripes."},
+                          {"role": "user", "content": "What colours are in it?"}]
+        for kind in (("second", "second, encoded again") if r % 2 else ("second, encoded again", "second")):
+            model.reset()
+            model.image_cache = type(model.image_cache)(budget if kind == "second" else 0)
+            for turn, msgs in (("first", first), (kind, second)):
+                t = time.perf_counter()
+                evs = list(edgevl.stream_events(model, msgs, image=[pic], max_new_tokens=1, thinking=False))
+                times.setdefault(turn, []).append(time.perf_counter() - t)
+                out.setdefault("tokens", {})[turn] = {"prompt_tokens": evs[-1].prompt_tokens,
+                                                      "computed": evs[-1].prefill_tokens}
+    out["size"] = a.size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["answers", "system"])
+    ap.add_argument("case", choices=["answers", "system", "image"])
     ap.add_argument("package")
     ap.add_argument("--n", type=int, default=4, help="answers: answers to the prompt")
     ap.add_argument("--words", type=int, default=None, help="the prompt's words (answers: 300, system: 160)")
     ap.add_argument("--tokens", type=int, default=32, help="answers: tokens per answer")
     ap.add_argument("--rounds", type=int, default=None, help="answers: 3, system: 5")
+    ap.add_argument("--size", type=int, default=384, help="image: the picture's side in pixels")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -90,13 +121,15 @@ def main() -> None:
     out: dict = {"case": a.case, "package": a.package.rstrip("/").split("/")[-1], "threads": a.threads,
                  "rounds": a.rounds}
     try:
-        (answers if a.case == "answers" else system)(model, a, times, out)
+        {"answers": answers, "system": system, "image": image}[a.case](model, a, times, out)
     finally:
         model.close()
     out["seconds"] = {k: round(statistics.median(v), 3) for k, v in times.items()}
     out["all"] = {k: [round(x, 3) for x in v] for k, v in times.items()}
     if a.case == "answers":
         out["speedup"] = round(out["seconds"]["each"] / out["seconds"]["shared"], 2)
+    if a.case == "image":
+        out["speedup"] = round(out["seconds"]["second, encoded again"] / out["seconds"]["second"], 2)
     print(json.dumps(out))
     if a.json:
         with open(a.json, "w") as f:

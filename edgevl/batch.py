@@ -219,6 +219,8 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
     if prompt is not None and _text(prompt) != prompt:
         raise EdgevlError("--prompt is not valid UTF-8 text (it has a lone surrogate or undecodable bytes); "
                           "pass it as UTF-8")
+    if prompt is not None and not prompt.strip():
+        raise EdgevlError("--prompt is empty; pass some text")
     if isinstance(src, (str, os.PathLike)):
         path = Path(src).expanduser()
         if not path.exists():
@@ -305,7 +307,11 @@ def _csv_records(path: Path, _cols) -> list:
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             try:
-                return list(enumerate(csv.DictReader(f), 1))
+                # written by hand as "a.png, What is it?": the space after a comma separates, as a reader means
+                reader = csv.DictReader(f, skipinitialspace=True)
+                if reader.fieldnames:   # and "image , prompt" names the columns "image" and "prompt"
+                    reader.fieldnames = [h.strip() for h in reader.fieldnames]
+                return list(enumerate(reader, 1))
             except (csv.Error, UnicodeDecodeError) as e:
                 raise EdgevlError(f"{path} is not a readable UTF-8 CSV file ({e})") from None
     finally:
@@ -316,6 +322,8 @@ def _parquet_records(path: Path, cols) -> list:
     _, pq = _pyarrow()
     try:
         schema = pq.read_schema(path)
+        if cols[0] not in schema.names and VIDEO_COLUMN not in schema.names:    # listed from the whole table
+            raise _no_image_column(str(path), cols[0], schema.names)
         image = cols[0] if cols[0] in schema.names else None
         kind = _image_bytes_kind(schema.field(image).type) if image is not None else None
         # an image-bytes column is read row group by row group as the rows run (ParquetImage); only
@@ -330,6 +338,8 @@ def _parquet_records(path: Path, cols) -> list:
         if kind:    # where each row's image lies: its row group and its place there
             meta = pq.ParquetFile(path).metadata
             groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    except EdgevlError:
+        raise
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
         raise EdgevlError(f"{path} is not a readable Parquet file ({e})") from None
     records = table.to_pylist()
@@ -406,14 +416,21 @@ _GROUPS: dict = {}
 _GROUP_LOCK = threading.Lock()
 
 
+def _no_image_column(name: str, image_column: str, cols) -> EdgevlError:
+    return EdgevlError(f"{name} has no {image_column!r} column, nor a {VIDEO_COLUMN!r} one (columns: "
+                       f"{', '.join(map(str, cols))}); name it so or pass --image-column")
+
+
 def _table_rows(records, base: Path | None, name: str, where: str, prompt, image_column, prompt_column,
                 id_column) -> list[dict]:
     if not records:
         raise EdgevlError(f"{name} has no rows")
+    cols = sorted({str(k) for _, r in records for k in r})
     if not any(image_column in r or VIDEO_COLUMN in r for _, r in records):
-        cols = sorted({k for _, r in records for k in r})
-        raise EdgevlError(f"{name} has no {image_column!r} column, nor a {VIDEO_COLUMN!r} one (columns: "
-                          f"{', '.join(map(str, cols))}); name it so or pass --image-column")
+        raise _no_image_column(name, image_column, cols)
+    for flag, col, default in (("--prompt-column", prompt_column, "prompt"), ("--id-column", id_column, "id")):
+        if col != default and col not in cols:    # a column asked for by name (a typo would go unseen)
+            raise EdgevlError(f"{name} has no {col!r} column ({flag}; columns: {', '.join(cols)})")
     with_video = any(VIDEO_COLUMN in r for _, r in records)
     if not prompt and not any(prompt_column in r for _, r in records):
         raise EdgevlError(f"--prompt is required: {name} has no {prompt_column!r} column")
@@ -1229,8 +1246,11 @@ class BatchJob:
             response_format = {"type": "json_schema", "json_schema": {"schema": structured.json_schema(
                 json_schema).schema}}     # a plain dict: it travels to worker processes and Ray actors
         structure = structured.parse(response_format)   # a bad one fails now, not on every row
-        if self.loaded is not None and structure is not None:
-            structured.compiled(self.loaded, structure)
+        if structure is not None:
+            if self.loaded is not None:
+                structured.compiled(self.loaded, structure)
+            else:   # the workers load the model: what no tokenizer is needed to refuse, refused here
+                structured.check(structure)
         self.settings = {"model": str(path.resolve()), "threads": self.threads, "low_memory": low_memory,
                          "parallel": parallel,
                          "options": dict(sampling, max_image_patches=max_image_patches,

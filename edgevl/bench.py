@@ -152,6 +152,7 @@ def worker_edgevl_image(a: dict) -> dict:
     m = Model(a["model"], threads=a["threads"], verify=False, options=a.get("options"))
     if m.vision is None:
         raise RuntimeError(f"{a['model']} has no vision tower")
+    m.image_cache.limit = 0     # every image encoded: the tower's time, never a cache hit
     m.encode_image(Image.fromarray(bench_image(256, 256, 1)))  # warm-up: first-run allocations
     out = {}
     for w, h in a["images"]:
@@ -522,6 +523,8 @@ def bench_cli(a) -> int:
     for p in [target, *(getattr(a, "extra_model", None) or [])]:   # before a checkpoint is converted
         if (Path(p) / "manifest.json").is_file():
             check_load_options(p, options=opts)
+            if getattr(a, "low_memory", False) and p == target:   # its low-memory row, refused before any run
+                check_load_options(p, low_memory=True, options=opts)
     main_dtype = "bf16"   # the first package's, which the torch row matches
     tag = "".join(f" {k.replace('_', '-')} {v:g}" for k, v in opts.items())
     if (target / "manifest.json").is_file():

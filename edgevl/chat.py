@@ -23,6 +23,7 @@ Ctrl-C stops an answer, or clears the line at the prompt; a second Ctrl-C at the
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -114,9 +115,10 @@ class ChatSession:
         self.show_reasoning = show_reasoning  # the history keeps only answers either way
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(model)
-        if not 0 < int(max_new_tokens) < model.max_context:
+        if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                or not 0 < max_new_tokens < model.max_context):
             raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
-                              f"context is {model.max_context} tokens), got {max_new_tokens}")
+                              f"context is {model.max_context} tokens), got {max_new_tokens!r:.40}")
         self.model = _ImageMemo(model)
         self.system = system
         self.max_new_tokens = int(max_new_tokens)
@@ -152,14 +154,16 @@ class ChatSession:
         self.model.rows.clear()
         self.model.reset()
 
-    def attach(self, path) -> None:
-        """Queue an image for the next message; it is encoded now so a bad file fails here."""
-        path = str(Path(path).expanduser())
+    def attach(self, image) -> None:
+        """Queue an image (a path, a PIL image or an image file's bytes) for the next message; it
+        is encoded now so a bad file fails here."""
+        if isinstance(image, (str, os.PathLike)):
+            image = str(Path(image).expanduser())
+            self.model.rows.pop((image, self.max_image_patches), None)  # the file may have changed
         if self.model.vision is None:
             raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
-        self.model.rows.pop((path, self.max_image_patches), None)  # the file may have changed
-        self.model.encode_image(path, self.max_image_patches)
-        self.pending_images.append(path)
+        self.model.encode_image(image, self.max_image_patches)
+        self.pending_images.append(image)
 
     def attach_video(self, path) -> None:
         """Queue a video for the next message; it is decoded and encoded now so a bad file fails
@@ -189,7 +193,6 @@ class ChatSession:
         media = ([{"type": "image", "image": p} for p in self.pending_images]
                  + [{"type": "video", "video": p} for p in self.pending_videos])
         content = media + [{"type": "text", "text": text}] if media else text
-        self.pending_images, self.pending_videos = [], []
         msgs = self.messages + [{"role": "user", "content": content}]
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
@@ -201,6 +204,8 @@ class ChatSession:
                                   "answer); shorten it or lower --max-new-tokens")
             msgs = msgs[:head] + msgs[head + 2:]  # history is user/assistant pairs after the head
             dropped += 1
+        # attached images stay for the next message until one is taken (a refusal keeps them)
+        self.pending_images, self.pending_videos = [], []
         self.messages, self.dropped = msgs[:-1], dropped
         return self._stream(msgs)
 
@@ -382,10 +387,16 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
             with closing(session.send(line)) as pieces:
                 if session.dropped:
                     say(f"[context full: dropped the {session.dropped} oldest turn(s) to make room]")
+                shown = False
                 for piece in pieces:
                     out.write(piece)
                     out.flush()
+                    shown = shown or bool(piece.strip())
             say()
+            ev = session.last_event
+            if not shown and ev is not None and ev.finish_reason == "length" and ev.reasoning_tokens:
+                say("[the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or "
+                    "start the chat with --no-thinking]")
         except EdgevlError as e:
             say(f"error: {e}")
         except KeyboardInterrupt:

@@ -44,6 +44,21 @@ def _positive_int(name):
     return _int_at_least(name, 0)
 
 
+def _integer(name):
+    """An argparse type: any integer (its range is checked where it is used), else one line."""
+    return _int_at_least(name, -(1 << 63))
+
+
+def _number(name):
+    """An argparse type: a number (its range is checked where it is used), else one line."""
+    def parse(v):
+        try:
+            return float(v)
+        except ValueError:
+            raise EdgevlError(f"{name} must be a number, got {v!r}") from None
+    return parse
+
+
 def _positive_float(name):
     def parse(v):
         try:
@@ -85,17 +100,18 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     cfg = "default: the model's generation_config.json"
-    p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=None,
+    p.add_argument("--max-new-tokens", type=_int_at_least("--max-new-tokens", 1), default=None,
                    help=f"most tokens to generate ({cfg} max_new_tokens, else 256)")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=_number("--temperature"), default=None,
                    help=f"0 = plain greedy, ignoring the model's sampling defaults ({cfg}, else greedy)")
-    p.add_argument("--top-k", type=int, default=None, help=f"keep the k likeliest tokens, 0 = off ({cfg}, else 0)")
-    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass ({cfg}, else 1.0)")
-    p.add_argument("--min-p", type=float, default=None,
+    p.add_argument("--top-k", type=_integer("--top-k"), default=None,
+                   help=f"keep the k likeliest tokens, 0 = off ({cfg}, else 0)")
+    p.add_argument("--top-p", type=_number("--top-p"), default=None, help=f"nucleus sampling mass ({cfg}, else 1.0)")
+    p.add_argument("--min-p", type=_number("--min-p"), default=None,
                    help=f"drop tokens less likely than min-p times the likeliest, 0 = off ({cfg}, else 0)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
+    p.add_argument("--repetition-penalty", type=_number("--repetition-penalty"), default=None,
                    help=f"1 = off ({cfg}, else 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=_integer("--seed"), default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
 
 
@@ -108,7 +124,7 @@ def add_structure_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads("--threads"), default=None,
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
-    p.add_argument("--max-image-patches", type=int, default=None,
+    p.add_argument("--max-image-patches", type=_integer("--max-image-patches"), default=None,
                    help="patch budget per image; bigger images are downscaled to fit (default: the model's "
                         "own, from its preprocessor_config.json max_image_patches, else the processor's "
                         "36864; at most 65536; run --verbose shows it)")
@@ -352,6 +368,8 @@ def cmd_run(a) -> int:
         raise EdgevlError("--raw cannot be combined with --image or --video: they need the chat template")
     if not a.prompt.strip():
         raise EdgevlError("--prompt is empty; pass some text")
+    if a.draw_boxes and not images:
+        raise EdgevlError("--draw-boxes needs --image")
     check_media(a)
     from .structured import cli_format, parse
 
@@ -398,14 +416,16 @@ def cmd_run(a) -> int:
                 for stat in model.runtime_stats().values():
                     print(f"[{stat['summary']}]", file=sys.stderr)
     sys.stdout.write("\n")
+    if finish == "length" and thought and not "".join(text).strip():
+        why = "the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or pass " \
+              "--no-thinking"
+        if response_format is not None:
+            raise EdgevlError(why)
+        if not a.show_thinking:     # nothing was shown: an empty answer would pass for the model's
+            print(f"[{why} (--show-thinking shows the thinking)]", file=sys.stderr)
     if response_format is not None and finish != "stop":
-        if thought and not "".join(text).strip():
-            raise EdgevlError("the token limit ran out inside the thinking, before any answer; raise "
-                              "--max-new-tokens or pass --no-thinking")
         raise EdgevlError("the answer was cut by the token limit before it was complete; raise --max-new-tokens")
     if a.draw_boxes:
-        if not images:
-            raise EdgevlError("--draw-boxes needs --image")
         from .boxes import box_image_paths, draw_boxes
         from .processing.image import load_image
 
@@ -533,6 +553,8 @@ def cmd_batch(a) -> int:
     from .batch import batch_cli
 
     check_model_args(a)  # as in run: before the demo model is converted or anything is read
+    if a.prompt is not None and not a.prompt.strip():
+        raise EdgevlError("--prompt is empty; pass some text")
     try:
         path = resolve_model(a.model)
         check_package(path, a)   # before the output is opened
@@ -604,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--demo-out", help="where --image demo saves the scene (default: demo_scene.png)")
     v.add_argument("--seed", type=_positive_int("--seed"), default=None,
                    help="picks the --image demo scene, as in run and chat (default: random)")
-    v.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=32,
+    v.add_argument("--max-new-tokens", type=_int_at_least("--max-new-tokens", 1), default=32,
                    help="greedy tokens compared")
     add_model_args(v)
     v.set_defaults(fn=cmd_verify)
@@ -621,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("serve", "OpenAI-compatible HTTP server")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    s.add_argument("--port", type=_int_at_least("--port", 0), default=8080, help="port (0: any free one)")
     s.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY'; repeatable, any of them will do (default: "
                    "EDGEVL_API_KEY if set, else no key)")
@@ -629,20 +651,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keys one per line, as --api-key (kept out of the process list, which other users see)")
     s.add_argument("--allow-image-dir", default=None,
                    help="local image paths are allowed only under this folder (default: none, data: URLs only)")
-    s.add_argument("--parallel", type=int, default=4,
+    s.add_argument("--parallel", type=_integer("--parallel"), default=4,
                    help="requests decoding together (slots; each holds one sequence's state; default 4)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests waiting for a slot beyond this get 429")
+    s.add_argument("--max-queue", type=_integer("--max-queue"), default=8,
+                   help="requests waiting for a slot beyond this get 429")
     s.add_argument("--model-name", default=None,
                    help="model id reported by /v1/models (default: the package folder's name; 'demo' for the demo)")
     s.add_argument("--strict-model", action="store_true",
                    help="answer 404 to requests naming another model (default: any name gets this model)")
-    s.add_argument("--max-tokens", type=int, default=None, metavar="N",
+    s.add_argument("--max-tokens", type=_integer("--max-tokens"), default=None, metavar="N",
                    help="the most tokens one answer may generate: requests that give no max_tokens get N, larger "
                    "ones are cut to N (finish_reason 'length') (default: up to the context end)")
     s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from this origin (e.g. http://localhost:3000; '*': any) call the API from "
                    "a browser (CORS); repeatable (default: same origin only, as the chat page)")
-    s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+    s.add_argument("--shutdown-grace", type=_number("--shutdown-grace"), default=30.0, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests (503) and let those under way finish for up to this "
                    "long before stopping (default: 30)")
     add_model_args(s)

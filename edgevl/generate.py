@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import structured
 from . import tools as tool_calls
 from .errors import EdgevlError
@@ -159,6 +161,39 @@ def _image_parts(messages, kinds=("image", "image_url")) -> list:
     return parts
 
 
+def _payload(part: dict, kind: str):
+    """The image or video a message part carries: ``{"type": kind, kind: X}``, OpenAI's
+    ``{"type": kind + "_url", kind + "_url": {"url": U}}`` or Hugging Face's ``"url"``/``"path"``
+    keys; U a local path, or for images a base64 ``data:`` URL. None where the part has none."""
+    if part.get(kind) is not None:
+        return part[kind]
+    url = part.get(kind + "_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    url = url if url is not None else part.get("url", part.get("path"))
+    if not isinstance(url, str):
+        return url
+    if url.startswith(("http://", "https://")):
+        raise EdgevlError(f"{kind} URLs are not fetched; download the file and give its path or bytes")
+    if url.startswith("data:"):
+        if kind != "image":
+            raise EdgevlError("a video is given by its file's path, not a data: URL")
+        import base64
+        import binascii
+
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise EdgevlError("an image data: URL must be base64 (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except binascii.Error:
+            raise EdgevlError("the image data: URL is not valid base64") from None
+    if url.startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+
+        return unquote(urlsplit(url).path)
+    return url
+
+
 def _video_groups(tok, model, infos):
     """A rewrite of the rendered prompt: each video's ``<|vision_start|><|video_pad|><|vision_end|>``
     (or a bare ``<|video_pad|>``) becomes, per temporal patch, ``<T seconds>`` and its own
@@ -225,6 +260,8 @@ BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "0", "1")
 def model_template_kwargs(model, chat_template_kwargs=None, thinking: bool | None = None) -> dict:
     """The template arguments for ``model``: its switch for ``thinking`` (None: the template's
     default) under the given ``chat_template_kwargs``, checked against its switches."""
+    if thinking is not None and not isinstance(thinking, bool):   # "false" would read as true
+        raise EdgevlError(f"thinking must be True, False or None, got {thinking!r:.40}")
     kw = {**model.arch.thinking_args(thinking), **template_kwargs(chat_template_kwargs)}
     return template_kwargs(kw, model.arch.template_switches)
 
@@ -243,6 +280,29 @@ def _contents(messages) -> list[str]:
             out += [p["text"] for p in c
                     if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
     return out
+
+
+def _strings(value, where: str):
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k, where)
+            yield from _strings(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}[{i}]")
+
+
+def _other_strings(messages, kw: dict):
+    """(where, text) of every string the template may write besides the message contents:
+    the messages' other fields (tool calls) and the template arguments (tools)."""
+    for i, m in enumerate(messages):
+        for k, v in m.items():
+            if k != "content":
+                yield from _strings(v, f"messages[{i}].{k}")
+    for k, v in kw.items():
+        yield from _strings(v, k)
 
 
 def _masked(messages, marks) -> list[dict]:
@@ -270,6 +330,14 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
     text = rewrite(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
     contents = _contents(messages)
     specials = tok.special_tokens
+    if not allow_special_in_content:
+        # what else the template writes from the request (tool calls' names and arguments, the
+        # tools' definitions) would become control tokens: refused rather than split
+        for where, value in _other_strings(messages, kw):
+            bad = next((sp for sp in specials if sp in value), None)
+            if bad is not None:
+                raise EdgevlError(f"{where} contains the control-token text {bad!r}, which would act as a "
+                                  "control token there; remove it")
     if allow_special_in_content or not any(sp in c for c in contents for sp in specials):
         return tok.encode(text)  # the common case: the exact tokens of the whole rendered prompt
     # Render again with a marker in each content's place: the text between markers is the
@@ -333,6 +401,10 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     so or not (its chat template's switch; None: the template's default). ``video``: one clip or
     a list (``Model.encode_video`` says what a clip may be); ``video_options``: its ``fps``,
     ``max_frames`` and ``max_pixels``."""
+    if max_image_patches is not None and (isinstance(max_image_patches, bool)
+                                          or not isinstance(max_image_patches, (int, np.integer))
+                                          or max_image_patches < 1):
+        raise EdgevlError(f"max_image_patches must be a whole number >= 1, got {max_image_patches!r:.40}")
     tok = model.tokenizer
     chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
@@ -354,13 +426,14 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
         _validate_messages(prompt)
         for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
             parts = _image_parts(prompt, (kind, kind + "_url"))
-            payloads = [p.get(kind) for p in parts]
+            payloads = [_payload(p, kind) for p in parts]
             if given and any(x is not None for x in payloads):
                 raise EdgevlError(f"give {what} either inside the messages or with {kind}=, not both")
             if not given:
                 given += [x for x in payloads if x is not None]
             if len(given) != len(parts):
-                raise EdgevlError(f"the messages have {len(parts)} {kind} parts but {len(given)} {what} were given")
+                raise EdgevlError(f"the messages have {len(parts)} {kind} parts but {len(given)} {what} were given; "
+                                  f"put each in its part ({{'type': '{kind}', '{kind}': PATH}}) or pass {kind}=")
         messages, text = prompt, None
     if images and model.vision is None:
         raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
@@ -402,6 +475,17 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
         else:
             prep.input_ids.append(t)
     return prep
+
+
+def stop_strings(stop) -> list[str]:
+    """``stop`` (a string, a list of strings or None) as a list; empty strings stop nothing."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise EdgevlError(f"stop must be a string or a list of strings, got {stop!r:.60}")
+    return [x for x in stop if x]
 
 
 def default_max_new_tokens(model) -> int:
@@ -464,7 +548,12 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     if not isinstance(logprobs, bool):
         raise EdgevlError(f"logprobs must be true or false, got {logprobs!r}")
     bias = check_logit_bias(logit_bias, model.vocab_size)
-    stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    stop = stop_strings(stop)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise EdgevlError(f"seed must be an integer >= 0, got {seed!r:.40}")
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
+                                       or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0):
+        raise EdgevlError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r:.40}")
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
     if spec is not None and spec.structure is not None:

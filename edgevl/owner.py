@@ -91,6 +91,8 @@ class Owner:
         self._thread = threading.Thread(target=_serve, args=(self._tasks,), name=name, daemon=True)
         self._thread.start()
         self.closed = False
+        # a task queued after close()'s end marker would never run: the check and the put are one step
+        self._lock = threading.Lock()
 
     def is_current(self) -> bool:
         return threading.current_thread() is self._thread
@@ -99,12 +101,13 @@ class Owner:
         """``fn(*args, **kwargs)`` on the owner thread; its result, or its exception raised here."""
         if self.is_current():
             return fn(*args, **kwargs)
-        if self.closed:
-            raise EdgevlError("this model was closed; load it again to use it")
-        if not self._thread.is_alive():
-            raise EdgevlError("this model's ncnn thread is gone (a forked process?); load the model again")
         task = _Task(fn, args, kwargs)
-        self._tasks.put(task)
+        with self._lock:
+            if self.closed:
+                raise EdgevlError("this model was closed; load it again to use it")
+            if not self._thread.is_alive():
+                raise EdgevlError("this model's ncnn thread is gone (a forked process?); load the model again")
+            self._tasks.put(task)
         try:
             task.done.wait()
         except KeyboardInterrupt:
@@ -131,15 +134,17 @@ class Owner:
 
     def post(self, fn) -> None:
         """``fn()`` queued on the owner thread, not waited for (errors are dropped)."""
-        if not self.closed:
-            self._tasks.put(_Task(fn, (), {}))
+        with self._lock:
+            if not self.closed:
+                self._tasks.put(_Task(fn, (), {}))
 
     def close(self, wait: bool = True) -> None:
         """End the thread once the calls queued before have run (``wait``: wait for that);
         later calls are refused."""
-        if not self.closed:
-            self.closed = True
-            self._tasks.put(None)
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._tasks.put(None)
         if wait and not self.is_current():
             self._thread.join()
 

@@ -33,6 +33,12 @@ class Progress:
         self.n += n
         if not self.enabled:
             return
+        try:
+            self._show(note)
+        except OSError:     # the reader of stderr went away (`2>&1 | head`): the work goes on unseen
+            self.enabled = False
+
+    def _show(self, note: str) -> None:
         now = time.monotonic()
         pct = int(100 * min(self.n, self.total) / self.total)
         rate = self.n / max(now - self.t0, 1e-9)
@@ -54,5 +60,8 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+            try:
+                self.stream.write("\n")
+                self.stream.flush()
+            except OSError:
+                self.enabled = False

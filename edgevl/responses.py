@@ -98,9 +98,18 @@ def to_chat(req: dict) -> tuple[dict, list]:
     return chat, origin
 
 
+# the chat reading's field names, as a Responses request spells them
+FIELDS = ((r"\bmax_tokens\b", "max_output_tokens"), (r"\bresponse_format(\.json_schema)?", "text.format"),
+          (r"\b(tools\[\d+\])\.function\.", r"\1."), (r"\btool_choice\.function\.", "tool_choice."))
+
+
 def renamed(text: str, origin: list) -> str:
-    """A chat reading's ``messages[k]`` in ``text`` named as the request named it (``input[i]``)."""
-    return re.sub(r"messages\[(\d+)\]", lambda m: origin[int(m[1])] if int(m[1]) < len(origin) else m[0], text)
+    """A chat reading's ``messages[k]`` in ``text`` named as the request named it (``input[i]``),
+    and its other fields (``FIELDS``)."""
+    text = re.sub(r"messages\[(\d+)\]", lambda m: origin[int(m[1])] if int(m[1]) < len(origin) else m[0], text)
+    for chat, ours in FIELDS:
+        text = re.sub(chat, ours, text)
+    return text
 
 
 def _format(fmt) -> dict:

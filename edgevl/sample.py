@@ -22,8 +22,32 @@ LOGPROB_FLOOR = -9999.0
 MIN_TEMPERATURE = 1e-100
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+def finite_number(v) -> bool:
+    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:   # an integer past float's range (JSON allows any number of digits)
+        return False
+
+
+# the sampling settings' ranges: name -> (whether a finite value is allowed, what it must be)
+SETTINGS = {
+    "temperature": (lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "repetition_penalty": (lambda v: v > 0, "a finite number > 0 (1 = off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2 (0 = off)"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2 (0 = off)"),
+}
+
+
+def check_setting(name: str, v) -> None:
+    """A sampling setting in its range (``SETTINGS``), else a one-line EdgevlError naming it."""
+    ok, what = SETTINGS[name]
+    if not finite_number(v) or not ok(v):
+        raise EdgevlError(f"{name} must be {what}, got {v!r:.40}")
 
 
 class Sampler:
@@ -31,21 +55,12 @@ class Sampler:
                  repetition_penalty: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, prompt_tokens: int = 0, logprobs: Logprobs | None = None,
                  logit_bias: dict | None = None, min_p: float = 0.0):
-        if not _finite(temperature) or temperature < 0:
-            raise EdgevlError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-        if not _finite(top_k) or top_k < 0:
-            raise EdgevlError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not _finite(top_p) or not (0 < top_p <= 1):
-            raise EdgevlError(f"top_p must be in (0, 1], got {top_p}")
-        if not _finite(repetition_penalty) or repetition_penalty <= 0:
-            raise EdgevlError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition_penalty}")
+        for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("repetition_penalty", repetition_penalty), ("min_p", min_p),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            check_setting(name, v)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise EdgevlError(f"seed must be an integer >= 0, got {seed}")
-        if not _finite(min_p) or not 0 <= min_p <= 1:
-            raise EdgevlError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
-        for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-            if not _finite(v) or not -2 <= v <= 2:
-                raise EdgevlError(f"{name} must be a number from -2 to 2 (0 = off), got {v}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.repetition_penalty = float(repetition_penalty)
         self.min_p = float(min_p)
@@ -161,11 +176,11 @@ def check_logit_bias(logit_bias, vocab: int | None = None) -> dict | None:
         raise EdgevlError("logit_bias must be an object mapping token ids to numbers from -100 to 100")
     out = {}
     for k, v in logit_bias.items():
-        i = int(k) if isinstance(k, str) and k.isdecimal() else k
+        i = int(k) if isinstance(k, str) and k.isdecimal() and len(k) <= 20 else k
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 or (vocab is not None and i >= vocab):
             span = "(integers >= 0)" if vocab is None else f"from 0 to {vocab - 1}"
             raise EdgevlError(f"logit_bias keys must be token ids {span}, got {k!r}")
-        if not _finite(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+        if not finite_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
             raise EdgevlError(f"logit_bias values must be numbers from -100 to 100, got {v!r} for token {k}")
         out[int(i)] = float(v)
     return out or None

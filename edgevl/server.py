@@ -89,7 +89,7 @@ from .errors import EdgevlError, PackageError
 from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stream_choices
 from .metrics import Registry, process_metrics
 from .model import Model, load
-from .sample import MAX_TOP_LOGPROBS, check_logit_bias
+from .sample import MAX_TOP_LOGPROBS, check_logit_bias, check_setting, finite_number
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
@@ -161,10 +161,20 @@ def _number(req: dict, name: str, default, kind=float):
     v = req.get(name)
     if v is None:
         return default
-    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-            or (kind is int and not float(v).is_integer())):
-        raise HTTPError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
+    if not finite_number(v) or (kind is int and not float(v).is_integer()):   # no bool, no 400-digit integer
+        raise HTTPError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r:.40}", name)
     return kind(v)
+
+
+def _setting(req: dict, name: str, kind=float):
+    """A sampling setting (None: the model's), in its range (``sample.SETTINGS``)."""
+    v = _number(req, name, None, kind)
+    if v is not None:
+        try:
+            check_setting(name, v)
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), name) from None
+    return v
 
 
 def _too_many_pixels(param: str) -> HTTPError:
@@ -439,8 +449,9 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
             elif kind == "image_url":
                 url = p.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
-                    raise HTTPError(400, f"{param}.image_url.url must be a string", param)
+                if not isinstance(url, str) or not url.strip():
+                    raise HTTPError(400, f"{param}.image_url.url must be a data: URL (or a path where the server "
+                                    "allows them)", param)
                 if vision is None:
                     raise HTTPError(400, "this model has no vision tower; it cannot take images", param)
                 im = _image(url, server, param)
@@ -472,6 +483,8 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
                                     f"model's context is {server.model.max_context}; send a shorter video or "
                                     "sample fewer or smaller frames (video_options fps, max_frames, max_pixels)",
                                     param, "context_length_exceeded")
+            elif kind == "text":
+                raise HTTPError(400, f"{param}.text must be a string", param)
             else:
                 raise HTTPError(400, f"{param} must be a text, image_url or video_url part", param)
     return out
@@ -551,13 +564,15 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
     opts = req.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(opts, dict):
         raise HTTPError(400, "stream must be true or false and stream_options an object", "stream")
+    if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
+        raise HTTPError(400, "stream_options.include_usage must be true or false", "stream_options")
     max_tokens = _number(req, "max_completion_tokens", None, int)
     if max_tokens is None:
         max_tokens = _number(req, "max_tokens", None, int)
     if max_tokens is not None and max_tokens < 1:
         raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     stop = req.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise HTTPError(400, "stop must be a string or a list of strings", "stop")
     seed = _number(req, "seed", None, int)
@@ -569,8 +584,8 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         max_tokens = server.max_tokens if max_tokens is None else min(max_tokens, server.max_tokens)
     kwargs = dict(
         max_new_tokens=server.model.max_context if max_tokens is None else max_tokens,  # the context end stops it
-        temperature=_number(req, "temperature", None), top_p=_number(req, "top_p", None),  # None: the model's
-        top_k=_number(req, "top_k", None, int), repetition_penalty=_number(req, "repetition_penalty", None),
+        temperature=_setting(req, "temperature"), top_p=_setting(req, "top_p"),  # None: the model's
+        top_k=_setting(req, "top_k", int), repetition_penalty=_setting(req, "repetition_penalty"),
         min_p=_unit(req, "min_p"),
         presence_penalty=_penalty(req, "presence_penalty"), frequency_penalty=_penalty(req, "frequency_penalty"),
         seed=seed, stop=stop, logit_bias=bias, n=n)
@@ -660,7 +675,9 @@ def parse_completion(req: dict, server: EdgevlServer) -> tuple[str, dict, bool, 
         raise HTTPError(400, "suffix (fill in the middle) is not supported", "suffix")
     if req.get("best_of", 1) not in (1, None):
         raise HTTPError(400, "only best_of=1 is supported", "best_of")
-    echo, lp = req.get("echo", False), req.get("logprobs")
+    if req.get("tools") or req.get("tool_choice"):   # ignored, the model would look like one that never calls
+        raise HTTPError(400, "tools need a chat template: send them to /v1/chat/completions", "tools")
+    echo, lp = (False if req.get("echo") is None else req["echo"]), req.get("logprobs")
     if not isinstance(echo, bool):
         raise HTTPError(400, "echo must be true or false", "echo")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
@@ -826,6 +843,9 @@ def tokenize_request(req: dict, server: EdgevlServer) -> list[int]:
                         "reports in usage.prompt_tokens", "messages")
     messages = _messages(raw, server)
     ctk = _template_kwargs(req, server)
+    spec = _tools(req, server)      # rendered as the chat endpoint renders them: the same count
+    if spec is not None and spec.render:
+        ctk = {**ctk, "tools": spec.render}
     _check_length(messages, ctk, server)
     try:
         return encode_messages(model.tokenizer, tool_calls.template_messages(messages),
@@ -913,6 +933,11 @@ def server_metrics(server) -> Registry:
             labels=("kind",), read=lambda: {("decode",): engine.steps, ("prompt",): engine.prompts})
     reg.add("edgevl_engine_decode_rows_total", "Rows the decode forwards carried (over the decode forwards: the "
             "mean batch).", read=lambda: engine.rows)
+    reg.add("edgevl_image_cache_requests_total", "Images the vision tower was asked to encode, by whether the "
+            "image cache held them (hit: not encoded again).", labels=("result",),
+            read=lambda: {("hit",): model.image_cache.hits, ("miss",): model.image_cache.misses})
+    reg.add("edgevl_image_cache_bytes", "Bytes of encoded images the image cache holds (--image-cache-mb).",
+            "gauge", read=lambda: model.image_cache.bytes)
     process_metrics(reg)
     return reg
 
@@ -976,8 +1001,22 @@ class _Observed:
 
 # -- HTTP ----------------------------------------------------------------------------------------
 
+class _Sink:
+    """Where a HEAD request's body goes."""
+
+    closed = False
+
+    def write(self, data) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked encoding
+    # a malformed request line is answered with a status line too (HTTP/0.9 answers have none)
+    default_request_version = "HTTP/1.0"
     server_version = f"edgevl/{__version__}"
     timeout = IDLE_TIMEOUT
     server: EdgevlServer
@@ -999,6 +1038,35 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):
         self._dispatch("OPTIONS")
+
+    def do_HEAD(self):
+        """GET's status and headers without its body (load balancers' and uptime checkers' probes)."""
+        real = self.wfile
+        self._head_only = True
+        try:
+            self._dispatch("GET")
+        finally:
+            self._head_only = False
+            self.wfile = real
+
+    def end_headers(self):
+        super().end_headers()
+        if getattr(self, "_head_only", False):   # a HEAD request: what follows the headers is dropped
+            self.wfile = _Sink()
+
+    def send_error(self, code, message=None, explain=None):
+        """What http.server itself refuses before a route runs (a malformed request line, too many or
+        too long headers, a URL too long, an unknown method): OpenAI's JSON error, not an HTML page."""
+        short = self.responses.get(code, ("error",))[0]
+        body = json.dumps(HTTPError(code, f"{message or short}; fix the request").body()).encode()
+        self.close_connection = True
+        self.send_response(code, message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
 
     def log_message(self, format, *args):
         if self.server.access_log:
@@ -1783,10 +1851,13 @@ def memory_line(server) -> str:
     engine, model = server.engine, server.model
     weights = sum(p.stat().st_size for p in Path(model.path).iterdir() if p.is_file())
     each = engine.state_bytes()
+    images = model.image_cache.limit if model.vision is not None else 0
     return (f"edgevl: {engine.parallel} slot{'s' if engine.parallel > 1 else ''} (--parallel) x up to "
             f"{each / 2**20:.0f} MB of state each at the full {model.max_context}-token context (prefix "
-            f"snapshots included), beside the "
-            f"package's {weights / 2**20:.0f} MB on disk: up to {(weights + engine.parallel * each) / 2**20:.0f} MB")
+            f"snapshots included), "
+            + (f"{images / 2**20:.0f} MB of encoded images (--image-cache-mb), " if images else "")
+            + f"beside the package's {weights / 2**20:.0f} MB on disk: up to "
+            f"{(weights + engine.parallel * each + images) / 2**20:.0f} MB")
 
 
 def _is_loopback(host: str) -> bool:

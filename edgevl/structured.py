@@ -96,7 +96,10 @@ def _schema_of(value, where: str) -> dict:
 
 def json_schema(schema, name: str | None = None, where: str = "json_schema") -> Structure:
     schema = _schema_of(schema, where)
-    text = json.dumps(schema)
+    try:
+        text = json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError) as e:    # a set, a NaN: not JSON
+        raise EdgevlError(f"{where} is not JSON ({e}); send a JSON schema") from None
     _check_size(text, where)
     grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     return Structure("json_schema", grammar, schema, name)
@@ -284,6 +287,14 @@ def compiled(model, structure: Structure, where: str | None = None) -> Compiled:
             while len(_compiled) > COMPILED_CACHE:
                 _compiled.popitem(last=False)
     return Compiled(structure, template, key[1], key[2])
+
+
+def check(structure: Structure, where: str | None = None) -> None:
+    """What ``compiled`` would refuse in ``structure`` regardless of the tokenizer (a bad schema,
+    an unsupported keyword), found without a model: an EdgevlError naming the problem."""
+    error = _llg().LLMatcher.validate_grammar(structure.grammar, None)
+    if error:
+        raise EdgevlError(_describe(structure, error, where))
 
 
 def _describe(structure: Structure, error: str, where: str | None) -> str:

@@ -329,9 +329,13 @@ def template_messages(messages: list) -> list:
     for m in messages:
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise EdgevlError('an assistant message\'s tool_calls must be a list of {"id", "type": "function", '
+                                  '"function": {"name", "arguments"}}')
             fixed = []
             for c in calls:
-                fn = dict((c or {}).get("function") or {})
+                fn = dict(c["function"])
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:

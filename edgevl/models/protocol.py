@@ -58,6 +58,9 @@ COMMON_RUNTIME_OPTIONS = {
     "prefill_chunk": RuntimeOption(
         int, "prompt tokens per prefill run (default 512): activation memory grows with it; "
              "lower it to fit a long prompt in less RAM", "TOKENS", 1),
+    "image_cache_mb": RuntimeOption(
+        int, "encoded images kept, so a request that sends the same picture again (a chat's next turn) "
+             "skips the vision tower (default 64; 0: none)", "MB", 0),
 }
 
 

@@ -67,6 +67,10 @@ def load_image(image) -> Image.Image:
                 f"Could not decode the image ({type(e).__name__}: {e}); re-save it as PNG or JPEG."
             ) from None
         return _to_rgb(image, "the image")
+    if isinstance(image, str) and image.startswith("file://"):   # a file URL, as a browser or a file manager copies it
+        from urllib.parse import unquote, urlsplit
+
+        image = unquote(urlsplit(image).path)
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
     if isinstance(image, (bytes, bytearray, memoryview)):

@@ -576,7 +576,9 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
     try:
         with opener() as f, av.open(f, io_open=others) as c:
             if not c.streams.video:
-                raise EdgevlError(f"{name} has no video stream")
+                # an MP4 cut short (a download that stopped) loses its index, which lists the streams
+                raise EdgevlError(f"{name} has no video stream (audio only, or a file cut short: check that it "
+                                  "plays)")
             s = c.streams.video[0]
             cc = s.codec_context
             if cc is None or not cc.width or not cc.height:

@@ -263,6 +263,31 @@ def test_csv_per_row_prompts_and_bad_rows(pkg, scenes, model, tmp_path):
     assert "7 new" in p.stderr and len(read_jsonl(out)) == 7
 
 
+def test_a_log_reader_that_goes_away_does_not_stop_the_job(pkg, scenes, reference, tmp_path):
+    """`edgevl batch ... 2>&1 | head -1`: once stderr's reader is gone, the progress lines cannot be
+    written; the rows still all get done (the job stopped at its first progress line)."""
+    folder, _ = scenes
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder), "--prompt", PROMPT,
+                          "--output", str(out), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env=env)
+    assert p.stderr.readline().startswith(b"batch: 30 rows")
+    p.stderr.close()
+    p.wait(timeout=300)
+    assert_complete(read_jsonl(out), reference)
+
+
+def test_a_hand_written_csv_with_spaces_after_the_commas(tmp_path):
+    from edgevl.batch import read_input
+
+    src = tmp_path / "rows.csv"
+    src.write_text('id , image, prompt\nfirst, a.png, "What is it, then?"\nsecond, b.png,\n')
+    rows = read_input(src, prompt="Describe it.")
+    assert [(r["id"], r["image"], r["prompt"], r["error"]) for r in rows] == [
+        ("first", "a.png", "What is it, then?", None), ("second", "b.png", "Describe it.", None)]
+
+
 def test_jsonl_input_paths_relative_to_the_file(pkg, scenes, model, tmp_path):
     folder, paths = scenes
     src = folder / "rows.jsonl"  # inside the scene folder: paths relative to it
@@ -501,6 +526,9 @@ def _one_line_error(capsys, argv, *needles):
 
 
 def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     folder, paths = scenes
     base = ["batch", str(pkg), "--prompt", PROMPT]
     _one_line_error(capsys, base + ["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o.jsonl")],
@@ -517,6 +545,18 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
                     "appears twice", "add an 'id' column")
     _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
                                     "--image-column", "path"], "no 'path' column")
+    # a column asked for by name that the table lacks (a typo) is refused, not read as empty
+    _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                                    "--prompt-column", "questoin"], "no 'questoin' column (--prompt-column",
+                    "columns: id, image, prompt")
+    _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                                    "--id-column", "key"], "no 'key' column (--id-column")
+    # a schema the grammar engine cannot use fails before any row runs
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "nonsense"}')
+    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.jsonl"),
+                                    "--json-schema", str(schema)], "cannot be used", "nonsense")
+    assert not (tmp_path / "o.jsonl").exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"image": "a.png"}\n[1, 2]\n')
     _one_line_error(capsys, base + ["--input", str(bad), "--output", str(tmp_path / "o.jsonl")], "line 2")
@@ -537,6 +577,10 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.jsonl"), "--ray"],
                     "pip install 'edgevl[ray]'")
+    table = tmp_path / "t.parquet"     # the missing image column's message lists the whole table's columns
+    pq.write_table(pa.table({"img": ["a.png"], "question": ["q"]}), table)
+    _one_line_error(capsys, base + ["--input", str(table), "--output", str(tmp_path / "o.jsonl")],
+                    "no 'image' column", "columns: img, question")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.parquet")],
                     "pip install 'edgevl[parquet]'")

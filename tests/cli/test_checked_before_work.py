@@ -47,6 +47,15 @@ ANY_MODEL = [
     (("--expert-cache-mb", "-1"), "expert_cache_mb must be >= 0, got -1"),
     (("--image", "missing.png"), "missing.png"),
     (("--video", "missing.mp4"), "missing.mp4"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),
+    (("--seed", "x"), "--seed must be an integer, got 'x'"),
+    (("--top-k", "2.5"), "--top-k must be an integer"),
+    (("--temperature", "warm"), "--temperature must be a number, got 'warm'"),
+    (("--top-p", "x"), "--top-p must be a number"),
+    (("--min-p", "x"), "--min-p must be a number"),
+    (("--repetition-penalty", "x"), "--repetition-penalty must be a number"),
+    (("--max-image-patches", "big"), "--max-image-patches must be an integer"),
+    (("--max-image-patches", "0"), "--max-image-patches must be between 4 and"),
 ]
 
 
@@ -81,6 +90,22 @@ def test_run_checks_the_package_before_drawing_the_scene_or_loading(workdir, cap
     assert [p.name for p in workdir.iterdir()] == ["clip"]
 
 
+def test_draw_boxes_without_an_image_is_refused_before_the_answer(workdir, tmp_path, monkeypatch, capsys):
+    cache = fresh_cache(tmp_path, monkeypatch)
+    one_line_error(*cli(capsys, "run", "--prompt", "hi", "--draw-boxes", "boxes.png")[::2],
+                   "--draw-boxes needs --image")
+    assert list(workdir.iterdir()) == [] and not cache.exists()
+
+
+def test_serve_values_are_one_line(workdir, capsys):
+    for args, needle in ((("--port", "http"), "--port must be an integer"), (("--port", "-1"), "--port must be >= 0"),
+                         (("--parallel", "x"), "--parallel must be an integer"),
+                         (("--max-queue", "1.5"), "--max-queue must be an integer"),
+                         (("--max-tokens", "x"), "--max-tokens must be an integer"),
+                         (("--shutdown-grace", "soon"), "--shutdown-grace must be a number")):
+        one_line_error(*cli(capsys, "serve", *args)[::2], needle)
+
+
 def test_chat_refuses_before_loading(workdir, tmp_path, monkeypatch, capsys):
     cache = fresh_cache(tmp_path, monkeypatch)
     one_line_error(*cli(capsys, "chat", "--temperature", "-1")[::2], "temperature must be a finite number >= 0")
@@ -96,6 +121,9 @@ def test_batch_refuses_before_writing_the_output(workdir, tmp_path, monkeypatch,
     cache = fresh_cache(tmp_path, monkeypatch)
     one_line_error(*cli(capsys, *base, "--temperature", "-1")[::2], "temperature must be a finite number >= 0")
     one_line_error(*cli(capsys, *base, "--workers", "-1")[::2], "--workers must be >= 1")
+    one_line_error(*cli(capsys, *base, "--max-new-tokens", "0")[::2], "--max-new-tokens must be >= 1")
+    blank = [a if a != "hi" else "   " for a in base]
+    one_line_error(*cli(capsys, *blank)[::2], "--prompt is empty")
     assert sorted(p.name for p in workdir.iterdir()) == ["in"] and not cache.exists()
 
 
@@ -113,7 +141,7 @@ def test_bench_refuses_before_running_or_converting(workdir, tmp_path, monkeypat
     one_line_error(*cli(capsys, "bench", "--speculative", "mtp", "--repeats", "1")[::2], "MTP")   # the demo
 
 
-def test_low_memory_on_a_decoder_that_cannot_is_refused_before_the_scene(workdir, tmp_path, capsys):
+def test_low_memory_on_a_decoder_that_cannot_is_refused_before_the_scene(workdir, tmp_path, capsys, monkeypatch):
     import edgevl
     from edgevl.random_model import write
 
@@ -121,3 +149,11 @@ def test_low_memory_on_a_decoder_that_cannot_is_refused_before_the_scene(workdir
     one_line_error(*cli(capsys, "run", pkg, "--image", "demo", "--prompt", "hi", "--low-memory")[::2],
                    "run without --low-memory")
     assert list(workdir.iterdir()) == []
+    from edgevl import bench
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("bench measured before refusing --low-memory")
+
+    monkeypatch.setattr(bench, "_run_worker", no_run)
+    one_line_error(*cli(capsys, "bench", pkg, "--low-memory", "--repeats", "1", "--prompt-tokens", "4",
+                        "--gen-tokens", "1")[::2], "run without --low-memory")

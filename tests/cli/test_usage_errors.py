@@ -72,7 +72,7 @@ def test_threads_zero_in_the_python_chat_and_verify(tmp_path):
 # -- argparse values: the same one line as every other mistake (was: argparse's usage + error) ----
 
 @pytest.mark.parametrize("args,needle", [
-    (("run", "--prompt", "hi", "--max-new-tokens", "-1"), "--max-new-tokens must be >= 0, got -1"),
+    (("run", "--prompt", "hi", "--max-new-tokens", "-1"), "--max-new-tokens must be >= 1, got -1"),
     (("run", "--prompt", "hi", "--max-new-tokens", "many"), "--max-new-tokens must be an integer, got 'many'"),
     (("run", "--prompt", "hi", "--threads", "two"), "--threads must be an integer, got 'two'"),
     (("verify", "--seed", "-3"), "--seed must be >= 0, got -3"),

@@ -168,7 +168,8 @@ def test_runtime_option_errors(models):
         edgevl.load(pk, expert_cache_mb=-2)
     with pytest.raises(EdgevlError, match="must be a number"):
         edgevl.load(pk, expert_cache_mb="lots")
-    with pytest.raises(EdgevlError, match="no option 'expert_cache'.*they have: prefill_chunk, expert_cache_mb"):
+    with pytest.raises(EdgevlError,
+                       match="no option 'expert_cache'.*they have: prefill_chunk, image_cache_mb, expert_cache_mb"):
         edgevl.load(pk, expert_cache=3)
     from edgevl.demo import demo_package
 

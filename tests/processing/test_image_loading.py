@@ -144,3 +144,11 @@ def test_huge_image_is_downscaled_within_budget(tmp_path):
     assert out["image_size"] == (9000, 12000)
     assert gh * gw <= 36864 and out["resized_size"] == target_size(9000, 12000)
     assert np.all(out["pixel_values"] == (np.float32(77) - 127.5) / np.float32(127.5))
+
+
+def test_a_file_url_loads_as_its_path(tmp_path):
+    p = tmp_path / "with space é.png"
+    Image.fromarray(noise_pixels(30, 50, seed=8)).save(p)
+    assert np.array_equal(np.asarray(load_image(p.as_uri())), np.asarray(load_image(p)))
+    with pytest.raises(EdgevlError, match="Image file not found"):
+        load_image((tmp_path / "gone.png").as_uri())

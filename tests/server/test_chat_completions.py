@@ -338,6 +338,9 @@ def test_local_image_paths(pkgs, vl_server):
         assert status == 403 and "outside the allowed" in body["error"]["message"], (url, body)
     status, body = ask("missing.png")
     assert status == 400 and "not found" in body["error"]["message"] and str(root) not in body["error"]["message"]
+    for url in ("", "  "):    # an empty URL is the mistake, not the server's setting
+        status, body = ask(url)
+        assert status == 400 and "image_url.url must be a data: URL" in body["error"]["message"], (url, body)
 
 
 def test_bad_requests_get_clear_errors_and_the_server_goes_on(pkgs, text_server, vl_server):

@@ -73,6 +73,18 @@ BAD_REQUESTS = [  # (id, body, status, words)
      "tools go in the request's tools field, not in chat_template_kwargs"),
     ("functions-in-template-kwargs", {"messages": MSGS, "chat_template_kwargs": {"functions": [{"name": "f"}]}}, 400,
      "tools go in the request's tools field, not in chat_template_kwargs"),
+    # JSON numbers of any size: an integer past float's range is a mistake, not a 500
+    ("max-tokens-huge-int", {"messages": MSGS, "max_tokens": 10 ** 400}, 400, "max_tokens must be an integer"),
+    ("temperature-huge-int", {"messages": MSGS, "temperature": 10 ** 400}, 400, "temperature must be a number"),
+    ("seed-huge-int", {"messages": MSGS, "seed": 10 ** 400}, 400, "seed must be an integer"),
+    ("min-p-huge-int", {"messages": MSGS, "min_p": 10 ** 400}, 400, "min_p must be a number"),
+    ("logit-bias-huge-value", {"messages": MSGS, "logit_bias": {"1": 10 ** 400}}, 400, "logit_bias values"),
+    ("logit-bias-huge-key", {"messages": MSGS, "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias keys"),
+    ("stop-object", {"messages": MSGS, "stop": {}}, 400, "stop must be a string or a list of strings"),
+    ("include-usage-string", {"messages": MSGS, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage must be true or false"),
+    ("text-part-number", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text must be a string"),
 ]
 
 
@@ -99,6 +111,9 @@ TEXT_COMPLETION_MISTAKES = [
     ("n", {"prompt": "a", "n": 100}, "n must be an integer from 1 to 16"),
     ("bias", {"prompt": "a", "logit_bias": {"1": 500}}, "logit_bias values"),
     ("too-long", {"prompt": "word " * 20000}, "but the model's context is"),
+    ("max-tokens-huge-int", {"prompt": "a", "max_tokens": 10 ** 400}, "max_tokens must be an integer"),
+    ("tools", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools need a chat template"),
 ]
 
 
@@ -121,6 +136,35 @@ def test_denormal_and_absurd_sampling_values_are_greedy_or_bounded(text_server):
         assert status == 200, (extra, body)
         if extra.get("temperature", 1) < 1e-100 and "repetition_penalty" not in extra:
             assert body["choices"][0]["message"] == greedy, extra  # the limit of temperature -> 0
+
+
+def test_echo_null_is_left_out(text_server):
+    status, reply, _ = post(text_server.server_address[1], {"prompt": "a", "echo": None, "max_tokens": 1},
+                            path="/v1/completions")
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("temperature", -1, "temperature must be a finite number >= 0"), ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("top_p", 0, "top_p must be in (0, 1]"), ("top_k", -1, "top_k must be >= 0"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0")])
+def test_sampling_values_are_refused_before_the_request_waits(busy_server, field, value, words):
+    """Out of range: a 400 naming the field at once, while every slot is taken and the queue is
+    full (a request that is fine gets the 429), not after waiting for a slot."""
+    port = busy_server.server_address[1]
+    assert post(port, {"messages": MSGS, "max_tokens": 1})[0] == 429
+    status, reply, _ = post(port, {"messages": MSGS, "max_tokens": 1, field: value})
+    assert status == 400 and words in reply["error"]["message"] and reply["error"]["param"] == field, reply
+
+
+@pytest.fixture(scope="module")
+def busy_server(text_server):
+    """One slot, taken (as a request under way takes it) while the tests run, and no queue."""
+    srv, _ = make_server(text_server.model.path, parallel=1, max_queue=0)
+    srv.gate.lock.acquire()
+    yield srv
+    srv.gate.lock.release()
+    srv.stop()
 
 
 def raw_request(port, head: bytes, body: bytes = b"") -> bytes:
@@ -168,3 +212,33 @@ def test_presence_and_frequency_penalties_reach_the_model(text_server):
     pen = post(port, {"messages": MSGS, "max_tokens": 12, "temperature": 0, "presence_penalty": 2,
                       "frequency_penalty": 2})[1]
     assert pen["choices"][0]["message"]["content"] != plain["choices"][0]["message"]["content"]
+
+
+def test_head_answers_as_get_without_a_body(text_server):
+    """HEAD (load balancers' and uptime checkers' probes) gets GET's status and headers, no body;
+    the connection then serves the next request."""
+    conn = http.client.HTTPConnection("127.0.0.1", text_server.server_address[1], timeout=10)
+    for path, status in (("/health", 200), ("/v1/models", 200), ("/nowhere", 404)):
+        conn.request("HEAD", path)
+        r = conn.getresponse()
+        assert r.status == status and r.read() == b"" and int(r.getheader("Content-Length")) > 0, path
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())
+    conn.close()
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"GET /health HTTP/1.1 extra\r\n\r\n", 400),                       # a malformed request line
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),              # a URL too long
+    (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
+    (b"BREW /health HTTP/1.1\r\nHost: x\r\n\r\n", 501),                 # a method nobody serves
+])
+def test_what_http_itself_refuses_is_a_json_error(text_server, head, status):
+    reply = raw_request(text_server.server_address[1], head)
+    first, _, rest = reply.partition(b"\r\n")
+    assert first.startswith(b"HTTP/1.") and int(first.split()[1]) == status, reply[:200]
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"Content-Type: application/json" in headers, headers
+    err = json.loads(body)["error"]
+    assert err["message"] and "\n" not in err["message"] and "<" not in err["message"], err

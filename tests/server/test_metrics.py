@@ -210,3 +210,45 @@ def test_failed_answers_are_refused_or_errors_by_whose_fault(srv, monkeypatch):
     for reason in ("refused", "error"):
         key = ("edgevl_answers_total", (("finish_reason", reason),))
         assert after[key] - before.get(key, 0) == 1, reason
+
+
+def test_a_picture_sent_again_is_not_encoded_again():
+    """A chat client sends the whole conversation every turn, its image included: the server
+    encodes the picture once (the image cache's hits and misses in /metrics), and the second
+    question's answer is the one a server without the cache gives. The start-up memory line
+    counts the cache's budget."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from edgevl.server import memory_line
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    def turn(q):
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": q}]}], "max_tokens": 6}
+
+    answers = {}
+    for mb in (0, 64):
+        srv, _ = make_server(edgevl.load(demo_package(), image_cache_mb=mb), api_key=KEY)
+        try:
+            port = srv.server_address[1]
+            got = []
+            for q in ("What shapes are there?", "What colour is the circle?"):
+                status, reply, _ = post(port, turn(q), headers=AUTH)
+                assert status == 200, reply
+                got.append(reply["choices"][0]["message"]["content"])
+            answers[mb] = got
+            m = parse(scrape(port)[2])
+            counts = [m[("edgevl_image_cache_requests_total", (("result", r),))] for r in ("hit", "miss")]
+            assert counts == ([0, 2] if mb == 0 else [1, 1]), (mb, counts)
+            assert (m[("edgevl_image_cache_bytes", ())] > 0) == (mb > 0)
+            assert ("64 MB of encoded images (--image-cache-mb)" in memory_line(srv)) == (mb > 0)
+        finally:
+            srv.stop()
+    assert answers[64] == answers[0]

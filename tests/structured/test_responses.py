@@ -6,6 +6,7 @@ one-line 400."""
 import base64
 import io
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -176,7 +177,12 @@ BAD = [
     # the chat reading's errors name the request's own fields (instructions make messages[0] here)
     ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
      "input[1].role must be system, user, assistant or tool", "input[1].role"),
-    ({"input": "hi", "max_output_tokens": 0}, "max_tokens must be >= 1", "max_tokens"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be >= 1", "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": "4"}, "max_output_tokens must be an integer", "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "text.format"),
+    ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name", "tools"),
+    ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function"}}, "tool_choice.name",
+     "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort must be one of none, minimal",
      "reasoning.effort"),
     ({"input": "hi", "reasoning": "high"}, "reasoning must be an object", "reasoning"),
@@ -191,6 +197,8 @@ def test_what_it_cannot_take_is_a_400(server, body, message, param):
     assert status == 400, reply
     assert message in reply["error"]["message"] and reply["error"]["param"] == param, reply
     assert "\n" not in reply["error"]["message"]
+    # named as a Responses request names them, not as its chat reading does
+    assert not re.search(r"messages\[|response_format|\bmax_tokens\b|\.function\.", reply["error"]["message"]), reply
 
 
 def test_logprobs_when_included(client):

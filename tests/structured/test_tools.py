@@ -313,3 +313,16 @@ def tokenizer_with_tags(package, folder, special: bool):
     (hf.add_special_tokens if special else hf.add_tokens)(["<tool_call>", "</tool_call>"])
     hf.save(str(folder / "tokenizer.json"))
     return Tokenizer(folder)
+
+
+def test_tokenize_counts_the_tools_as_the_chat_endpoint_does(server):
+    """POST /tokenize with messages and tools: the count is the chat request's prompt_tokens,
+    tools rendered by the template included."""
+    port = server.server_address[1]
+    status, counted, _ = post(port, {"messages": ASK, "tools": TOOLS}, path="/tokenize")
+    assert status == 200, counted
+    plain = post(port, {"messages": ASK}, path="/tokenize")[1]["count"]
+    status, reply, _ = post(port, {"messages": ASK, "tools": TOOLS, "max_tokens": 1})
+    assert status == 200 and counted["count"] == reply["usage"]["prompt_tokens"] > plain + 20
+    status, reply, _ = post(port, {"messages": ASK, "tools": [{"type": "function"}]}, path="/tokenize")
+    assert status == 400 and reply["error"]["param"] == "tools", reply

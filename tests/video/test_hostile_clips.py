@@ -147,6 +147,19 @@ def test_any_cut_or_flipped_byte_is_a_clip_or_one_line(tmp_path, kind):
     assert not others, others[:5]
 
 
+def test_an_mp4_cut_in_half_says_it_may_be_cut_short(tmp_path):
+    """What an interrupted download of an MP4 looks like (its index is written last): the error
+    points at a file cut short, not only at a missing video stream."""
+    if not has_pyav():
+        pytest.skip("PyAV is the optional video extra")
+    whole = tmp_path / "whole.mp4"
+    write_pyav(whole, [np.full((64, 64, 3), i * 20, np.uint8) for i in range(8)], rate=4)   # the index past half
+    half = tmp_path / "half.mp4"
+    half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(EdgevlError, match="a file cut short"):
+        vid.load_video(str(half), CFG)
+
+
 # -- non-regular files (class 3) ------------------------------------------------------------------
 
 def _within(seconds, fn):
