@@ -3,7 +3,7 @@
     python benchmarks/prompt_reuse.py answers PKG [--n 4] [--words 300] [--tokens 32] [--rounds 3]
                                               [--threads 2] [--json OUT]
     python benchmarks/prompt_reuse.py system PKG [--words 160] [--rounds 5] [--threads 2] [--json OUT]
-    python benchmarks/prompt_reuse.py image PKG [--size 384] [--rounds 5] [--threads 2] [--json OUT]
+    python benchmarks/prompt_reuse.py image PKG [--size 384 | --video CLIP] [--rounds 5] [--threads 2] [--json OUT]
 
 - ``answers``: a prompt of ``--words`` words, ``--n`` sampled answers of ``--tokens`` tokens each
   through ``edgevl.stream_choices`` on an ``Engine`` with ``--n`` slots, no prefix reuse. "shared"
@@ -18,7 +18,7 @@
   the next turn as a chat client sends it (the conversation again, the picture included): "second"
   with the image cache (the picture is not encoded again), "second, encoded again" with the cache
   off (``image_cache_mb=0``), each after its own first turn from an empty cache. Time to the first
-  token (one token generated).
+  token (one token generated). ``--video CLIP`` asks about a video file instead.
 
 Interleaved rounds, each with prompts of its own; medians over the rounds.
 """
@@ -87,7 +87,9 @@ def image(model, a, times: dict, out: dict) -> None:
         y, x = np.mgrid[0:a.size, 0:a.size]
         pic = Image.fromarray(np.stack([(x * (r + 3)) % 256, (y * 5 + r * 40) % 256, (x + y) % 256], -1)
                               .astype(np.uint8))
-        first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is this? ({r})"}]}]
+        kind_of = "video" if a.video else "image"
+        media = {"video": a.video} if a.video else {"image": [pic]}
+        first = [{"role": "user", "content": [{"type": kind_of}, {"type": "text", "text": f"What is this? ({r})"}]}]
         second = first + [{"role": "assistant", "content": "A pattern of stripes."},
                           {"role": "user", "content": "What colours are in it?"}]
         for kind in (("second", "second, encoded again") if r % 2 else ("second, encoded again", "second")):
@@ -95,11 +97,12 @@ def image(model, a, times: dict, out: dict) -> None:
             model.image_cache = type(model.image_cache)(budget if kind == "second" else 0)
             for turn, msgs in (("first", first), (kind, second)):
                 t = time.perf_counter()
-                evs = list(edgevl.stream_events(model, msgs, image=[pic], max_new_tokens=1, thinking=False))
+                evs = list(edgevl.stream_events(model, msgs, **media, max_new_tokens=1, thinking=False))
                 times.setdefault(turn, []).append(time.perf_counter() - t)
                 out.setdefault("tokens", {})[turn] = {"prompt_tokens": evs[-1].prompt_tokens,
                                                       "computed": evs[-1].prefill_tokens}
     out["size"] = a.size
+    out["video"] = a.video
 
 
 def main() -> None:
@@ -111,6 +114,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="answers: tokens per answer")
     ap.add_argument("--rounds", type=int, default=None, help="answers: 3, system: 5")
     ap.add_argument("--size", type=int, default=384, help="image: the picture's side in pixels")
+    ap.add_argument("--video", default=None, help="image: ask about this video file instead (the same clip "
+                                                  "every round)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

@@ -327,7 +327,7 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
     rendered text before tokenization (videos' per-patch groups)."""
     kw = template_kwargs(chat_template_kwargs)
     rewrite = rewrite or (lambda t: t)
-    text = rewrite(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
     contents = _contents(messages)
     specials = tok.special_tokens
     if not allow_special_in_content:
@@ -339,25 +339,21 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
                 raise EdgevlError(f"{where} contains the control-token text {bad!r}, which would act as a "
                                   "control token there; remove it")
     if allow_special_in_content or not any(sp in c for c in contents for sp in specials):
-        return tok.encode(text)  # the common case: the exact tokens of the whole rendered prompt
+        return tok.encode(rewrite(rendered))  # the common case: the exact tokens of the whole rendered prompt
     # Render again with a marker in each content's place: the text between markers is the
-    # template's own (control tokens allowed), the contents are encoded as plain text.
+    # template's own (control tokens allowed), the contents are encoded as plain text. The rewrite
+    # runs on that rendering, so a placeholder's text typed in a message is not taken for one.
     if any("\ue000" in c for c in contents):
         raise EdgevlError("message contents may not contain U+E000 together with control-token text")
-    masked = rewrite(tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
-                                             add_generation_prompt=True, **kw))
-    ids, rebuilt = [], []
-    for k, piece in enumerate(_MARK.split(masked)):
-        if k % 2:
-            piece = contents[int(piece)]
-            ids += tok.encode(piece, special=False)
-        else:
-            ids += tok.encode(piece)
-        rebuilt.append(piece)
-    if "".join(rebuilt) != text:  # the template rewrites contents: no safe split exists
+    masked = tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
+                                     add_generation_prompt=True, **kw)
+    if _MARK.sub(lambda m: contents[int(m[1])], masked) != rendered:   # the template rewrites contents
         bad = next(sp for c in contents for sp in specials if sp in c)
         raise EdgevlError(f"a message contains the control-token text {bad!r}, which this chat template cannot "
                           "keep as plain text; remove it")
+    ids = []
+    for k, piece in enumerate(_MARK.split(rewrite(masked))):
+        ids += tok.encode(contents[int(piece)], special=False) if k % 2 else tok.encode(piece)
     return ids
 
 

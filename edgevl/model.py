@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +44,9 @@ PREFILL_CHUNK = 512
 # load options of the runtime itself (not of an architecture): speculative decoding
 SPECULATIVE_OPTIONS = ("speculative", "draft_tokens", "draft_vocab")
 RELEASE_TRIM_BYTES = 64 << 20
-# encoded images kept for the next request that sends the same picture (a chat client resends
-# the whole conversation, its image included, every turn), ``image_cache_mb`` load option: a
-# 384x384 image's rows take 0.6 MB at the 0.8B shape
+# encoded images (and video files) kept for the next request that sends the same one again (a chat
+# client resends the whole conversation, its image included, every turn), ``image_cache_mb`` load
+# option: a 384x384 image's rows take 0.6 MB at the 0.8B shape
 IMAGE_CACHE_MB = 64
 
 
@@ -59,9 +61,10 @@ class PromptChunk(NamedTuple):
 
 
 class ImageCache:
-    """Encoded images (the vision tower's rows and processor info) by their pixels' digest and
-    patch limit, least recently used first out, within ``limit`` bytes of rows (0: keeps none).
-    Used on the model's owner thread only."""
+    """Encoded images and videos (the vision tower's rows and processor info), by the digest of an
+    image's pixels and its patch limit or of a video file's bytes and its sampling options, least
+    recently used first out, within ``limit`` bytes of rows (0: keeps none). Used on the model's
+    owner thread only."""
 
     def __init__(self, limit: int):
         self.limit, self.bytes, self.hits, self.misses = int(limit), 0, 0, 0
@@ -98,6 +101,30 @@ def _pixels_digest(image) -> str:
     step = max(1, (1 << 20) // w)
     for y in range(0, rows, step):
         h.update(image.crop((0, y, w, min(rows, y + step))).tobytes())
+    return h.hexdigest()
+
+
+def _file_digest(video) -> str | None:
+    """A digest of a video file's bytes, for a regular file given by its path (the API's and the
+    command line's) or as an open file (the server's copy of a data: URL); None for anything else
+    (frames, a folder of frames, a path the server still has to check against its folder)."""
+    from .processing.video import VideoFile
+
+    h = hashlib.sha1()
+    if isinstance(video, VideoFile):
+        if video.file is None:
+            return None
+        fd = video.file.fileno()
+        at = 0
+        while chunk := os.pread(fd, 8 << 20, at):
+            h.update(chunk)
+            at += len(chunk)
+        return h.hexdigest()
+    if not isinstance(video, (str, os.PathLike)) or not os.path.isfile(video):   # no FIFO, no device
+        return None
+    with open(video, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
     return h.hexdigest()
 
 
@@ -350,13 +377,20 @@ class Model:
             self.image_cache.misses += 1
             return self.vision(image, max_image_patches)
         image = load_image(image)
-        key = (_pixels_digest(image), image.size, max_image_patches)
+        return self._cached((_pixels_digest(image), image.size, max_image_patches),
+                            lambda: self.vision(image, max_image_patches))
+
+    def _cached(self, key, encode) -> tuple:
+        """``encode()``'s (rows, info), or what the image cache kept of it under ``key``."""
+        t0 = time.perf_counter()
         hit = self.image_cache.get(key)
         if hit is None:
-            hit = self.vision(image, max_image_patches)
-            self.image_cache.put(key, *hit)
+            rows, info = encode()
+            self.image_cache.put(key, rows, info)
+            return rows, dict(info)
         rows, info = hit
-        return rows, dict(info)
+        # an info's encoding time (a video's "seconds") is this call's: the lookup's
+        return rows, {**info, **({"seconds": time.perf_counter() - t0} if "seconds" in info else {})}
 
     @property
     def takes_video(self) -> bool:
@@ -370,7 +404,11 @@ class Model:
         if not self.takes_video:
             raise EdgevlError(f"this model ({self.arch.name}) takes no video"
                               + ("" if self.vision is None else "; send a few frames as images"))
-        return self.vision.encode_video(video, fps, max_frames, max_pixels)
+        digest = _file_digest(video) if self.image_cache.limit > 0 else None
+        if digest is None:      # frames in memory, a folder of frames, a path under the server's rules
+            return self.vision.encode_video(video, fps, max_frames, max_pixels)
+        return self._cached(("video", digest, fps, max_frames, max_pixels),
+                            lambda: self.vision.encode_video(video, fps, max_frames, max_pixels))
 
     def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None) -> int:

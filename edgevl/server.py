@@ -933,8 +933,8 @@ def server_metrics(server) -> Registry:
             labels=("kind",), read=lambda: {("decode",): engine.steps, ("prompt",): engine.prompts})
     reg.add("edgevl_engine_decode_rows_total", "Rows the decode forwards carried (over the decode forwards: the "
             "mean batch).", read=lambda: engine.rows)
-    reg.add("edgevl_image_cache_requests_total", "Images the vision tower was asked to encode, by whether the "
-            "image cache held them (hit: not encoded again).", labels=("result",),
+    reg.add("edgevl_image_cache_requests_total", "Images and video files the vision tower was asked to encode, by "
+            "whether the image cache held them (hit: not encoded again).", labels=("result",),
             read=lambda: {("hit",): model.image_cache.hits, ("miss",): model.image_cache.misses})
     reg.add("edgevl_image_cache_bytes", "Bytes of encoded images the image cache holds (--image-cache-mb).",
             "gauge", read=lambda: model.image_cache.bytes)

@@ -59,8 +59,8 @@ COMMON_RUNTIME_OPTIONS = {
         int, "prompt tokens per prefill run (default 512): activation memory grows with it; "
              "lower it to fit a long prompt in less RAM", "TOKENS", 1),
     "image_cache_mb": RuntimeOption(
-        int, "encoded images kept, so a request that sends the same picture again (a chat's next turn) "
-             "skips the vision tower (default 64; 0: none)", "MB", 0),
+        int, "encoded images and video files kept, so a request that sends the same one again (a chat's "
+             "next turn) skips the vision tower (default 64; 0: none)", "MB", 0),
 }
 
 

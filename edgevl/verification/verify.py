@@ -110,6 +110,24 @@ def source_of(package) -> Path:
     return Path(src)
 
 
+def source_changed(package, reference_dir) -> str | None:
+    """What differs between ``reference_dir`` and the checkpoint ``package`` was converted from,
+    by the sha256 of the weight files its manifest recorded (None: the same files, or nothing
+    recorded): another checkpoint written to the same folder would fail the comparison, and
+    the package would take the blame."""
+    from ..package import read_manifest
+    from ..weights import sha256_file
+
+    recorded = (read_manifest(package).get("source") or {}).get("files") or {}
+    for name, digest in sorted(recorded.items()):
+        f = Path(reference_dir) / name
+        if not f.is_file():
+            return f"{name} is not there"
+        if sha256_file(f) != digest:
+            return f"{name} differs from the file converted"
+    return None
+
+
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
             max_image_patches=None, threads=None, log=None, options=None) -> Report:
     """``log`` (a callable taking one line) hears what is being compared and each step."""
@@ -124,6 +142,10 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
 
         check_threads(threads)
     reference_dir = Path(reference_dir) if reference_dir else source_of(package)
+    changed = source_changed(package, reference_dir)
+    if changed:
+        log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a FAIL "
+            "may be that difference, not the package: convert it again or pass the original with --reference")
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     steps = 5 if images else 4
     step = iter(range(1, steps + 1))

@@ -30,3 +30,24 @@ def test_fp32_greedy_token_exact_and_layers(checkpoints, tmp_path_factory, name,
     for _sec, layer, cos, diff in rep.rows:
         assert cos >= 0.99999, f"{name}/{kv}: {layer} cosine {cos:.7f} (max diff {diff:.3g})"
     assert rep.identical
+
+
+def test_verify_warns_when_the_source_folder_holds_another_checkpoint(tmp_path):
+    """verify's default reference is the folder the package was converted from: another
+    checkpoint written there since fails the comparison, and the warning says why (the weights'
+    sha256 recorded at conversion differ), so the package does not take the blame."""
+    import edgevl
+    from edgevl.verification.verify import source_changed
+
+    ck = make_youtu(tmp_path / "ck", seed=1)
+    pkg = edgevl.convert(ck, tmp_path / "pkg", dtype="fp32", progress=False)
+    assert source_changed(pkg, ck) is None
+    lines = []
+    assert compare(pkg, None, PROMPTS[1], max_new_tokens=2, log=lines.append).identical
+    assert not any("warning" in line for line in lines)
+    make_youtu(tmp_path / "ck", seed=2)      # another checkpoint, same folder
+    assert source_changed(pkg, ck) == "model.safetensors differs from the file converted"
+    lines = []
+    compare(pkg, None, PROMPTS[1], max_new_tokens=2, log=lines.append)
+    warned = f"warning: {ck} is not the checkpoint this package was converted from"
+    assert any(line.startswith(warned) for line in lines)

@@ -157,3 +157,18 @@ def test_tool_text_cannot_forge_control_tokens(qwen):
     for calls in (["x"], {"name": "search"}, [{"id": "c1", "type": "function"}]):
         with pytest.raises(EdgevlError, match="tool_calls must be a list of"):
             prepare(qwen, [turns[0], dict(call, tool_calls=calls), turns[2]])
+
+
+def test_a_placeholders_text_typed_beside_a_video_stays_text(qwen):
+    """`<|video_pad|>` written in a message beside a real video is plain text, as any control-token
+    text in a message is (it was taken for a second placeholder and the prompt refused)."""
+    frames = [picture(i).resize((64, 64)) for i in range(4)]
+
+    def ask(text):
+        return prepare(qwen, [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
+                       video=frames)
+
+    typed, plain = ask("Is <|video_pad|> a token?"), ask("Is it a token?")
+    pad = qwen.video_token_id
+    assert typed.input_ids.count(pad) == plain.input_ids.count(pad) > 0
+    assert len(typed.input_ids) > len(plain.input_ids)

@@ -126,3 +126,36 @@ def test_a_second_question_about_an_image_answers_as_without_the_cache(plain):
     want = [edgevl.generate(plain, q, image=a, max_new_tokens=8) for q in questions]
     got = [edgevl.generate(model, q, image=png(a), max_new_tokens=8) for q in questions]
     assert got == want and model.vision.calls == 1
+
+
+def test_a_video_file_sent_again_is_not_decoded_and_encoded_again(tmp_path):
+    """A video file (by path, or the server's copy of a data: URL) is encoded once per sampling
+    options; frames in memory are not kept. The answer is the uncached one."""
+    from edgevl.processing.video import VideoFile
+    from support.clips import save_animation, small_frames
+    from support.qwen import make_qwen3_5
+
+    pkg = edgevl.convert(make_qwen3_5(tmp_path / "ck", seed=4), tmp_path / "pkg", dtype="fp32", progress=False)
+    clip = save_animation(tmp_path / "clip.gif", small_frames(4, 64, 64))
+    plain, model = edgevl.load(pkg, image_cache_mb=0), edgevl.load(pkg)
+    calls = []
+    encode = model.vision.encode_video
+    model.vision.encode_video = lambda *a, **k: calls.append(a) or encode(*a, **k)
+
+    def ask(m, video, **options):
+        return edgevl.generate(m, "What happens?", video=video, video_options=options or None, max_new_tokens=4,
+                               thinking=False)
+
+    want = ask(plain, clip)
+    assert ask(model, clip) == ask(model, clip) == want and len(calls) == 1
+    rows, info = model.encode_video(clip)
+    assert len(calls) == 1 and info["seconds"] < 0.5
+    with open(clip, "rb") as f:        # the server's form: an open file of the same bytes
+        model.encode_video(VideoFile(file=f, name="the video"))
+    assert len(calls) == 1
+    ask(model, clip, fps=1)            # other sampling options: another encoding
+    assert len(calls) == 2
+    frames = small_frames(4, 64, 64)
+    ask(model, frames)
+    ask(model, frames)
+    assert len(calls) == 4             # frames in memory: encoded each time
