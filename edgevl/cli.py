@@ -268,12 +268,23 @@ def check_media(a) -> None:
     video = getattr(a, "video", None)
     videos = video if isinstance(video, list) else [video] if video else []
     for im in images:
-        if not is_demo_image(im) and not Path(im).is_file():
-            raise EdgevlError(f"--image {im} is a folder; give an image file" if Path(im).is_dir() else
-                              f"image not found: {im} (--image); check the path")
+        p = Path(_file_url_path(im))
+        if not is_demo_image(im) and not p.is_file():
+            raise EdgevlError(f"--image {im} is a folder; give an image file" if p.is_dir() else
+                              f"--image {im} is not a regular file (a FIFO or a device); give an image file"
+                              if p.exists() else f"image not found: {im} (--image); check the path")
     for v in videos:
         if not Path(v).exists():
             raise EdgevlError(f"video not found: {v} (--video); check the path")
+
+
+def _file_url_path(value: str) -> str:
+    """A ``file://`` URL's path (as a file manager copies it); anything else as it is."""
+    if not value.startswith("file://"):
+        return value
+    from urllib.parse import unquote, urlsplit
+
+    return unquote(urlsplit(value).path)
 
 
 def check_package(path: str, a, video: bool = False) -> None:

@@ -97,6 +97,21 @@ def test_draw_boxes_without_an_image_is_refused_before_the_answer(workdir, tmp_p
     assert list(workdir.iterdir()) == [] and not cache.exists()
 
 
+def test_image_paths_as_file_urls_and_fifos(workdir, tmp_path, monkeypatch, capsys):
+    """--image takes a file:// URL (as a file manager copies it); a FIFO is not taken for a missing
+    file, nor opened (it would block)."""
+    import os
+
+    fresh_cache(tmp_path, monkeypatch)
+    os.mkfifo(workdir / "pipe.png")
+    one_line_error(*cli(capsys, "run", "--image", "pipe.png", "--prompt", "hi")[::2], "is not a regular file")
+    one_line_error(*cli(capsys, "run", "--image", (workdir / "gone.png").as_uri(), "--prompt", "hi")[::2],
+                   "image not found")
+    make_scene(1).image.save(workdir / "a b.png")
+    with pytest.raises(AssertionError, match="a model was loaded"):     # checked, and taken: the model loads
+        cli(capsys, "run", "--image", (workdir / "a b.png").as_uri(), "--prompt", "hi")
+
+
 def test_serve_values_are_one_line(workdir, capsys):
     for args, needle in ((("--port", "http"), "--port must be an integer"), (("--port", "-1"), "--port must be >= 0"),
                          (("--parallel", "x"), "--parallel must be an integer"),

@@ -118,6 +118,11 @@ def test_batch_video_column(setup, tmp_path, capsys):
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["a"]["answer"] == want and rows["a"]["video"] == gif and rows["a"]["error"] is None
     assert "video not found" in rows["b"]["error"] and "no image or video" in rows["c"]["error"]
+    # the demo model takes no video: refused before any row, not each video row failing
+    none = tmp_path / "none.jsonl"
+    one_line_error(*cli(capsys, "batch", "--input", table, "--prompt", PROMPT, "--output", none,
+                        "--quiet")[::2], "takes no video")
+    assert not none.exists()
 
 
 def test_api_refusals(setup):
