@@ -308,8 +308,9 @@ def test_decoding_from_another_thread_is_as_fast_as_from_the_loading_thread(tmp_
                                                intermediate_size=1536, num_hidden_layers=4)
     model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="bf16", progress=False), threads=2)
     decode_rate(model, 8)   # first-run allocations
-    main, other = [], []
-    for _ in range(5):   # best of 5: this machine's timings jump by 30 % from run to run
-        main.append(decode_rate(model))
-        other.append(in_thread(lambda: decode_rate(model)))
-    assert max(other) >= 0.8 * max(main), f"{max(other):.0f} tok/s from a thread, {max(main):.0f} from main"
+    ratios = []
+    for _ in range(5):   # pairs side by side, their median ratio: one run can jump by 40 % on this machine
+        main = decode_rate(model)
+        ratios.append(in_thread(lambda: decode_rate(model)) / main)
+    ratio = sorted(ratios)[2]
+    assert ratio >= 0.8, f"from a thread at {ratio:.2f}x the main thread's speed (pairs: {ratios})"
