@@ -1262,13 +1262,9 @@ class BatchJob:
             _refuse_output_is_input(rows, output)
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column)
         if any(it.get("video") for it in self.items):   # a model without video would fail every such row
-            if self.loaded is not None and not self.loaded.takes_video:
-                raise EdgevlError(f"this model ({self.loaded.arch.name}) takes no video, and rows have a "
-                                  f"{VIDEO_COLUMN!r}; use a model that does (docs/video.md) or drop the column")
-            if self.loaded is None:
-                from .model import check_load_options
+            from .model import check_load_options
 
-                check_load_options(path, video=True)
+            check_load_options(path, video=True)
         if self.ray is None and not low_memory and min(self.workers, len(self.items)) > 1:
             _check_worker_memory(path, self.workers, min(self.workers, len(self.items)))
         self.output, self.overwrite, self.retry_errors, self.repair = output, overwrite, retry_errors, repair

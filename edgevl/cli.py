@@ -263,12 +263,13 @@ def check_media(a) -> None:
     """--image and --video name files that are there (``demo`` draws a scene; a video may also be a
     folder of frames)."""
     from .demo.scene_file import is_demo_image
+    from .processing.image import file_url_path
 
     images = a.image if isinstance(a.image, list) else [a.image] if a.image else []
     video = getattr(a, "video", None)
     videos = video if isinstance(video, list) else [video] if video else []
     for im in images:
-        p = Path(_file_url_path(im))
+        p = Path(file_url_path(im) if im.startswith("file://") else im)
         if not is_demo_image(im) and not p.is_file():
             raise EdgevlError(f"--image {im} is a folder; give an image file" if p.is_dir() else
                               f"--image {im} is not a regular file (a FIFO or a device); give an image file"
@@ -276,15 +277,6 @@ def check_media(a) -> None:
     for v in videos:
         if not Path(v).exists():
             raise EdgevlError(f"video not found: {v} (--video); check the path")
-
-
-def _file_url_path(value: str) -> str:
-    """A ``file://`` URL's path (as a file manager copies it); anything else as it is."""
-    if not value.startswith("file://"):
-        return value
-    from urllib.parse import unquote, urlsplit
-
-    return unquote(urlsplit(value).path)
 
 
 def check_package(path: str, a, video: bool = False) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 from . import structured
 from . import tools as tool_calls
 from .errors import EdgevlError
-from .sample import Logprobs, check_logit_bias
+from .sample import Logprobs, check_logit_bias, check_seed
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
 
@@ -174,24 +174,13 @@ def _payload(part: dict, kind: str):
         return url
     if url.startswith(("http://", "https://")):
         raise EdgevlError(f"{kind} URLs are not fetched; download the file and give its path or bytes")
+    from .processing.image import data_url_bytes, file_url_path
+
     if url.startswith("data:"):
         if kind != "image":
             raise EdgevlError("a video is given by its file's path, not a data: URL")
-        import base64
-        import binascii
-
-        head, _, data = url.partition(",")
-        if not head.endswith(";base64"):
-            raise EdgevlError("an image data: URL must be base64 (data:image/png;base64,...)")
-        try:
-            return base64.b64decode(data, validate=True)
-        except binascii.Error:
-            raise EdgevlError("the image data: URL is not valid base64") from None
-    if url.startswith("file://"):
-        from urllib.parse import unquote, urlsplit
-
-        return unquote(urlsplit(url).path)
-    return url
+        return data_url_bytes(url)
+    return file_url_path(url) if url.startswith("file://") else url
 
 
 def _video_groups(tok, model, infos):
@@ -397,10 +386,7 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     so or not (its chat template's switch; None: the template's default). ``video``: one clip or
     a list (``Model.encode_video`` says what a clip may be); ``video_options``: its ``fps``,
     ``max_frames`` and ``max_pixels``."""
-    if max_image_patches is not None and (isinstance(max_image_patches, bool)
-                                          or not isinstance(max_image_patches, (int, np.integer))
-                                          or max_image_patches < 1):
-        raise EdgevlError(f"max_image_patches must be a whole number >= 1, got {max_image_patches!r:.40}")
+    _check_whole("max_image_patches", max_image_patches, 1)
     tok = model.tokenizer
     chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
@@ -471,6 +457,12 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
         else:
             prep.input_ids.append(t)
     return prep
+
+
+def _check_whole(name: str, value, minimum: int) -> None:
+    """``value`` is None or an integer >= ``minimum`` (2.9 and "3" are mistakes), else one line."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum):
+        raise EdgevlError(f"{name} must be a whole number >= {minimum}, got {value!r:.40}")
 
 
 def stop_strings(stop) -> list[str]:
@@ -545,11 +537,8 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
         raise EdgevlError(f"logprobs must be true or false, got {logprobs!r}")
     bias = check_logit_bias(logit_bias, model.vocab_size)
     stop = stop_strings(stop)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise EdgevlError(f"seed must be an integer >= 0, got {seed!r:.40}")
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
-                                       or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0):
-        raise EdgevlError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r:.40}")
+    check_seed(seed)     # before ``seed + i`` makes a TypeError of a string
+    _check_whole("max_new_tokens", max_new_tokens, 0)
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
     if spec is not None and spec.structure is not None:

@@ -109,23 +109,19 @@ def _file_digest(video) -> str | None:
     command line's) or as an open file (the server's copy of a data: URL); None for anything else
     (frames, a folder of frames, a path the server still has to check against its folder)."""
     from .processing.video import VideoFile
+    from .weights import sha256_file
 
-    h = hashlib.sha1()
     if isinstance(video, VideoFile):
         if video.file is None:
             return None
-        fd = video.file.fileno()
-        at = 0
-        while chunk := os.pread(fd, 8 << 20, at):
+        h, fd, at = hashlib.sha256(), video.file.fileno(), 0
+        while chunk := os.pread(fd, 8 << 20, at):     # not moving the file's position
             h.update(chunk)
             at += len(chunk)
         return h.hexdigest()
     if not isinstance(video, (str, os.PathLike)) or not os.path.isfile(video):   # no FIFO, no device
         return None
-    with open(video, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(video)
 
 
 def _as_list(v) -> list[int]:

@@ -43,6 +43,12 @@ SETTINGS = {
 }
 
 
+def check_seed(seed) -> None:
+    """A seed is None or an integer >= 0, else a one-line EdgevlError."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise EdgevlError(f"seed must be an integer >= 0, got {seed!r:.40}")
+
+
 def check_setting(name: str, v) -> None:
     """A sampling setting in its range (``SETTINGS``), else a one-line EdgevlError naming it."""
     ok, what = SETTINGS[name]
@@ -59,8 +65,7 @@ class Sampler:
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
             check_setting(name, v)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise EdgevlError(f"seed must be an integer >= 0, got {seed}")
+        check_seed(seed)
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.repetition_penalty = float(repetition_penalty)
         self.min_p = float(min_p)

@@ -58,8 +58,6 @@ Design:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ctypes
 import errno
 import hmac
@@ -86,9 +84,10 @@ from urllib.parse import unquote, urlsplit
 from . import __version__, responses, structured
 from . import tools as tool_calls
 from .errors import EdgevlError, PackageError
-from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stream_choices
+from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stop_strings, stream_choices
 from .metrics import Registry, process_metrics
 from .model import Model, load
+from .processing.image import data_url_bytes, file_url_path
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias, check_setting, finite_number
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
@@ -246,23 +245,19 @@ def _image(url: str, server: EdgevlServer, param: str) -> PendingImage:
 
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        head, sep, data = url[5:].partition(",")
-        if not sep or not head.lower().endswith(";base64"):
-            raise HTTPError(400, "image data: URLs must be base64 (data:image/png;base64,...)", param, "invalid_image")
-        data = "".join(data.split())  # tolerate line-wrapped base64
         try:
-            raw = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise HTTPError(400, "the image data: URL is not valid base64", param, "invalid_image") from None
+            raw = data_url_bytes(url, "image")
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), param, "invalid_image") from None
         return PendingImage(lambda: Image.open(io.BytesIO(raw)), param)
     if scheme in ("http", "https", "ftp"):
         raise HTTPError(400, "remote image URLs are not fetched; send the image inline as a data: URL "
                         "(data:image/png;base64,...)", param, "remote_image_url")
     if scheme == "file":
-        u = urlsplit(url)
-        if u.netloc not in ("", "localhost"):
-            raise HTTPError(400, f"file URL with host {u.netloc!r}: only local files are supported", param)
-        path = unquote(u.path)
+        try:
+            path = file_url_path(url)
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), param) from None
     elif len(scheme) > 1:
         raise HTTPError(400, f"unsupported image URL scheme {scheme!r}; use a data: URL", param, "invalid_image")
     else:
@@ -336,13 +331,10 @@ def _video(url: str, server, param: str, options: dict) -> PendingVideo:
 
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        head, sep, data = url[5:].partition(",")
-        if not sep or not head.lower().endswith(";base64"):
-            raise HTTPError(400, "video data: URLs must be base64 (data:video/mp4;base64,...)", param, "invalid_video")
         try:
-            raw = base64.b64decode("".join(data.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise HTTPError(400, "the video data: URL is not valid base64", param, "invalid_video") from None
+            raw = data_url_bytes(url, "video")
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), param, "invalid_video") from None
         # unnamed (O_TMPFILE where the system has it, else unlinked at once): nothing to clean up
         f = tempfile.TemporaryFile(prefix="edgevl-video-")
         try:
@@ -357,11 +349,10 @@ def _video(url: str, server, param: str, options: dict) -> PendingVideo:
         raise HTTPError(400, "remote video URLs are not fetched; send the video inline as a data: URL "
                         "(data:video/mp4;base64,...)", param, "remote_image_url")
     if scheme == "file":
-        u = urlsplit(url)
-        if u.netloc not in ("", "localhost"):
-            raise HTTPError(400, f"file URL with host {u.netloc!r}: only local files are supported", param,
-                            "invalid_video")
-        path = unquote(u.path)
+        try:
+            path = file_url_path(url)
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), param, "invalid_video") from None
     elif len(scheme) > 1:
         raise HTTPError(400, f"unsupported video URL scheme {scheme!r}; use a data: URL", param, "invalid_video")
     else:
@@ -571,10 +562,10 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         max_tokens = _number(req, "max_tokens", None, int)
     if max_tokens is not None and max_tokens < 1:
         raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    stop = req.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    try:
+        stop = stop_strings(req.get("stop"))
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), "stop") from None
     seed = _number(req, "seed", None, int)
     if seed is not None and seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {seed}", "seed")

@@ -1,7 +1,7 @@
 """Image input shared by every processor, in numpy + Pillow (no torch).
 
 * :func:`load_image`: decode to 8-bit RGB with the EXIF orientation, bounded against image
-  bombs.
+  bombs; :func:`data_url_bytes` and :func:`file_url_path` read the URLs images and videos come as.
 * :func:`resize_uint8_antialias`: PyTorch's uint8 antialiased bilinear and bicubic kernels,
   bit-exact, and :func:`resize_pil_strips`, the same reading a PIL image in strips.
 * :func:`resize_torchvision`: the resize transformers' torchvision image and video processors
@@ -14,6 +14,8 @@ written down.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 import os
@@ -27,8 +29,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edgevl.errors import EdgevlError
 
-__all__ = ["load_image", "resize_uint8_antialias", "resize_pil_strips", "resize_torchvision", "exif_transpose",
-           "MAX_IMAGE_PATCHES"]
+__all__ = ["load_image", "data_url_bytes", "file_url_path", "resize_uint8_antialias", "resize_pil_strips",
+           "resize_torchvision", "exif_transpose", "MAX_IMAGE_PATCHES"]
 
 # The largest per-image patch budget accepted (a 4096x4096 image at 16 px patches). Tested to run
 # on this ncnn wheel; far larger budgets crashed ncnn (a segfault, not an error) and would take
@@ -67,10 +69,8 @@ def load_image(image) -> Image.Image:
                 f"Could not decode the image ({type(e).__name__}: {e}); re-save it as PNG or JPEG."
             ) from None
         return _to_rgb(image, "the image")
-    if isinstance(image, str) and image.startswith("file://"):   # a file URL, as a browser or a file manager copies it
-        from urllib.parse import unquote, urlsplit
-
-        image = unquote(urlsplit(image).path)
+    if isinstance(image, str) and image.startswith("file://"):   # as a browser or a file manager copies it
+        image = file_url_path(image)
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -82,6 +82,30 @@ def load_image(image) -> Image.Image:
         f"Unsupported image type {type(image).__name__}; pass a file path, the bytes of an image file or a "
         "PIL.Image.Image."
     )
+
+
+def data_url_bytes(url: str, what: str = "image") -> bytes:
+    """The bytes of a base64 ``data:`` URL (line-wrapped base64 tolerated); ``what`` ("image" or
+    "video") names it in the one-line errors."""
+    head, sep, data = url[5:].partition(",")
+    if not sep or not head.lower().endswith(";base64"):
+        example = "data:image/png;base64,..." if what == "image" else "data:video/mp4;base64,..."
+        raise EdgevlError(f"{what} data: URLs must be base64 ({example})")
+    try:
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise EdgevlError(f"the {what} data: URL is not valid base64") from None
+
+
+def file_url_path(url: str) -> str:
+    """The local path a ``file:`` URL names (percent-escapes decoded); one naming another host is
+    a one-line error."""
+    from urllib.parse import unquote, urlsplit
+
+    u = urlsplit(url)
+    if u.netloc not in ("", "localhost"):
+        raise EdgevlError(f"file URL with host {u.netloc!r}: only local files are supported")
+    return unquote(u.path)
 
 
 def _open_path(path: Path) -> Image.Image:

@@ -141,11 +141,14 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         from ..runtime import check_threads
 
         check_threads(threads)
-    reference_dir = Path(reference_dir) if reference_dir else source_of(package)
-    changed = source_changed(package, reference_dir)
-    if changed:
-        log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a FAIL "
-            "may be that difference, not the package: convert it again or pass the original with --reference")
+    if not reference_dir:   # the folder converted from, which may hold another checkpoint since
+        reference_dir = source_of(package)
+        changed = source_changed(package, reference_dir)
+        if changed:
+            log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a "
+                "FAIL may be that difference, not the package: convert it again or pass the original with "
+                "--reference")
+    reference_dir = Path(reference_dir)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     steps = 5 if images else 4
     step = iter(range(1, steps + 1))
