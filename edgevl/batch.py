@@ -1363,8 +1363,10 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
                    thinking=a.thinking, allow_special_in_content=a.allow_special_in_content,
                    response_format=structured.cli_format(a.json_schema, a.json), **sampling)
     where = f"Ray ({'local' if job.ray == 'local' else job.ray})" if job.ray else "local"
-    inline = "" if job.workers > 1 or job.ray else f", {job.parallel} rows at a time"
-    print(f"batch: {len(job.items)} rows; {job.workers} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
+    # local workers start no more than there are rows (one row runs in this process)
+    count = job.workers if job.ray else max(1, min(job.workers, len(job.items)))
+    inline = "" if count > 1 or job.ray else f", {job.parallel} rows at a time"
+    print(f"batch: {len(job.items)} rows; {count} {'actor' if job.ray else 'worker'}(s) x {job.threads} "
           f"thread(s), {where}{inline}", file=sys.stderr)
     if job.oversubscribed():
         print(f"warning: {job.workers} workers x {job.threads} threads > {_physical_cores()} cores; ncnn slows "

@@ -1137,7 +1137,7 @@ class Handler(BaseHTTPRequestHandler):
             if self._status is not None:
                 self.server.metrics.inc("edgevl_http_requests_total", route=_route_label(self.path),
                                         status=self._status)
-                self._log_done(method)
+                self._log_done(self.command or method)   # HEAD is served as GET but logged as HEAD
 
     def send_response(self, code, message=None):
         self._status = code

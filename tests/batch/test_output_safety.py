@@ -406,3 +406,15 @@ def test_more_workers_than_the_memory_holds_are_refused(pkg, folder, tmp_path, c
     BatchJob(pkg, folder, PROMPT, workers=24, low_memory=True)  # weights are not kept resident
     monkeypatch.setattr(runtime, "available_memory", lambda: 64 << 30)
     BatchJob(pkg, folder, PROMPT, workers=24)
+
+
+def test_the_start_line_counts_the_workers_that_start(pkg, folder, tmp_path, capsys):
+    """`--workers 3` over one row starts none: the row runs in this process, and the first line
+    says so rather than promising three workers."""
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "s0.png").write_bytes((folder / "s0.png").read_bytes())
+    code, _, err = batch(capsys, pkg, "--input", one, "--output", tmp_path / "o.jsonl", "--workers", 3,
+                         "--max-new-tokens", 2)
+    assert code == 0, err
+    assert "batch: 1 rows; 1 worker(s) x 1 thread(s), local, 4 rows at a time" in err, err

@@ -162,6 +162,10 @@ def test_the_access_log_has_each_requests_time_tokens_and_id(capfd):
         assert status == 400
         ours = r.getheader("X-Request-Id")
         assert re.fullmatch(r"req_[0-9a-f]{32}", ours)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("HEAD", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
     finally:
         srv.stop()
     log = capfd.readouterr().err
@@ -172,6 +176,7 @@ def test_the_access_log_has_each_requests_time_tokens_and_id(capfd):
     assert re.search(line, log), log
     assert re.search(r'"POST /v1/chat/completions" 400 in \d+\.\d{3} s \[' + ours + r'\]\n', log), log
     assert log.count('"POST /v1/chat/completions"') == 2       # once each, when it is over
+    assert '"HEAD /health" 200' in log and '"GET /health"' not in log, log   # served as GET, logged as asked
 
 
 def test_max_tokens_caps_every_answer():
