@@ -255,8 +255,15 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
 def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
     if not prompt:
         raise EdgevlError("--prompt is required for a folder of images")
-    found = []
-    for d, dirs, files in os.walk(root):
+    found, visited = [], set()
+    # symlinked subfolders are followed (datasets are often linked in), each real folder once: a
+    # link back up the tree would otherwise loop
+    for d, dirs, files in os.walk(root, followlinks=True):
+        st = os.stat(d)
+        if (st.st_dev, st.st_ino) in visited:
+            dirs[:] = []
+            continue
+        visited.add((st.st_dev, st.st_ino))
         dirs[:] = [x for x in dirs if not x.startswith(".")]
         for f in files:
             if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS:

@@ -288,6 +288,23 @@ def test_a_hand_written_csv_with_spaces_after_the_commas(tmp_path):
         ("first", "a.png", "What is it, then?", None), ("second", "b.png", "Describe it.", None)]
 
 
+def test_a_folder_follows_linked_subfolders_once_each(tmp_path):
+    """A dataset folder linked into the input folder is read (it used to be skipped without a
+    word); a link back up the tree is not followed round; hidden folders stay out."""
+    from edgevl.batch import read_input
+
+    root, data = tmp_path / "in", tmp_path / "elsewhere"
+    (root / "own").mkdir(parents=True)
+    (root / ".cache").mkdir()
+    data.mkdir()
+    for p in (root / "own" / "a.png", data / "b.jpg", root / ".cache" / "c.png"):
+        p.write_bytes(b"not read here")
+    (root / "linked").symlink_to(data, target_is_directory=True)
+    (root / "own" / "up").symlink_to(root, target_is_directory=True)   # a loop
+    rows = read_input(root, prompt="Describe it.")
+    assert [r["id"] for r in rows] == ["linked/b.jpg", "own/a.png"]
+
+
 def test_jsonl_input_paths_relative_to_the_file(pkg, scenes, model, tmp_path):
     folder, paths = scenes
     src = folder / "rows.jsonl"  # inside the scene folder: paths relative to it
