@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import speculative
-from .errors import EdgevlError
+from .errors import EdgevlError, ShuttingDown
 from .model import shared_prefix
 from .runtime import MAX_SNAPSHOTS, state_bytes
 from .sample import Sampler, sample
@@ -195,7 +195,7 @@ class Engine:
                           "max_new": int(max_new_tokens), "constraint": constraint})
         with self.cond:
             if self.closed:
-                raise EdgevlError("the engine is closed")
+                raise ShuttingDown("the engine is closed")
             if after is not None and after.engine is self and after.args["ids"] == ids and \
                     len(after.args["rows"]) == len(rows) and all(a is b for a, b in zip(after.args["rows"], rows)):
                 s.leader = after
@@ -246,7 +246,7 @@ class Engine:
                 self.cond.wait()
             if self.closed:
                 for s in [*self.waiting, *self.active]:
-                    s.out.put(EdgevlError("the server is shutting down"))
+                    s.out.put(ShuttingDown("the server is shutting down"))
                     s.cancelled = True
                 closing = True
             else:

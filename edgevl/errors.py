@@ -6,7 +6,8 @@ exits non-zero; library users can catch it.
 
 ``PackageError`` is the subclass for faults of the converted package on disk that show up while
 it runs (an expert block whose bytes changed, a file cut short or replaced): not the request's
-fault, so the server answers them with a 5xx instead of a 4xx.
+fault, so the server answers them with a 5xx instead of a 4xx. ``ShuttingDown`` is a request
+cut short because the engine is closing: the server answers it with a 503, which clients retry.
 """
 
 
@@ -17,3 +18,7 @@ class EdgevlError(Exception):
 class PackageError(EdgevlError):
     """The package on disk is damaged or changed under a running model, stated in one line with
     how to recover."""
+
+
+class ShuttingDown(EdgevlError):
+    """The engine closed before or while the request ran: not the request's fault."""

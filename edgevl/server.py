@@ -75,6 +75,7 @@ import time
 import traceback
 import uuid
 import warnings
+from collections import deque
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
@@ -83,7 +84,7 @@ from urllib.parse import unquote, urlsplit
 
 from . import __version__, responses, structured
 from . import tools as tool_calls
-from .errors import EdgevlError, PackageError
+from .errors import EdgevlError, PackageError, ShuttingDown
 from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stop_strings, stream_choices
 from .metrics import Registry, process_metrics
 from .model import Model, load
@@ -115,39 +116,54 @@ class HTTPError(Exception):
 
 class Gate:
     """``slots`` generations at a time (the engine's); at most ``max_queue`` requests wait for
-    one, more get 429."""
+    one, more get 429. Waiters are served in arrival order, and a newcomer never takes a slot
+    ahead of them: under steady load no request waits while later ones go through."""
 
     def __init__(self, max_queue: int, slots: int = 1):
-        self.max_queue = max_queue
-        self.lock = threading.BoundedSemaphore(slots)
+        self.max_queue, self.slots = max_queue, slots
         self.held = 0       # requests holding a slot
-        self._count = threading.Lock()
-        self.waiting = 0
+        self._cond = threading.Condition()
+        self._queue: deque = deque()   # the waiters' tickets, oldest first
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
 
     @contextmanager
     def __call__(self, gone=lambda: False):
         """``gone()`` is polled while waiting: a client that hung up gives its place back."""
-        if not self.lock.acquire(blocking=False):
-            with self._count:
-                if self.waiting >= self.max_queue:
-                    raise HTTPError(429, f"the server is busy ({self.waiting} requests already waiting); retry "
+        with self._cond:
+            if self.held < self.slots and not self._queue:
+                self.held += 1
+            else:
+                if len(self._queue) >= self.max_queue:
+                    raise HTTPError(429, f"the server is busy ({len(self._queue)} requests already waiting); retry "
                                     "shortly", code="queue_full", headers={"Retry-After": "1"})
-                self.waiting += 1
-            try:
-                while not self.lock.acquire(timeout=0.25):
-                    if gone():
-                        raise ConnectionError("the client hung up while queued")
-            finally:
-                with self._count:
-                    self.waiting -= 1
-        with self._count:
-            self.held += 1
+                ticket = object()
+                self._queue.append(ticket)
+                try:
+                    while self._queue[0] is not ticket or self.held >= self.slots:
+                        self._cond.wait(0.25)
+                        self._cond.release()   # gone() may write to the client: not with the gate held
+                        try:
+                            hung_up = gone()
+                        finally:
+                            self._cond.acquire()
+                        if hung_up:
+                            raise ConnectionError("the client hung up while queued")
+                except BaseException:
+                    self._queue.remove(ticket)
+                    self._cond.notify_all()   # the one behind it may be first now
+                    raise
+                self._queue.popleft()
+                self.held += 1
+                self._cond.notify_all()   # with several free slots the next waiter may go too
         try:
             yield
         finally:
-            with self._count:
+            with self._cond:
                 self.held -= 1
-            self.lock.release()
+                self._cond.notify_all()
 
     def locked(self) -> bool:
         """Whether a request holds a slot."""
@@ -954,7 +970,8 @@ class _Observed:
             raise
         except BaseException as e:
             # the request's own mistake, found only once it ran (a 400), or the server's fault
-            self._end("refused" if isinstance(e, EdgevlError) and not isinstance(e, PackageError) else "error")
+            self._end("refused" if isinstance(e, EdgevlError) and not isinstance(e, (PackageError, ShuttingDown))
+                      else "error")
             raise
         if self.first is None:
             self.first = time.monotonic()
@@ -1436,6 +1453,9 @@ class Handler(BaseHTTPRequestHandler):
         (PackageError) and bugs are the server's: a 500 in one line, one log line (a bug's
         traceback too, where it helps), and the cache is dropped, since a failed step may have
         left it half-written."""
+        if isinstance(e, ShuttingDown):   # cut short by a shutdown: clients retry a 503 elsewhere
+            return HTTPError(503, "the server is shutting down; send the request to another instance or retry "
+                             "shortly", code="shutting_down", headers={"Retry-After": "5"})
         if isinstance(e, EdgevlError) and not isinstance(e, PackageError):
             return HTTPError(400, str(e), code="invalid_request")
         self.server.model.reset()

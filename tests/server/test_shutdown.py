@@ -121,3 +121,45 @@ def test_past_the_grace_it_stops_and_a_second_sigterm_stops_at_once(pkg, grace, 
     finally:
         p.kill()
         p.wait()
+
+
+def test_answers_cut_by_the_stop_are_503s_not_the_requests_fault():
+    """Past the grace, the answers still under way end with 503 shutting_down (a plain answer) or
+    a server_error event (a stream): the OpenAI clients retry those elsewhere, never a 400, and
+    /metrics does not count them as the requests' mistakes."""
+    import edgevl
+    from edgevl.demo import demo_package
+    from edgevl.server import make_server
+
+    model = edgevl.load(demo_package())
+    model.eos_ids = set()   # answers run on to max_tokens
+    srv, _ = make_server(model, parallel=2)
+    port, got = srv.server_address[1], {}
+    long = {"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 100000}
+
+    def plain():
+        got["plain"] = post(port, long)
+
+    def streamed():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**long, "stream": True}),
+                     {"Content-Type": "application/json"})
+        got["stream"] = [json.loads(line[6:]) for line in conn.getresponse()
+                         if line.startswith(b"data: {")]
+        conn.close()
+
+    threads = [threading.Thread(target=f) for f in (plain, streamed)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: srv.gate.held == 2, 30) is not None
+    metrics = srv.metrics
+    assert srv.drain(0.1) is False
+    srv.server_close()   # ends the engine, as `serve` does once the grace is over
+    for t in threads:
+        t.join(30)
+    status, reply, r = got["plain"]
+    assert status == 503 and reply["error"]["code"] == "shutting_down" and r.getheader("Retry-After"), reply
+    last = got["stream"][-1]["error"]
+    assert last["type"] == "server_error" and last["code"] == "shutting_down", last
+    text = metrics.render()
+    assert 'finish_reason="refused"' not in text and 'edgevl_answers_total{finish_reason="error"} 2' in text, text
