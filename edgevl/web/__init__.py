@@ -32,6 +32,7 @@ def props(server) -> dict:
     """What the model takes and its defaults, for the page's controls (llama-server's ``/props``
     plays this part for its page)."""
     from ..sample import resolve
+    from ..tools import call_format
 
     model = server.model
     arch = model.arch
@@ -48,7 +49,7 @@ def props(server) -> dict:
         "images": model.vision is not None,
         "video": bool(model.takes_video),
         "needs_image": model.manifest.get("needs_image") is True,
-        "tools": False,
+        "tools": call_format(model) is not None,   # the API takes tools (the page itself sends none)
         "thinking": {"reasoning": arch.reasoning_tokens is not None, "switch": bool(on),
                      "default": default, "on": on, "off": off},
         "speculative": model.speculative,

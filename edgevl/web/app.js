@@ -7,7 +7,9 @@
   const $ = (id) => document.getElementById(id);
   const STORE = "edgevl.conversations", SETTINGS = "edgevl.settings", KEY = "edgevl.apiKey";
   const FIELDS = ["temperature", "top_p", "max_tokens", "seed"];
-  const IMAGE_TYPES = "PNG, JPEG, WebP, GIF or BMP";
+  const IMAGE_TYPES = "PNG, JPEG, WebP, GIF, BMP or TIFF";
+  // what the server reads (an SVG or a HEIC the browser may show would be refused there)
+  const IMAGE_MIME = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp", "image/tiff"];
 
   let props = null;          // GET props, once the server answered
   let conversations = load(STORE, []).filter((c) => c && Array.isArray(c.messages));
@@ -15,7 +17,7 @@
   let current = null;        // the conversation shown
   let pending = [];          // files attached to the next message: {kind, name, mime, url}
   let busy = null;           // {controller} while an answer streams
-  let unsaved = false;       // the browser's storage refused the last save
+  const unsaved = new Set(); // conversations the browser's storage could not hold (their ids)
 
   function load(key, fallback) {
     try {
@@ -120,47 +122,81 @@
              updated: Date.now() };
   }
 
+  function stored() {
+    // what the storage holds now: other tabs of this page write to it too
+    return load(STORE, []).filter((c) => c && Array.isArray(c.messages));
+  }
+
+  function write(list) {
+    try {
+      localStorage.setItem(STORE, JSON.stringify(list));
+      return true;
+    } catch (e) {
+      return false;
+    }
+  }
+
   function save() {
-    // the conversation last written to comes first in the list
-    if (current.messages.length) conversations = [current, ...conversations.filter((c) => c !== current)];
+    // Only the conversation shown is written; the others are taken as the storage has them, so
+    // two tabs never write over each other's conversations.
     current.updated = Date.now();
     const first = current.messages.find((m) => m.role === "user");
     current.title = first ? (first.text.trim().split("\n")[0] || first.files.map((f) => f.name).join(", ")).slice(0, 60) : "";
-    // images make conversations large: when the storage is full the oldest others go first
-    const keep = conversations.slice();
-    for (;;) {
-      try {
-        localStorage.setItem(STORE, JSON.stringify(keep));
-        conversations = keep;
-        unsaved = false;
-        break;
-      } catch (e) {
-        const oldest = keep.filter((c) => c !== current).sort((a, b) => a.updated - b.updated)[0];
-        if (!oldest) {
-          unsaved = true;
-          break;
-        }
-        keep.splice(keep.indexOf(oldest), 1);
+    const all = stored();
+    const before = all.find((c) => c.id === current.id);
+    const others = all.filter((c) => c.id !== current.id).sort((a, b) => b.updated - a.updated);
+    const mine = current.messages.length ? [current] : [];
+    let kept = [...mine, ...others];
+    unsaved.delete(current.id);
+    if (!write(kept)) {
+      // images make conversations large. This one first, then the others newest first, each
+      // while it fits: a conversation too large for the storage costs no other its place
+      kept = [];
+      const candidates = [...mine, ...others];
+      if (mine.length && !write(mine)) {
+        unsaved.add(current.id);
+        candidates.splice(0, 1, ...(before ? [before] : []));   // its last stored turns stay
       }
+      for (const c of candidates) if (write([...kept, c])) kept.push(c);
     }
+    conversations = [...mine, ...kept.filter((c) => c.id !== current.id)];
     renderList();
   }
+
+  function forget(c) {
+    write(stored().filter((x) => x.id !== c.id));
+    conversations = conversations.filter((x) => x.id !== c.id);
+    unsaved.delete(c.id);
+  }
+
+  // another tab saved or deleted a conversation: list what the storage holds (this tab's own
+  // conversation as this tab has it)
+  window.addEventListener("storage", (e) => {
+    if (e.key !== null && e.key !== STORE) return;
+    const others = stored().filter((c) => c.id !== current.id);
+    conversations = [...(current.messages.length ? [current] : []), ...others]
+      .sort((a, b) => b.updated - a.updated);
+    renderList();
+  });
 
   function renderList() {
     const ul = $("conversations");
     ul.replaceChildren();
     for (const c of conversations) {
-      const li = el("li", c === current ? "active" : "");
+      const li = el("li", c.id === current.id ? "active" : "");
       const open = el("button", "open", c.title || "(untitled)");
       open.type = "button";
-      open.addEventListener("click", () => { if (!busy) show(c); });
+      open.addEventListener("click", () => {
+        if (busy) return;
+        show(c);
+        document.body.classList.remove("show-chats");
+      });
       const del = el("button", "delete", "×");
       del.type = "button";
       del.title = "Delete this conversation";
       del.addEventListener("click", () => {
         if (busy && c === current) return;
-        conversations = conversations.filter((x) => x !== c);
-        localStorage.setItem(STORE, JSON.stringify(conversations));
+        forget(c);
         if (c === current) show(newConversation());
         else renderList();
       });
@@ -180,8 +216,12 @@
     pending = [];
     renderPending();
     show(newConversation());
+    document.body.classList.remove("show-chats");
     $("prompt").focus();
   });
+
+  // on a narrow screen the list of conversations opens over the page
+  $("chats-button").addEventListener("click", () => document.body.classList.toggle("show-chats"));
 
   // -- messages ------------------------------------------------------------------------------------
   function imagesBefore(index) {
@@ -266,6 +306,9 @@
       const d = el("details", "reasoning");
       const s = el("summary", "", m.thinking ? "Thinking…" : "Thoughts" + (m.thought ? " (" + m.thought.toFixed(1) + " s)" : ""));
       d.append(s, el("div", "reasoning-text", m.reasoning));
+      // the answer is drawn again as it streams: an unfolded reasoning stays unfolded
+      d.open = !!m.unfolded;
+      d.addEventListener("toggle", () => { m.unfolded = d.open; });
       div.append(d);
     }
     const content = el("div", "content");
@@ -288,6 +331,7 @@
       div.append(el("div", "note", "The answer reached the token limit (max tokens in the settings, or the context's end)."));
     }
     if (m.error) div.append(el("div", "error", m.error));
+    if (m.refused && !last) div.append(el("div", "note", "This turn is left out of the next requests."));
     if (m.stats) div.append(el("div", "stats", statsText(m.stats)));
     if (last && !m.streaming) {
       const actions = el("div", "actions");
@@ -325,8 +369,21 @@
     const actions = el("div", "actions");
     actions.append(resend, cancel);
     if (m.files.length) {
+      // a file the server refused can be taken out here (the edit keeps what is left)
       const files = el("div", "files");
-      m.files.forEach((f) => files.append(thumb(f)));
+      m.files.forEach((f, k) => {
+        const t = thumb(f);
+        const x = el("button", "remove", "×");
+        x.type = "button";
+        x.title = "Remove";
+        x.addEventListener("click", () => {
+          m.files = m.files.filter((_, j) => j !== k);
+          m.text = box.value;
+          renderMessages();
+        });
+        t.append(x);
+        files.append(t);
+      });
       div.append(files);
     }
     div.append(box, actions);
@@ -355,7 +412,7 @@
       box.append(hint);
     }
     current.messages.forEach((m, i) => box.append(renderMessage(m, i)));
-    if (unsaved) box.append(el("div", "note", "This conversation is too large for the browser's storage (its images): it will not be kept after a reload."));
+    if (unsaved.has(current.id)) box.append(el("div", "note", "This conversation is too large for the browser's storage (its images): it will not be kept after a reload."));
     if (atEnd || busy) box.scrollTop = box.scrollHeight;
   }
 
@@ -374,16 +431,20 @@
   function requestBody(messages) {
     const out = [];
     if ((settings.system || "").trim()) out.push({ role: "system", content: settings.system });
-    for (const m of messages) {
+    messages.forEach((m, k) => {
+      const next = messages[k + 1];
+      // a turn the server refused (its files, its length) would be refused again: it is left out
+      // with its error, unless it is the one being asked now
+      if (m.role === "user" && next && next.refused) return;
       if (m.role === "user") {
         const parts = m.files.map((f) => f.kind === "video"
           ? { type: "video_url", video_url: { url: f.url } }
           : { type: "image_url", image_url: { url: f.url } });
         out.push({ role: "user", content: parts.length ? [...parts, { type: "text", text: m.text }] : m.text });
-      } else if (!m.error || m.text) {
-        out.push({ role: "assistant", content: m.text });  // a failed turn is left out
+      } else if (m.text) {
+        out.push({ role: "assistant", content: m.text });  // a failed or empty turn is left out
       }
-    }
+    });
     const body = { model: props.model, messages: out, stream: true, stream_options: { include_usage: true } };
     for (const f of FIELDS) if (settings[f] !== undefined && settings[f] !== "") body[f] = Number(settings[f]);
     if (props.thinking.switch) body.chat_template_kwargs = $("thinking").checked ? props.thinking.on : props.thinking.off;
@@ -416,6 +477,8 @@
       if (!resp.ok) {
         const why = await errorText(resp);
         m.error = (resp.status === 401 ? "The server needs its API key: " : "The server refused the request (" + resp.status + "): ") + why;
+        // the request's own fault (a file, the length, a setting): not sent again with later turns
+        m.refused = resp.status === 400 || resp.status === 413 || resp.status === 415 || resp.status === 422;
         if (resp.status === 401) askKey("The server refused the key; enter the right one.");
       } else {
         const reader = resp.body.getReader();
@@ -498,6 +561,10 @@
     if (busy) return;
     const text = $("prompt").value;
     if (!text.trim() && !pending.length) return;
+    if (!props) {   // not described yet (no server, or a key to ask for): the question stays in the box
+      loadProps();
+      return;
+    }
     const imaged = pending.length || current.messages.some((m) => m.role === "user" && m.files.length);
     // sent all the same, as `edgevl run` does: the note says why the answer means nothing
     fileNote(props && props.needs_image && !imaged
@@ -506,7 +573,17 @@
     pending = [];
     renderPending();
     $("prompt").value = "";
+    save();   // the question is kept even if the page closes before the answer
     answer();
+  });
+
+  // the page closes or reloads while an answer streams: what came so far is kept, as stopped
+  window.addEventListener("pagehide", () => {
+    if (!busy) return;
+    const m = current.messages[current.messages.length - 1];
+    delete m.streaming;
+    m.stopped = true;
+    save();
   });
 
   $("prompt").addEventListener("keydown", (e) => {
@@ -548,9 +625,41 @@
   }
 
   function gifFrames(bytes) {
-    // frames of a GIF: each one starts with a graphic control extension (21 F9 04)
+    // frames of a GIF: its image descriptors, found by walking its blocks (the bytes of a frame's
+    // data may look like any marker)
+    const table = (flags) => (flags & 0x80 ? 3 << ((flags & 7) + 1) : 0);
+    const subBlocks = (i) => { while (i < bytes.length && bytes[i]) i += bytes[i] + 1; return i + 1; };
+    let i = 13 + table(bytes[10]), n = 0;
+    while (i < bytes.length) {
+      if (bytes[i] === 0x2c) {          // an image: descriptor, local colours, LZW size, data
+        n++;
+        i = subBlocks(i + 10 + table(bytes[i + 9]) + 1);
+      } else if (bytes[i] === 0x21) {   // an extension: label, then its sub-blocks
+        i = subBlocks(i + 2);
+      } else {
+        break;                          // the trailer (3B), or a file cut short
+      }
+    }
+    return n;
+  }
+
+  function sniff(bytes) {
+    // the image type from a file's first bytes, for files the browser gives no type (no extension)
+    const starts = (...b) => b.every((v, k) => bytes[k] === v);
+    if (starts(0x89, 0x50, 0x4e, 0x47)) return "image/png";
+    if (starts(0xff, 0xd8, 0xff)) return "image/jpeg";
+    if (starts(0x47, 0x49, 0x46, 0x38)) return "image/gif";
+    if (starts(0x52, 0x49, 0x46, 0x46) && bytes[8] === 0x57 && bytes[9] === 0x45 && bytes[10] === 0x42) return "image/webp";
+    if (starts(0x42, 0x4d)) return "image/bmp";
+    if (starts(0x49, 0x49, 0x2a, 0x00) || starts(0x4d, 0x4d, 0x00, 0x2a)) return "image/tiff";
+    return "";
+  }
+
+  function sentBytes() {
+    // the files this conversation sends with every request, as base64 in the body
     let n = 0;
-    for (let i = 0; i + 2 < bytes.length; i++) if (bytes[i] === 0x21 && bytes[i + 1] === 0xf9 && bytes[i + 2] === 0x04) n++;
+    current.messages.forEach((m) => { if (m.role === "user") m.files.forEach((f) => { n += f.url.length; }); });
+    pending.forEach((f) => { n += f.url.length; });
     return n;
   }
 
@@ -573,13 +682,15 @@
         notes.push(name + ": this model (" + props.family + ") takes text only; send the question without files.");
         continue;
       }
-      let kind = f.type.startsWith("image/") ? "image" : f.type.startsWith("video/") ? "video" : null;
+      let type = f.type;
+      if (!type || type === "application/octet-stream") type = sniff(new Uint8Array(await f.slice(0, 16).arrayBuffer()));
+      let kind = IMAGE_MIME.includes(type) ? "image" : type.startsWith("video/") ? "video" : null;
       if (kind === null) {
         notes.push(name + " is not an image" + (props.video ? " or a video" : "") + "; choose a " + IMAGE_TYPES + " file"
                    + (props.video ? ", or a video (MP4, WebM ...)" : "") + ".");
         continue;
       }
-      if (f.type === "image/gif") {
+      if (type === "image/gif") {
         const animated = gifFrames(new Uint8Array(await f.arrayBuffer())) > 1;
         if (animated && props.video) kind = "video";
         else if (animated) notes.push(name + ": this model takes no video, so only the GIF's first frame is sent.");
@@ -593,18 +704,24 @@
                    + (props.max_body / 1e6 * 3 / 4).toFixed(1) + " MB of files; choose a smaller one.");
         continue;
       }
+      if (sentBytes() + f.size * 4 / 3 > props.max_body) {   // every turn's files go with each request
+        notes.push(name + ": with the files already in this conversation, the requests would pass the server's "
+                   + (props.max_body / 1e6 * 3 / 4).toFixed(1) + " MB; start a new chat for it, or choose a smaller one.");
+        continue;
+      }
       let url;
       try {
-        url = await readAs(f, "readAsDataURL");
+        url = await readAs(type === f.type ? f : new Blob([f], { type }), "readAsDataURL");
       } catch (e) {
         notes.push(name + " could not be read (" + e.message + ").");
         continue;
       }
-      if (kind === "image" && !(await decodes(url, kind))) {
+      // TIFF: the server reads it, the browser cannot show it (it is checked there)
+      if (kind === "image" && type !== "image/tiff" && !(await decodes(url, kind))) {
         notes.push(name + " could not be read as an image (damaged, or not the " + IMAGE_TYPES + " it claims to be).");
         continue;
       }
-      pending.push({ kind, name, mime: f.type, url });
+      pending.push({ kind, name, mime: type, url });
     }
     fileNote(notes);
     renderPending();
@@ -656,12 +773,15 @@
   $("settings-button").addEventListener("click", () => {
     $("set-system").value = settings.system || "";
     FIELDS.forEach((f) => { $("set-" + f).value = settings[f] ?? ""; });
+    $("settings").returnValue = "";
     $("settings").showModal();
   });
   $("settings-reset").addEventListener("click", () => {
     FIELDS.forEach((f) => { $("set-" + f).value = ""; });
   });
+  $("settings-cancel").addEventListener("click", () => $("settings").close(""));
   $("settings").addEventListener("close", () => {
+    if ($("settings").returnValue !== "save") return;   // Escape or Cancel: nothing changes
     settings.system = $("set-system").value;
     FIELDS.forEach((f) => {
       const v = $("set-" + f).value.trim();

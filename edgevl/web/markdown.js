@@ -1,12 +1,13 @@
 // A small Markdown renderer for model answers. A model's answer is untrusted text, so this builds
 // DOM nodes and sets only textContent: no string ever becomes HTML, whatever it contains. It knows
 // the blocks chat answers use (paragraphs, headings, lists, quotes, fenced code) and inline code,
-// bold, italics and links (http, https and mailto only); anything else stays plain text.
+// bold, italics and links (http, https and mailto only; a URL may hold parentheses, as Wikipedia's
+// do); anything else stays plain text.
 "use strict";
 
 (function () {
   const SAFE_LINK = /^(https?:|mailto:)/i;
-  const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*([^*\n]+)\*\*|__([^_\n]+)__|\*([^*\s][^*\n]*?)\*|\b_([^_\n]+)_\b|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
+  const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*([^*\n]+)\*\*|__([^_\n]+)__|\*([^*\s][^*\n]*?)\*|\b_([^_\n]+)_\b|\[([^\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/g;
 
   function el(tag, cls) {
     const e = document.createElement(tag);
@@ -59,10 +60,12 @@
     let i = 0;
     while (i < src.length) {
       const line = src[i];
-      const fence = line.match(/^\s*(```|~~~)\s*([\w+-]*)/);
+      const fence = line.match(/^\s*(`{3,}|~{3,})\s*([\w+-]*)/);
       if (fence) {
+        // closed by a line of the same character, at least as long (a longer fence can hold a shorter one)
+        const closes = (l) => { const t = l.trim(); return t.length >= fence[1].length && /^(`+|~+)$/.test(t) && t[0] === fence[1][0]; };
         const body = [];
-        for (i++; i < src.length && !src[i].trim().startsWith(fence[1]); i++) body.push(src[i]);
+        for (i++; i < src.length && !closes(src[i]); i++) body.push(src[i]);
         i++;  // the closing fence (or the end of an answer still streaming)
         const pre = el("pre");
         const code = el("code");

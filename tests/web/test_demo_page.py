@@ -163,7 +163,7 @@ def test_bad_files_get_a_message_and_names_stay_text(driver, demo, tmp_path, sce
     save_animation(gif, small_frames(3, 64, 48))
     attach(driver, notes, broken, clip, hostile, gif)
     note = wait(lambda: text_of(driver.find_element("id", "file-note")), 10, "the file message")
-    assert "notes.txt is not an image; choose a PNG, JPEG, WebP, GIF or BMP file." in note, note
+    assert "notes.txt is not an image; choose a PNG, JPEG, WebP, GIF, BMP or TIFF file." in note, note
     assert "broken.png could not be read as an image" in note, note
     assert "clip.mp4: this model (youtu_vl) takes no video; attach still images instead." in note, note
     assert "moving.gif: this model takes no video, so only the GIF's first frame is sent." in note, note

@@ -66,6 +66,15 @@ def test_reasoning_is_collapsed_and_the_switch_turns_it_off(driver, qwen):
     assert stored_answer(driver)["text"] == off["content"] and got["text"].strip()
 
 
+def test_props_say_the_api_takes_tools(qwen):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", qwen.server_address[1], timeout=10)
+    conn.request("GET", "/props")
+    assert json.loads(conn.getresponse().read())["tools"] is True   # Qwen3.5's template calls tools
+    conn.close()
+
+
 def test_speculative_counts_come_with_the_streamed_usage(qwen):
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
