@@ -43,7 +43,12 @@ class VisionArgs:
     @classmethod
     def from_config(cls, cfg: dict) -> VisionArgs:
         vc = cfg.get("vision_config") or {}
-        rp = vc.get("rope_parameters") or {}
+        rp = vc.get("rope_parameters") if isinstance(vc, dict) else None
+        for name, v in (("vision_config", vc), ("vision_config.rope_parameters", rp or {})):
+            if not isinstance(v, dict):
+                raise EdgevlError(f"config.json field {name} must be a JSON object, got {type(v).__name__}; fix the "
+                                  "checkpoint's config")
+        rp = rp or {}
         v = config_args(cls, vc, rope_theta=float(rp.get("rope_theta", 10000.0)))
         if v.hidden_act not in GELU_TANH:
             raise EdgevlError(f"vision hidden_act {v.hidden_act!r} is not supported (expected gelu or "

@@ -24,7 +24,10 @@ def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
         if not isinstance(v, dict):
             raise EdgevlError(f"config.json field {key} must be an object or null, got {type(v).__name__}; fix "
                               "the checkpoint's config")
-    rtype = rp.get("rope_type") or rs.get("rope_type") or rs.get("type") or "default"
+    # every place a scaling may be named: a rope_scaling added beside rope_parameters (a usual
+    # "longer context" edit) would otherwise be ignored, and the answers silently differ
+    named = [t for t in (rp.get("rope_type"), rs.get("rope_type"), rs.get("type")) if t is not None]
+    rtype = next((t for t in named if t != "default"), "default")
     if rtype != "default":
         raise EdgevlError(f"rope_type {rtype!r:.60} in config.json is not supported yet (only plain RoPE); "
                           "please open an issue with the checkpoint name")

@@ -41,6 +41,8 @@ CONFIG_CASES = [  # (id, edit of the checkpoint folder, words of the error)
     ("rope-theta-string", _cfg(lambda c: c["rope_parameters"].update(rope_theta="abc")),
      "rope_theta must be a positive number"),
     ("rope-parameters-list", _put(rope_parameters=[1]), "rope_parameters must be an object"),
+    ("rope-scaling-beside-parameters", _put(rope_scaling={"type": "yarn", "factor": 4.0}),   # not ignored
+     "rope_type 'yarn' in config.json is not supported"),
     ("eos-string", _put(eos_token_id="x"), "eos_token_id must be a token id"),
     ("eos-negative-in-list", _put(eos_token_id=[1, -1]), "eos_token_id must be a token id"),
     ("model-type-list", _put(model_type=["youtu"], architectures=5), "is not supported"),
@@ -162,4 +164,13 @@ def test_vision_weights_without_vision_config_are_refused(qwen_vl, tmp_path, cap
     refused_before_writing(capsys, ck, tmp_path, words)
     ck = demo_copy(tmp_path / "youtu")
     edit_json(ck / "config.json", lambda c: c.update(vision_config=None))
+    refused_before_writing(capsys, ck, tmp_path, words)
+
+
+@pytest.mark.parametrize("bad, words", [("abc", "vision_config must be a JSON object, got str"),
+                                        ({"rope_parameters": [1]}, "vision_config.rope_parameters must be a JSON")])
+def test_a_qwen_vision_config_that_is_not_an_object(qwen_vl, tmp_path, capsys, bad, words):
+    ck = copy_ck(qwen_vl, tmp_path / "ck")
+    edit_json(ck / "config.json", lambda c: c.update(vision_config=bad if isinstance(bad, str)
+                                                     else {**c["vision_config"], **bad}))
     refused_before_writing(capsys, ck, tmp_path, words)
