@@ -534,8 +534,15 @@ def bench_cli(a) -> int:
         systems[label(m) + tag] = ("edgevl", {"model": str(target), "options": opts})
     elif (target / "config.json").is_file():
         ref = target
-        pkg = target.resolve().parent / f"{target.name}-edgevl-bf16"
-        if not (pkg / "manifest.json").is_file():
+        src = target.resolve()   # `bench .` names the package after the folder, not "."
+        pkg = src.parent / f"{src.name}-edgevl-bf16"
+        if pkg.exists() and not (pkg / "manifest.json").is_file():
+            raise EdgevlError(f"{pkg} is there and is not an edgevl package; bench converts the checkpoint into that "
+                              "folder: move it away, or run `edgevl convert` yourself and bench the package")
+        changed = _converted_from_other(pkg, src) if pkg.exists() else None
+        if changed:
+            print(f"bench: {changed} since {pkg.name} was converted; converting it again", file=sys.stderr)
+        if not pkg.exists() or changed:
             from .convert import convert
 
             convert(target, pkg, dtype="bf16", overwrite=pkg.exists())
@@ -557,6 +564,10 @@ def bench_cli(a) -> int:
         if c == "torch":
             from .weights import Checkpoint
 
+            if a.reference and (target / "manifest.json").is_file():   # the package's own checkpoint only
+                from .verification.verify import check_reference
+
+                check_reference(target, ref)
             cfg = Checkpoint(ref).config
             vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 30000
             precision = torch_precision(main_dtype)
@@ -614,6 +625,26 @@ def parse_sizes(text: str) -> list:
             raise EdgevlError(f"--images: {w}x{h} is outside 16..8192 pixels per side")
         sizes.append((w, h))
     return sizes
+
+
+def _converted_from_other(pkg: Path, checkpoint: Path) -> str | None:
+    """What changed in ``checkpoint`` since bench converted it into ``pkg`` (None: nothing): its
+    config, its weight files' names, or the bytes of a weight file written since (hashed only
+    then, so an unchanged checkpoint costs a few stats)."""
+    from .package import read_manifest
+    from .weights import Checkpoint, sha256_file
+
+    if (pkg / "config.json").read_bytes() != (checkpoint / "config.json").read_bytes():
+        return "the checkpoint's config.json changed"
+    recorded = (read_manifest(pkg).get("source") or {}).get("files") or {}
+    files = {p.name: p for p in Checkpoint(checkpoint).files}
+    if set(files) != set(recorded):
+        return "the checkpoint's weight files changed"
+    made = (pkg / "manifest.json").stat().st_mtime
+    for name, path in sorted(files.items()):
+        if path.stat().st_mtime > made and sha256_file(path) != recorded[name]:
+            return f"the checkpoint's {name} changed"
+    return None
 
 
 def _bench_images_cli(a, systems: dict, compare: list, ref: Path, threads: int) -> int:

@@ -110,6 +110,49 @@ def source_of(package) -> Path:
     return Path(src)
 
 
+SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
+
+
+def check_reference(package, reference_dir) -> None:
+    """A reference folder given by hand must be a Hugging Face checkpoint of the package's family
+    and sizes: one line before anything loads, not a traceback from a shape compared later."""
+    import json
+
+    from .. import models
+    from ..package import read_manifest
+
+    ref = Path(reference_dir)
+    if not ref.is_dir():
+        raise EdgevlError(f"--reference {ref} {'is not a folder' if ref.exists() else 'does not exist'}; pass the "
+                          "Hugging Face checkpoint folder the package was converted from")
+    if (ref / "manifest.json").is_file():
+        raise EdgevlError(f"--reference {ref} is an edgevl package; pass the Hugging Face checkpoint folder it was "
+                          "converted from")
+    try:
+        cfg = json.loads((ref / "config.json").read_text())
+    except (OSError, ValueError):
+        raise EdgevlError(f"--reference {ref} has no readable config.json: it is not a Hugging Face checkpoint "
+                          "folder") from None
+    if not isinstance(cfg, dict):
+        raise EdgevlError(f"--reference {ref}: config.json is not a JSON object")
+    m = read_manifest(package)
+    arch = models.resolve(cfg).name
+    if arch != m["architecture"]:
+        raise EdgevlError(f"--reference {ref} is a {arch} checkpoint but the package is {m['architecture']}; pass the "
+                          "checkpoint the package was converted from")
+    ours = m.get("config") or {}
+    for part in (None, "text_config"):
+        a = ours.get(part) if part else ours
+        b = cfg.get(part) if part else cfg
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            continue
+        for k in SIZES:
+            if k in a and k in b and a[k] != b[k]:
+                name = f"{part}.{k}" if part else k
+                raise EdgevlError(f"--reference {ref} has {name} {b[k]!r:.20} but the package was converted with "
+                                  f"{a[k]!r:.20}; pass the checkpoint the package was converted from")
+
+
 def source_changed(package, reference_dir) -> str | None:
     """What differs between ``reference_dir`` and the checkpoint ``package`` was converted from,
     by the sha256 of the weight files its manifest recorded (None: the same files, or nothing
@@ -148,6 +191,8 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
             log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a "
                 "FAIL may be that difference, not the package: convert it again or pass the original with "
                 "--reference")
+    else:
+        check_reference(package, reference_dir)
     reference_dir = Path(reference_dir)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     steps = 5 if images else 4

@@ -239,3 +239,15 @@ def test_a_reference_that_kept_some_weights_in_fp32_says_so(tmp_path, capsys, mo
     res = json.loads((tmp_path / "r.json").read_text())
     assert list(res["variants"]) == ["edgevl bf16 expanded-kv", "torch bf16+fp32"] == list(res["runs"])
     assert "| torch bf16+fp32 |" in out and "torch bf16 |" not in out
+
+
+def test_a_torch_reference_of_another_model_is_refused(tmp_path, capsys):
+    """`--compare torch --reference DIR` times DIR as the package's reference: another family's
+    checkpoint is refused in one line instead of filling the table."""
+    from edgevl.verification.families.qwen3_5 import VERIFY as QWEN
+
+    ck = make_youtu(tmp_path / "ck", seed=2)
+    edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    other = QWEN.make_tiny(tmp_path / "qwen", seed=0, text_only=True)
+    one_line_error(*cli(capsys, "bench", tmp_path / "pk", "--compare", "torch", "--reference", other, "--repeats",
+                        "1")[::2], "is a qwen3_5 checkpoint but the package is youtu")

@@ -172,3 +172,35 @@ def test_low_memory_on_a_decoder_that_cannot_is_refused_before_the_scene(workdir
     monkeypatch.setattr(bench, "_run_worker", no_run)
     one_line_error(*cli(capsys, "bench", pkg, "--low-memory", "--repeats", "1", "--prompt-tokens", "4",
                         "--gen-tokens", "1")[::2], "run without --low-memory")
+
+
+def test_bench_converts_a_checkpoint_again_once_it_changed(tmp_path, capsys):
+    """bench converts a checkpoint into CK-edgevl-bf16 once; a later bench of a checkpoint that
+    changed there (config, weight files) converts it again rather than timing the old model."""
+    import os
+
+    import edgevl
+    from edgevl.bench import _converted_from_other
+
+    ck = tmp_path / "ck"
+    shutil.copytree(DEMO_CHECKPOINT, ck)
+    pkg = edgevl.convert(ck, tmp_path / "ck-edgevl-bf16", dtype="bf16", progress=False)
+    assert _converted_from_other(pkg, ck) is None
+    weights = next(ck.glob("*.safetensors"))
+    os.utime(weights)   # written again, the same bytes: no conversion
+    assert _converted_from_other(pkg, ck) is None
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert _converted_from_other(pkg, ck) == f"the checkpoint's {weights.name} changed"
+    weights.rename(ck / "other.safetensors")
+    assert _converted_from_other(pkg, ck) == "the checkpoint's weight files changed"
+    edit_json = (ck / "config.json").read_text().replace("{", '{"x": 1, ', 1)
+    (ck / "config.json").write_text(edit_json)
+    assert _converted_from_other(pkg, ck) == "the checkpoint's config.json changed"
+    # a folder of that name that is not a package is left alone, and bench says what to do
+    other = tmp_path / "b"
+    shutil.copytree(DEMO_CHECKPOINT, other)
+    (tmp_path / "b-edgevl-bf16").mkdir()
+    one_line_error(*cli(capsys, "bench", other, "--repeats", "1")[::2], "b-edgevl-bf16 is there and is not an "
+                   "edgevl package")

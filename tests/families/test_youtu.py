@@ -51,3 +51,24 @@ def test_verify_warns_when_the_source_folder_holds_another_checkpoint(tmp_path):
     compare(pkg, None, PROMPTS[1], max_new_tokens=2, log=lines.append)
     warned = f"warning: {ck} is not the checkpoint this package was converted from"
     assert any(line.startswith(warned) for line in lines)
+
+
+def test_a_reference_given_by_hand_must_be_the_packages_checkpoint(tmp_path, capsys):
+    """verify --reference with the wrong folder: one line before anything loads (a missing folder,
+    a package, another family, other sizes), not a Hub error or a shape compared layers later."""
+    import edgevl
+    from edgevl.errors import EdgevlError
+    from edgevl.verification.families.qwen3_5 import VERIFY as QWEN
+    from support.cli import cli, one_line_error
+
+    ck = make_youtu(tmp_path / "ck", seed=1)
+    pkg = edgevl.convert(ck, tmp_path / "pkg", dtype="fp32", progress=False)
+    other = QWEN.make_tiny(tmp_path / "qwen", seed=0, text_only=True)
+    wider = make_youtu(tmp_path / "wide", seed=1, hidden_size=96)
+    for ref, words in ((tmp_path / "missing", "does not exist"), (pkg, "is an edgevl package"),
+                       (other, "is a qwen3_5 checkpoint but the package is youtu"),
+                       (wider, "has hidden_size 96 but the package was converted with")):
+        with pytest.raises(EdgevlError, match=words):
+            compare(pkg, ref, PROMPTS[1], max_new_tokens=2)
+        one_line_error(*cli(capsys, "verify", pkg, "--reference", ref, "--max-new-tokens", "2")[::2], words)
+    assert compare(pkg, ck, PROMPTS[1], max_new_tokens=2).identical   # the right one
