@@ -176,6 +176,14 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of a manifest's content (its own digest left out, keys sorted): the manifest
+    says how to read every other file (dtypes, byte ranges, RoPE), so an edit to it must not
+    pass where a changed weight file would not."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
     """Hash every file, write the manifest last, then move the folder into place.
 
@@ -188,6 +196,7 @@ def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
         files[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION, files=files,
                     versions=versions(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False))
     if not (out_dir.exists() or out_dir.is_symlink()):
         tmp.rename(out_dir)
@@ -467,6 +476,10 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
         mine = {}
     changed = False
     total = 0
+    recorded = manifest.get("manifest_sha256")   # packages written before it have none
+    if recorded is not None and recorded != manifest_digest(manifest):
+        raise EdgevlError(f"{path / MANIFEST} was changed after conversion (it no longer matches its own "
+                          "digest); the package is corrupt or was modified — convert the model again")
     for name, meta in manifest.get("files", {}).items():
         p = package_path(path, name)
         if not p.is_file():

@@ -168,6 +168,28 @@ def test_check_finds_bit_rot_that_keeps_the_mtime(pkg, tmp_path, capsys):
     one_line_error(*cli(capsys, "check", p)[::2], "decoder.bin does not match its sha256")
 
 
+@pytest.mark.parametrize("edit", [
+    lambda m: m["embedding"].update(dtype="fp16"),                      # read as another type: garbage
+    lambda m: m["graphs"]["decoder"]["extra"].update(rope_theta=12345.0),  # other positions, same files
+])
+def test_an_edited_manifest_is_refused_by_load_and_check(pkg, tmp_path, capsys, edit):
+    """The manifest says how to read every file: an edit to it after conversion is refused like a
+    changed weight file, by every load (not only by `edgevl check`)."""
+    p = copy_pkg(pkg, tmp_path)
+    edit_json(manifest(p), edit, restamp=False)
+    words = "manifest.json was changed after conversion"
+    one_line_error(*run(capsys, p)[::2], words)
+    one_line_error(*cli(capsys, "check", p)[::2], words)
+
+
+def test_a_manifest_without_its_digest_still_loads(pkg, tmp_path, capsys):
+    """Packages written before the manifest's own digest have none: they load as before."""
+    p = copy_pkg(pkg, tmp_path)
+    edit_json(manifest(p), lambda m: m.pop("manifest_sha256") and None, restamp=False)
+    code, _, err = run(capsys, p)
+    assert code == 0, err
+
+
 def test_check_refuses_escapes_and_unlisted_files(pkg, tmp_path, capsys):
     p = copy_pkg(pkg, tmp_path)
     _unlist("chat_template.jinja")(p)
