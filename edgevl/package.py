@@ -224,6 +224,9 @@ def read_manifest(path) -> dict:
         raise EdgevlError(f"{path} is not a folder; pass a converted edgevl package folder")
     mf = path / MANIFEST
     if not mf.is_file():
+        if any(path.glob("*.param")) and not any(path.glob("*.safetensors")):
+            raise EdgevlError(f"{path} holds ncnn graphs but no manifest.json: an edgevl package that lost its "
+                              "manifest; convert the model again")
         if (path / "config.json").is_file():
             raise EdgevlError(f"{path} is a Hugging Face checkpoint, not a converted package; "
                               f"convert it first: edgevl convert {path} OUT_DIR")

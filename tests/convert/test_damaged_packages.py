@@ -182,6 +182,12 @@ def test_an_edited_manifest_is_refused_by_load_and_check(pkg, tmp_path, capsys, 
     one_line_error(*cli(capsys, "check", p)[::2], words)
 
 
+def test_a_package_that_lost_its_manifest_is_not_called_a_checkpoint(pkg, tmp_path, capsys):
+    p = copy_pkg(pkg, tmp_path)
+    manifest(p).unlink()
+    one_line_error(*run(capsys, p)[::2], "an edgevl package that lost its manifest; convert the model again")
+
+
 def test_a_manifest_without_its_digest_still_loads(pkg, tmp_path, capsys):
     """Packages written before the manifest's own digest have none: they load as before."""
     p = copy_pkg(pkg, tmp_path)

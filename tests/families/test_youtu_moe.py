@@ -244,3 +244,21 @@ def test_kda_core_matches_the_recurrence():
     # a prompt after decoded tokens (pending window) continues from the same state
     o2, st = core(qkv[:7], fb[:7], consts, st)
     assert np.all(np.isfinite(o2)) and st[5][0] == 0
+
+
+def test_fields_left_out_take_the_converters_defaults_in_the_reference(built, tmp_path):
+    """A config without a field the converter has a default for converts with that default; the
+    reference (verify) reads the same default instead of failing with a KeyError."""
+    import json
+    import shutil
+
+    from edgevl.verification.verify import compare
+
+    ck = tmp_path / "ck"
+    shutil.copytree(built[CONFIGS[0]][0], ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    for k in ("routed_scaling_factor", "linear_conv_kernel_dim", "num_shared_experts"):
+        assert cfg.pop(k) is not None
+    (ck / "config.json").write_text(json.dumps(cfg))
+    pkg = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    assert compare(pkg, ck, "Hi.", max_new_tokens=4).identical

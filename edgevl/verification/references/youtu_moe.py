@@ -222,6 +222,13 @@ class TextConfigs:
 
 
 def text_configs(cfg: dict) -> TextConfigs:
+    from dataclasses import MISSING, fields
+
+    from ...models.youtu_moe.model import TextArgs
+
+    # a field the checkpoint leaves out takes the default the converter assumed for it, so the
+    # reference describes the model the package holds
+    cfg = {**{f.name: f.default for f in fields(TextArgs) if f.default not in (MISSING, None)}, **cfg}
     heads = int(cfg["num_attention_heads"])
     if int(cfg.get("num_key_value_heads") or heads) != heads:
         raise ValueError("MLA expands K/V per head: num_key_value_heads must equal num_attention_heads")
