@@ -19,6 +19,7 @@ they carry an error field).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -285,7 +286,7 @@ def check_package(path: str, a, video: bool = False) -> None:
     from .model import check_load_options
 
     check_load_options(path, low_memory=getattr(a, "low_memory", False), options=runtime_option_values(a),
-                       video=video)
+                       video=video, images=bool(getattr(a, "image", None)))
 
 
 def check_image_out(path: str | None, flag: str) -> None:
@@ -771,9 +772,16 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except OSError as e:  # disk full, permissions, ...: still one line
+    except OSError as e:  # disk full, permissions, ...: still one line, with the fix where one is known
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        fix = {errno.ENOSPC: "; free some space on that disk (or write elsewhere) and run it again",
+               errno.EDQUOT: "; free some space within your quota (or write elsewhere) and run it again",
+               errno.EACCES: "; check the permissions, or choose a folder you can write to",
+               errno.EROFS: "; the file system is read-only: choose another folder",
+               errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
+        if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
+            fix = "; that is a file, not a folder: choose another path"
+        print(f"error: {e.strerror or e}{where}{fix}", file=sys.stderr)
         return 2
 
 

@@ -703,12 +703,16 @@ def load(path=None, threads: int | None = None, verify: bool = True, low_memory:
                  options={**(options or {}), **runtime_options})
 
 
-def check_load_options(path, low_memory: bool = False, options: dict | None = None, video: bool = False) -> None:
+def check_load_options(path, low_memory: bool = False, options: dict | None = None, video: bool = False,
+                       images: bool = False) -> None:
     """What ``load(path, low_memory=..., options=...)`` would refuse in the options (and a video,
-    ``video``, for a package that takes none), read from the manifest alone: commands call it
+    ``video``, for a package that takes none; images, ``images``, for one without a vision tower), read
+    from the manifest alone: commands call it
     before they draw a scene, write an output or load. The draft-token limit depends on the loaded
     decoder and is checked by ``load`` itself."""
     m = read_manifest(Path(path))
+    if images and "vision" not in (m.get("graphs") or {}):   # before a demo scene is drawn and saved
+        raise EdgevlError("this model has no vision tower; it cannot take images")
     try:
         _check_load_options(m, low_memory, options, video)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):

@@ -256,6 +256,10 @@ class Checkpoint:
         if single.is_file():
             return [single]
         found = sorted(self.folder.glob("*.safetensors"))
+        for f in found:   # a Hugging Face cache folder links its files to blobs, which can be deleted
+            if f.is_symlink() and not f.exists():
+                raise EdgevlError(f"{f} is a link to {os.readlink(f)}, which is gone (a deleted download or cache "
+                                  "entry?); download the checkpoint again")
         if found:
             return found
         raise EdgevlError(f"{self.folder} has no *.safetensors weights; edgevl converts safetensors "

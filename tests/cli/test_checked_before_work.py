@@ -204,3 +204,39 @@ def test_bench_converts_a_checkpoint_again_once_it_changed(tmp_path, capsys):
     (tmp_path / "b-edgevl-bf16").mkdir()
     one_line_error(*cli(capsys, "bench", other, "--repeats", "1")[::2], "b-edgevl-bf16 is there and is not an "
                    "edgevl package")
+
+
+def test_file_system_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
+    """A full disk, a path through a file: one line naming the path and what to do."""
+    import errno
+    import sys
+
+    convert_module = sys.modules["edgevl.convert"]
+
+    (tmp_path / "afile").write_text("")
+    one_line_error(*cli(capsys, "convert", DEMO_CHECKPOINT, tmp_path / "afile" / "pk", "--quiet")[::2],
+                   "afile", "that is a file, not a folder: choose another path")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "decoder.bin"))
+
+    monkeypatch.setattr(convert_module, "convert", full)
+    one_line_error(*cli(capsys, "convert", DEMO_CHECKPOINT, tmp_path / "out", "--quiet")[::2],
+                   "No space left on device", "decoder.bin", "free some space on that disk")
+
+
+@pytest.fixture(scope="module")
+def text_package(tmp_path_factory):
+    import edgevl
+    from support.youtu import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("text-only")
+    return edgevl.convert(tiny_checkpoint(root / "ck"), root / "pkg", dtype="fp32", progress=False)
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_an_image_for_a_text_only_model_is_refused_before_the_scene_is_saved(text_package, workdir, capsys,
+                                                                             command):
+    one_line_error(*cli(capsys, command, text_package, "--image", "demo", "--prompt", "What is this?")[::2],
+                   "has no vision tower")
+    assert not list(workdir.iterdir())   # no demo_scene.png

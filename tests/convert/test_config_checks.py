@@ -174,3 +174,16 @@ def test_a_qwen_vision_config_that_is_not_an_object(qwen_vl, tmp_path, capsys, b
     edit_json(ck / "config.json", lambda c: c.update(vision_config=bad if isinstance(bad, str)
                                                      else {**c["vision_config"], **bad}))
     refused_before_writing(capsys, ck, tmp_path, words)
+
+
+def test_weights_linked_to_a_deleted_blob(tmp_path, capsys):
+    """A Hugging Face cache folder links its weights to blobs: a deleted blob is named, with the fix."""
+    from edgevl.demo import DEMO_CHECKPOINT
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in DEMO_CHECKPOINT.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, ck / f.name)
+    (ck / "model.safetensors").symlink_to(tmp_path / "blobs" / "deleted")
+    refused_before_writing(capsys, ck, tmp_path, "which is gone", "download the checkpoint again")
