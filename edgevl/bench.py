@@ -522,7 +522,11 @@ def bench_cli(a) -> int:
     opts = dict(getattr(a, "model_options", None) or {})   # load-time options (e.g. --expert-cache-mb)
     for p in [target, *(getattr(a, "extra_model", None) or [])]:   # before a checkpoint is converted
         if (Path(p) / "manifest.json").is_file():
-            check_load_options(p, options=opts)
+            check_load_options(p, options=opts, images=bool(getattr(a, "images", None)))
+            context = int(read_manifest(p).get("context") or 0)
+            if not getattr(a, "images", None) and context and a.prompt_tokens + a.gen_tokens >= context:
+                raise EdgevlError(f"--prompt-tokens {a.prompt_tokens} + --gen-tokens {a.gen_tokens} do not fit {p}'s "
+                                  f"context of {context} tokens; ask for fewer")
             if getattr(a, "low_memory", False) and p == target:   # its low-memory row, refused before any run
                 check_load_options(p, low_memory=True, options=opts)
     main_dtype = "bf16"   # the first package's, which the torch row matches

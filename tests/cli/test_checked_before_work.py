@@ -240,3 +240,12 @@ def test_an_image_for_a_text_only_model_is_refused_before_the_scene_is_saved(tex
     one_line_error(*cli(capsys, command, text_package, "--image", "demo", "--prompt", "What is this?")[::2],
                    "has no vision tower")
     assert not list(workdir.iterdir())   # no demo_scene.png
+
+
+def test_bench_refuses_what_its_workers_would_fail_on(text_package, workdir, capsys):
+    """Images for a text-only package, a prompt past the context: one line before any run (they
+    failed inside a worker, leaving its log behind)."""
+    one_line_error(*cli(capsys, "bench", text_package, "--images", "64x64", "--repeats", "1")[::2],
+                   "has no vision tower")
+    one_line_error(*cli(capsys, "bench", text_package, "--prompt-tokens", "100000", "--repeats", "1")[::2],
+                   "do not fit", "context of")
