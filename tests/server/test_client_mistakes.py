@@ -161,9 +161,10 @@ def test_sampling_values_are_refused_before_the_request_waits(busy_server, field
 def busy_server(text_server):
     """One slot, taken (as a request under way takes it) while the tests run, and no queue."""
     srv, _ = make_server(text_server.model.path, parallel=1, max_queue=0)
-    srv.gate.lock.acquire()
+    slot = srv.gate()
+    slot.__enter__()
     yield srv
-    srv.gate.lock.release()
+    slot.__exit__(None, None, None)
     srv.stop()
 
 
