@@ -557,6 +557,22 @@ class _NoOtherFiles:
         raise PermissionError("a video may not open other files")
 
 
+# a display matrix's counterclockwise turn -> the transpose that shows the frame as players do
+UPRIGHT = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
+
+
+def _rotation(opener) -> int:
+    """How far the clip's display matrix turns its frames counterclockwise (0, 90, 180 or 270;
+    other angles are not applied): phones store portrait video on its side with such a matrix,
+    and players turn it upright. PyAV gives it per frame only, so the first frame is decoded."""
+    import av
+
+    with opener() as f, av.open(f, io_open=_NoOtherFiles()) as c:
+        first = next(c.decode(video=0), None)
+    turn = round(first.rotation) % 360 if first is not None else 0
+    return turn if turn in UPRIGHT else 0
+
+
 def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
     try:
         import av
@@ -586,7 +602,7 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
             rate = s.average_rate or s.guessed_rate
             src_fps = _source_fps(rate) if rate else None
             total = int(s.frames or 0)
-            width, height = cc.width, cc.height
+            coded = width, height = cc.width, cc.height
             _check_size(name, width, height)
             if total <= 0:      # containers without a frame count (WebM, raw streams): count packets
                 total = sum(1 for pkt in c.demux(s) if pkt.size)
@@ -594,12 +610,15 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
                 if announced and total < 0.9 * announced - 2:
                     raise EdgevlError(f"{name} holds {total} frames but its header announces {announced:.0f}; "
                                       "the file is truncated")
+        turn = _rotation(opener)
     except EdgevlError:
         raise
     except MemoryError:
         raise EdgevlError(f"not enough memory to read {name}; send a smaller video") from None
     except Exception:  # noqa: BLE001 - FFmpeg and PyAV raise many types on damaged files
         raise unreadable() from None
+    if turn in (90, 270):   # a phone's portrait clip, stored on its side: sampled upright
+        width, height = height, width
 
     def read(indices):
         want = iter(indices)
@@ -610,10 +629,12 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
                     if nxt is None:
                         return
                     if i == nxt:
-                        if (frame.width, frame.height) != (width, height):    # before converting it
+                        if (frame.width, frame.height) != coded:    # before converting it
                             raise EdgevlError(f"{name}: its frames differ in size ({frame.width}x{frame.height} "
-                                              f"after {width}x{height}); give frames of one size")
+                                              f"after {coded[0]}x{coded[1]}); give frames of one size")
                         img = frame.to_image()
+                        if turn:
+                            img = img.transpose(UPRIGHT[turn])
                         while nxt == i:   # a short clip may repeat an index
                             yield i, img
                             nxt = next(want, None)

@@ -79,14 +79,17 @@ def webp_with_canvas(path, width: int, height: int, n: int = 3) -> str:
     return str(path)
 
 
-def write_pyav(path, frames, codec="mpeg4", rate=10, fmt=None) -> str:
-    """A clip written with PyAV (``fmt``: a container format, e.g. ``mpeg1video`` for a raw stream)."""
+def write_pyav(path, frames, codec="mpeg4", rate=10, fmt=None, rotation=None) -> str:
+    """A clip written with PyAV (``fmt``: a container format, e.g. ``mpeg1video`` for a raw stream;
+    ``rotation``: a display matrix turning the frames counterclockwise, as phones write)."""
     import av
 
     h, w = np.asarray(frames[0]).shape[:2]
     with av.open(str(path), "w", format=fmt) as c:
         s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        if rotation is not None:
+            s.set_display_rotation(rotation)
         for f in frames:
             for pkt in s.encode(av.VideoFrame.from_ndarray(np.asarray(f), format="rgb24")):
                 c.mux(pkt)

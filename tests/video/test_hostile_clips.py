@@ -450,3 +450,18 @@ def test_a_list_of_arrays_or_images_is_one_clip(setup):
                   "uint8 [height, width, 3]")
     assert "frame 1" in msg
     refused(lambda: edgevl.generate(model, PROMPT, video=3.5, **FAST), "list of frames", "float")
+
+
+@pytest.mark.skipif(not has_pyav(), reason="PyAV is a dependency of the test extra; CI has it")
+@pytest.mark.parametrize("rotation", [-90, 90, 180])
+def test_a_clip_stored_on_its_side_is_sampled_upright(tmp_path, rotation):
+    """Phones store portrait video on its side with a display matrix; players turn it upright, and
+    so does the clip reader (the size it plans with and every frame)."""
+    frame = np.zeros((48, 96, 3), np.uint8)
+    frame[:, :24] = 255                                     # the left quarter white, as stored
+    path = write_pyav(tmp_path / "side.mp4", [frame] * 4, rotation=rotation)
+    clip = vid.open_clip(path)
+    img = np.asarray(next(iter(clip.read([0])))[1].convert("L"), np.float32)
+    want = np.asarray(Image.fromarray(frame).rotate(rotation, expand=True).convert("L"), np.float32)
+    assert (clip.width, clip.height) == (want.shape[1], want.shape[0]) == (img.shape[1], img.shape[0])
+    assert np.abs(img - want).mean() < 12, np.abs(img - want).mean()   # mpeg4's loss only
