@@ -203,9 +203,12 @@ def _video_fps(name):
     return parse
 
 
-def add_video_args(p: argparse.ArgumentParser, many: bool = True) -> None:
-    """--video and how clips are sampled (models whose vision encoder takes video)."""
-    if many:
+def add_video_args(p: argparse.ArgumentParser, many: bool | None = True) -> None:
+    """--video and how clips are sampled (models whose vision encoder takes video); ``many=None``:
+    the sampling flags only (batch takes its videos from a table's video column)."""
+    if many is None:
+        pass
+    elif many:
         p.add_argument("--video", action="append", default=None,
                        help="video: a file (MP4/WebM/MOV... need PyAV: pip install 'edgevl[video]'), an animated "
                             "GIF/WebP or a folder of frames; repeat for several (default: none)")
@@ -562,7 +565,10 @@ def cmd_batch(a) -> int:
     try:
         path = resolve_model(a.model)
         check_package(path, a)   # before the output is opened
-        return batch_cli(a, path, sampling_kwargs(a), runtime_option_values(a))
+        sampling = sampling_kwargs(a)
+        if any(v is not None for v in video_options(a).values()):
+            sampling["video_options"] = video_options(a)
+        return batch_cli(a, path, sampling, runtime_option_values(a))
     except KeyboardInterrupt:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)
         out = " ".join(str(a.output).splitlines())
@@ -754,6 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bt)
     add_structure_args(bt)
     add_content_args(bt, show=False)  # the thinking is kept in each row's 'reasoning' field
+    add_video_args(bt, many=None)     # how the table's video rows are sampled
     bt.set_defaults(fn=cmd_batch)
     return p
 

@@ -118,6 +118,15 @@ def test_batch_video_column(setup, tmp_path, capsys):
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["a"]["answer"] == want and rows["a"]["video"] == gif and rows["a"]["error"] is None
     assert "video not found" in rows["b"]["error"] and "no image or video" in rows["c"]["error"]
+    # how every row's clip is sampled, as in run
+    fewer = tmp_path / "fewer.jsonl"
+    code, _, err = cli(capsys, "batch", pk, "--input", table, "--prompt", PROMPT, "--output", fewer,
+                       "--max-new-tokens", 12, "--temperature", 0, "--threads", 1, "--quiet", "--no-thinking",
+                       "--fps", 1, "--max-frames", 2)
+    other = edgevl.generate(model, PROMPT, video=gif, max_new_tokens=12, temperature=0, thinking=False,
+                            video_options={"fps": 1, "max_frames": 2})
+    got = {r["id"]: r for r in map(json.loads, fewer.read_text().splitlines())}["a"]
+    assert got["answer"] == other != want and got["tokens_in"] < rows["a"]["tokens_in"], got
     # the demo model takes no video: refused before any row, not each video row failing
     none = tmp_path / "none.jsonl"
     one_line_error(*cli(capsys, "batch", "--input", table, "--prompt", PROMPT, "--output", none,
