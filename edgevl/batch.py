@@ -706,6 +706,10 @@ class Sink:
         if bad and not rows:
             raise EdgevlError(f"--output {name} is not an edgevl batch output (line {bad[0][0]} is not a result "
                               f"row); {NOT_OURS}")
+        if torn and not rows and not old:   # nothing of ours to resume: it may be another file's one line
+            raise EdgevlError(f"--output {name} holds one unfinished line ({torn} bytes) and no result row, so it "
+                              f"may not be a batch output; {NOT_OURS} (a run killed in its first row leaves such "
+                              "a file: delete it then)")
         if overwrite:
             os.ftruncate(self.fd, 0)  # in place: the inode and its lock stay
             os.fsync(self.fd)
@@ -1279,6 +1283,7 @@ class BatchJob:
         self.new = self.failed_new = self.skipped = self.failed = self.done = self.cut_in_thinking = 0
         self.seconds = 0.0
         self.torn_bytes = self.recovered = self.repaired = 0
+        self.asked_otherwise = 0
 
     def oversubscribed(self) -> bool:
         return self.ray is None and self.workers * self.threads > _physical_cores()
@@ -1294,6 +1299,9 @@ class BatchJob:
         try:
             todo = [it for it in self.items if it["id"] not in sink.rows]
             self.skipped = len(self.items) - len(todo)
+            # rows resumed by id whose answer was to another prompt (the job was changed): said, not redone
+            self.asked_otherwise = sum(1 for it in self.items if it["id"] in sink.rows
+                                       and sink.rows[it["id"]].get("prompt") not in (None, it["prompt"]))
             if not todo:
                 return
             bar = Progress(len(todo), desc="batch", unit="rows", enabled=self.progress)
@@ -1384,6 +1392,9 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
         print(f"batch: cut a torn last line ({job.torn_bytes} bytes) left by a killed run", file=sys.stderr)
     if job.repaired:
         print(f"batch: moved {job.repaired} line(s) that were not result rows to {job.rejected}", file=sys.stderr)
+    if job.asked_otherwise:
+        print(f"batch: warning: {job.asked_otherwise} row(s) already done were asked another prompt than this run's; "
+              "they are kept as they are (--overwrite asks every row again)", file=sys.stderr)
     if job.recovered:
         print(f"batch: merged {job.recovered} rows that Ray actors had finished before the last stop",
               file=sys.stderr)

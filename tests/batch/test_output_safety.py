@@ -72,12 +72,15 @@ def test_an_existing_file_that_is_not_a_batch_output_is_never_taken(pkg, folder,
         "input-like rows": input_jsonl(other, folder),
         "text": b"hello\n",
         "one line without its newline": b'{"image": "a.png"}',  # was cut off as a "torn" row
+        # begins as a row line does, but no finished row is there to resume: not cut either
+        "one id line without its newline": b'{"id": "mine", "label": "cat", "score": 0.93}'[:-1],
     }
     for what, data in theirs.items():
         other.write_bytes(data)
         for extra in ([], ["--overwrite"], ["--repair"]):
             code, _, err = batch(capsys, pkg, "--input", q, "--output", other, *extra)
-            one_line_error(code, err, "not an edgevl batch output", "choose another --output")
+            one_line_error(code, err, "may not be a batch output" if "id line" in what else
+                           "not an edgevl batch output", "choose another --output")
             assert other.read_bytes() == data, (what, extra)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.jsonl", "q.jsonl"]  # no lock, no journal
 
@@ -418,3 +421,15 @@ def test_the_start_line_counts_the_workers_that_start(pkg, folder, tmp_path, cap
                          "--max-new-tokens", 2)
     assert code == 0, err
     assert "batch: 1 rows; 1 worker(s) x 1 thread(s), local, 4 rows at a time" in err, err
+
+
+def test_a_rerun_with_another_prompt_says_the_done_rows_were_asked_otherwise(pkg, folder, tmp_path, capsys):
+    """Rows resume by id: a rerun with a changed prompt keeps the old answers, and says so."""
+    out = tmp_path / "o.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "asked another prompt" not in err, err
+    before = out.read_bytes()
+    code, _, err = cli(capsys, "batch", pkg, "--prompt", "Count the shapes.", "--threads", 1, "--quiet",
+                       "--input", folder, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "warning: 3 row(s) already done were asked another prompt" in err, err
+    assert out.read_bytes() == before
