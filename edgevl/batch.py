@@ -76,6 +76,7 @@ THOUGHT_CUT = ("the token limit ran out inside the thinking, before any answer; 
                "--no-thinking, then --retry-errors")
 WORKER_MARGIN = 512 << 20  # a worker beyond its weights: interpreter, ncnn, image and KV buffers
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+VIDEO_FILE_EXTS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v")   # named, never read, by a folder input
 TABLE_EXTS = (".jsonl", ".ndjson", ".csv", ".parquet")
 OUTPUT_EXTS = (".jsonl", ".parquet")
 INSTALL_PARQUET = "Parquet needs pyarrow: pip install 'edgevl[parquet]'"
@@ -231,6 +232,9 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
         ext = path.suffix.lower()
         if ext in IMAGE_EXTS:
             raise EdgevlError(f"--input {src} is one image; use `edgevl run` for one image, or pass its folder")
+        if ext in VIDEO_FILE_EXTS:
+            raise EdgevlError(f"--input {src} is one video; use `edgevl run --video` for one, or list videos in a "
+                              "table's video column (a JSONL line {\"video\": \"clip.mp4\"})")
         if ext not in TABLE_EXTS:
             raise EdgevlError(f"--input {src}: unknown kind of file; use a folder of images or a "
                               f"{', '.join(TABLE_EXTS)} file")
@@ -252,12 +256,11 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
     return _table_rows(records, None, "the rows", "row", prompt, image_column, prompt_column, id_column)
 
 
-def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
-    if not prompt:
-        raise EdgevlError("--prompt is required for a folder of images")
+def _folder_files(root: Path, exts) -> list[tuple[str, Path]]:
+    """(relative name, path) of the folder's files with these extensions, hidden ones left out.
+    Symlinked subfolders are followed (datasets are often linked in), each real folder once: a
+    link back up the tree would otherwise loop."""
     found, visited = [], set()
-    # symlinked subfolders are followed (datasets are often linked in), each real folder once: a
-    # link back up the tree would otherwise loop
     for d, dirs, files in os.walk(root, followlinks=True):
         st = os.stat(d)
         if (st.st_dev, st.st_ino) in visited:
@@ -266,11 +269,26 @@ def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
         visited.add((st.st_dev, st.st_ino))
         dirs[:] = [x for x in dirs if not x.startswith(".")]
         for f in files:
-            if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS:
+            if not f.startswith(".") and os.path.splitext(f)[1].lower() in exts:
                 p = Path(d) / f
                 found.append((p.relative_to(root).as_posix(), p))
+    return found
+
+
+def folder_videos(root: Path) -> int:
+    """Video files in a folder input, which gives image rows only (batch says it skipped them)."""
+    return len(_folder_files(root, VIDEO_FILE_EXTS))
+
+
+def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
+    if not prompt:
+        raise EdgevlError("--prompt is required for a folder of images")
+    found = _folder_files(root, IMAGE_EXTS)
     if not found:
-        raise EdgevlError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root}")
+        videos = folder_videos(root)
+        raise EdgevlError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root}" + (
+            f"; its {videos} video file(s) go in a table's video column (a JSONL line {{\"video\": \"clip.mp4\"}})"
+            if videos else ""))
     found.sort()
     rows, seen = [], {}
     for rel, p in found:
@@ -1386,6 +1404,11 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     if job.oversubscribed():
         print(f"warning: {job.workers} workers x {job.threads} threads > {_physical_cores()} cores; ncnn slows "
               "down badly when oversubscribed", file=sys.stderr)
+    src = Path(a.input).expanduser()
+    videos = folder_videos(src) if src.is_dir() else 0
+    if videos:
+        print(f"batch: skipped {videos} video file(s) under {a.input}: a folder gives image rows; list videos in a "
+              "table's video column", file=sys.stderr)
     for _ in job.run():
         pass
     if job.torn_bytes:

@@ -663,3 +663,24 @@ def test_ray_address_of_a_running_cluster(pkg, scenes, reference, tmp_path):
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+
+
+def test_videos_in_a_folder_input_are_named_not_dropped_silently(pkg, tmp_path, capsys):
+    """A folder gives image rows: its video files are skipped with a line saying where videos go;
+    a folder of videos only, or one video as --input, is refused with that hint."""
+    from support.cli import cli as run
+    from support.cli import one_line_error
+
+    folder, only = tmp_path / "mixed", tmp_path / "clips"
+    folder.mkdir()
+    only.mkdir()
+    make_scene(3).image.save(folder / "a.png")
+    for f in (folder / "clip.mp4", only / "clip.mov"):
+        f.write_bytes(b"\x00" * 64)
+    base = ("--prompt", PROMPT, "--threads", "1", "--quiet", "--max-new-tokens", "2")
+    code, _, err = run(capsys, "batch", pkg, "--input", folder, "--output", tmp_path / "o.jsonl", *base)
+    assert code == 0 and "skipped 1 video file(s)" in err and "video column" in err, err
+    one_line_error(*run(capsys, "batch", pkg, "--input", only, "--output", tmp_path / "p.jsonl", *base)[::2],
+                   "its 1 video file(s) go in a table's video column")
+    one_line_error(*run(capsys, "batch", pkg, "--input", only / "clip.mov", "--output", tmp_path / "q.jsonl",
+                        *base)[::2], "is one video; use `edgevl run --video`")
