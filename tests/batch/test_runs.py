@@ -684,3 +684,19 @@ def test_videos_in_a_folder_input_are_named_not_dropped_silently(pkg, tmp_path, 
                    "its 1 video file(s) go in a table's video column")
     one_line_error(*run(capsys, "batch", pkg, "--input", only / "clip.mov", "--output", tmp_path / "q.jsonl",
                         *base)[::2], "is one video; use `edgevl run --video`")
+
+
+def test_a_misspelt_option_fails_once_before_any_row(pkg, tmp_path):
+    """`edgevl.batch(..., max_tokens=5)` (OpenAI's name): one error naming the right option, not a
+    TypeError written into every row of the job."""
+    from edgevl.errors import EdgevlError
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    make_scene(3).image.save(folder / "a.png")
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(EdgevlError, match="batch has no option 'max_tokens'; did you mean max_new_tokens"):
+        list(edgevl.batch(pkg, folder, PROMPT, out, max_tokens=5))
+    assert not out.exists()
+    rows = list(edgevl.batch(pkg, folder, PROMPT, max_new_tokens=2, threads=1))   # the right name runs
+    assert rows[0]["error"] is None and rows[0]["tokens_out"] <= 2
