@@ -332,12 +332,20 @@ def _csv_records(path: Path, _cols) -> list:
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             try:
+                # Excel in many locales saves "CSV" with semicolons: a header with a semicolon and no
+                # comma is read so
+                head = f.readline()
+                f.seek(0)
+                delimiter = ";" if ";" in head and "," not in head else ","
                 # written by hand as "a.png, What is it?": the space after a comma separates, as a reader means
-                reader = csv.DictReader(f, skipinitialspace=True)
+                reader = csv.DictReader(f, skipinitialspace=True, delimiter=delimiter)
                 if reader.fieldnames:   # and "image , prompt" names the columns "image" and "prompt"
                     reader.fieldnames = [h.strip() for h in reader.fieldnames]
                 return list(enumerate(reader, 1))
-            except (csv.Error, UnicodeDecodeError) as e:
+            except UnicodeDecodeError as e:
+                raise EdgevlError(f"{path} is not UTF-8 text (byte {e.start}); save it as \"CSV UTF-8\" (Excel) or "
+                                  "convert it to UTF-8") from None
+            except csv.Error as e:
                 raise EdgevlError(f"{path} is not a readable UTF-8 CSV file ({e})") from None
     finally:
         csv.field_size_limit(old)

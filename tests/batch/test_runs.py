@@ -700,3 +700,17 @@ def test_a_misspelt_option_fails_once_before_any_row(pkg, tmp_path):
     assert not out.exists()
     rows = list(edgevl.batch(pkg, folder, PROMPT, max_new_tokens=2, threads=1))   # the right name runs
     assert rows[0]["error"] is None and rows[0]["tokens_out"] <= 2
+
+
+def test_csv_as_excel_saves_it(tmp_path):
+    """Excel in many locales saves semicolons (and a BOM); a cp1252 file gets the fix in one line."""
+    from edgevl.batch import read_input
+    from edgevl.errors import EdgevlError
+
+    src = tmp_path / "rows.csv"
+    src.write_bytes("\ufeffid;image;prompt\nfirst;a.png;What is it, then?\n".encode())
+    rows = read_input(src, prompt="Describe it.")
+    assert [(r["id"], r["image"], r["prompt"]) for r in rows] == [("first", "a.png", "What is it, then?")]
+    src.write_bytes("id,image,prompt\nfirst,a.png,Caf\u00e9 ou th\u00e9?\n".encode("cp1252"))
+    with pytest.raises(EdgevlError, match='save it as "CSV UTF-8"'):
+        read_input(src)
