@@ -23,6 +23,7 @@ reasoning stays free and the constraint starts after it. ``Completion.json`` is 
 from __future__ import annotations
 
 import json as _json
+import os
 import re
 import time
 from collections import deque
@@ -348,12 +349,17 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
 
 def _as_videos(video) -> list:
     """``video=``: one clip (a path, ``{"frames": ..., "fps": ...}``, or a list of frames: PIL
-    images or uint8 arrays, which no clip is) or a list of clips."""
+    images, uint8 arrays or paths of still pictures, which no clip is) or a list of clips."""
     if video is None:
         return []
     import numpy as np
     from PIL import Image
 
+    # paths of still pictures (.png, .jpg ...) are frames of one clip: as clips, each would be one frame
+    stills = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+    if isinstance(video, (list, tuple)) and len(video) > 1 and all(
+            isinstance(x, (str, os.PathLike)) and os.path.splitext(str(x))[1].lower() in stills for x in video):
+        return [video]
     if isinstance(video, (list, tuple)) and not any(
             isinstance(x, Image.Image) or isinstance(x, np.ndarray) and x.ndim != 4 for x in video):
         return list(video)

@@ -142,3 +142,20 @@ def test_api_refusals(setup):
         edgevl.generate(model, [{"role": "user", "content": [{"type": "video", "video": gif}]}], video=gif)
     with pytest.raises(EdgevlError, match="need the chat template"):
         edgevl.generate(model, PROMPT, video=gif, raw=True)
+
+
+def test_a_list_of_picture_paths_is_one_clip(setup, tmp_path):
+    """`video=[f0.png, f1.png, ...]` is the frames of one clip, as `{"frames": [...]}` is (as clips,
+    each would be a one-frame video, which is refused)."""
+    pk, model, gif, _ = setup
+    from PIL import Image
+
+    frames = []
+    with Image.open(gif) as im:
+        for k in range(im.n_frames):
+            im.seek(k)
+            frames.append(tmp_path / f"f{k}.png")
+            im.convert("RGB").save(frames[-1])
+    kw = dict(max_new_tokens=6, temperature=0, thinking=False)
+    want = edgevl.generate(model, PROMPT, video={"frames": [str(f) for f in frames]}, **kw)
+    assert edgevl.generate(model, PROMPT, video=[str(f) for f in frames], **kw) == want
