@@ -504,11 +504,17 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
         if source is None and vsource is None and err is None:
             err = f"no image or video in the {image_column!r} and {VIDEO_COLUMN!r} columns"
         rid = r.get(id_column)
+        if isinstance(rid, (list, dict, bool)):   # str() would make an id of its Python spelling
+            raise EdgevlError(f"{name} {where} {n}: its {id_column!r} is a {type(rid).__name__}, not text or a "
+                              "number; ids must be text or numbers")
         if rid is None or str(rid) == "":   # file names stored beside image bytes may repeat: not ids
             rid = f"{where} {n}" if isinstance(source, (ParquetImage, bytes, bytearray)) else \
                 shown or video or f"{where} {n}"
         rid = _text(str(rid))
         p = r.get(prompt_column)
+        if isinstance(p, (list, dict, bool)) and err is None:   # not asked as its Python spelling
+            err = f"the {prompt_column!r} value is a {type(p).__name__}, not text; give the prompt as text"
+            p = None
         p = str(p) if p is not None and str(p).strip() else prompt
         if p is None and err is None:
             err = f"no prompt: fill the {prompt_column!r} column or give --prompt"

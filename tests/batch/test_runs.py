@@ -714,3 +714,16 @@ def test_csv_as_excel_saves_it(tmp_path):
     src.write_bytes("id,image,prompt\nfirst,a.png,Caf\u00e9 ou th\u00e9?\n".encode("cp1252"))
     with pytest.raises(EdgevlError, match='save it as "CSV UTF-8"'):
         read_input(src)
+
+
+def test_table_values_that_are_not_text_are_not_asked_as_their_python_spelling(tmp_path):
+    from edgevl.batch import read_input
+    from edgevl.errors import EdgevlError
+
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"id": "a", "image": "a.png", "prompt": ["What", "is it?"]}) + "\n")
+    (row,) = read_input(src, prompt="Describe it.")
+    assert row["error"] == "the 'prompt' value is a list, not text; give the prompt as text", row
+    src.write_text(json.dumps({"id": {"n": 1}, "image": "a.png"}) + "\n")
+    with pytest.raises(EdgevlError, match="its 'id' is a dict, not text or a number"):
+        read_input(src, prompt="Describe it.")
