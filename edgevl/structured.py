@@ -98,10 +98,15 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
     schema = _schema_of(schema, where)
     try:
         text = json.dumps(schema, allow_nan=False)
+    except RecursionError:
+        raise EdgevlError(f"{where} is nested too deeply to be a usable schema; simplify it") from None
     except (TypeError, ValueError) as e:    # a set, a NaN: not JSON
         raise EdgevlError(f"{where} is not JSON ({e}); send a JSON schema") from None
     _check_size(text, where)
-    grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    try:
+        grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    except ValueError as e:   # the engine's own limits (a schema nested past its depth), bad text
+        raise EdgevlError(f"{where} cannot be compiled ({_one_line(e)}); simplify it") from None
     return Structure("json_schema", grammar, schema, name)
 
 

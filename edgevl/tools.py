@@ -103,12 +103,37 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
         raise EdgevlError("parallel_tool_calls must be true or false")
     choice, named = _choice(tool_choice, schemas)
     spec = ToolSpec(out, choice, named, parallel, schemas=schemas)
-    if choice == "required":
-        spec.structure = structured.grammar_structure(call_grammar(schemas, parallel, _tags(model)), "tool_choice")
-    elif choice == "function":    # one call of that function (as OpenAI's and vLLM's named choice)
-        spec.structure = structured.grammar_structure(call_grammar({named: schemas[named]}, False, _tags(model)),
-                                                      "tool_choice")
+    if choice in ("required", "function"):   # the named one: one call of that function, as OpenAI's
+        chosen = schemas if choice == "required" else {named: schemas[named]}
+        for fn, params in chosen.items():   # each one checked alone, so that the error can name it
+            try:
+                one = structured.grammar_structure(call_grammar({fn: params}, False, _tags(model)), "tool_choice")
+            except ValueError as e:
+                one, error = None, str(e)
+            else:
+                error = _llg_error(one)
+            if error:
+                raise EdgevlError(_tool_error(fn, error))
+        spec.structure = structured.grammar_structure(
+            call_grammar(chosen, parallel and choice == "required", _tags(model)), "tool_choice")
     return spec
+
+
+def _llg_error(structure) -> str | None:
+    try:
+        structured.check(structure, "tool")
+    except EdgevlError as e:
+        return str(e)
+    return None
+
+
+def _tool_error(name: str, error: str) -> str:
+    msg = " ".join(error.split())
+    for head in ("tool cannot be used (", "tool uses "):
+        if msg.startswith(head):
+            msg = msg[len(head) - (1 if head.endswith("(") else 0):]
+    return (f"tools: the parameters of function {name!r:.60} cannot be constrained to ({msg[:300]}); "
+            "simplify that schema or use tool_choice \"auto\"")
 
 
 def _choice(tool_choice, schemas) -> tuple[str, str | None]:
@@ -145,13 +170,13 @@ def _value(rule: str, schema: dict) -> list[str]:
     """Rules for one parameter's value followed by its closing tag: a raw string for string
     parameters (the template writes them unquoted), JSON for the rest."""
     close = _lit("\n</parameter>\n")
-    if _is_string(schema):
+    if _is_string(schema) and "$ref" not in schema:
         if "enum" in schema:
             return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
         if "const" in schema and isinstance(schema["const"], str):
             return [f"{rule}: {_lit(schema['const'])} {close}"]
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-        pattern = schema.get("pattern")
+        pattern = schema.get("pattern") or FORMATS.get(schema.get("format"))
         if pattern:
             body = pattern.removeprefix("^").removesuffix("$")
             return [f"{rule}: /{_regex_escape(body)}/ {close}"]
@@ -163,7 +188,26 @@ def _value(rule: str, schema: dict) -> list[str]:
 
 
 def _regex_escape(body: str) -> str:
-    return body.replace("/", "\\/")
+    """A regex for Lark's /.../: each slash not yet escaped gets a backslash (``a\\/b`` stays)."""
+    out, escaped = [], False
+    for c in body:
+        if c == "/" and not escaped:
+            out.append("\\")
+        out.append(c)
+        escaped = c == "\\" and not escaped
+    return "".join(out)
+
+
+# string formats a raw (unquoted) parameter value is held to, as JSON Schema defines them
+FORMATS = {
+    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "date": "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+    "time": "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "date-time": "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+                 "(\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    "email": "[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\\.[A-Za-z0-9-]{1,63})+",
+    "ipv4": "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+}
 
 
 def _tags(model) -> set:
@@ -182,12 +226,17 @@ def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:
 
     lines, calls = [], []
     for i, (name, params) in enumerate(schemas.items()):
-        props = params.get("properties", {})
+        props = dict(params.get("properties", {}))
         required = set(params.get("required", []))
+        for p in params.get("required", []):   # required but not described: any JSON value
+            props.setdefault(p, {})
+        # the definitions a parameter's $ref points into travel with its schema
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         parts = []
         for j, (p, ps) in enumerate(props.items()):
             rule = f"v{i}_{j}"
-            lines += _value(rule, ps if isinstance(ps, dict) else {})
+            ps = ps if isinstance(ps, dict) else {}
+            lines += _value(rule, {**ps, **defs} if defs and ("$ref" in ps or not _is_string(ps)) else ps)
             item = f"{_lit(f'<parameter={p}>' + chr(10))} {rule}"
             parts.append(f"({item})" if p in required else f"({item})?")
         body = " ".join(parts)

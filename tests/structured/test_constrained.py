@@ -456,3 +456,20 @@ def test_tokens_forced_after_the_blocks_draft_ride_in_its_pass(qwen, qwen_plain,
     # a pass after a one-token draft: the pending token, the draft, and the tokens forced after it
     assert max(n for n, after_draft in passes if after_draft) > 2
     assert 0 < qwen.mtp.accepted <= qwen.mtp.drafted <= len(own)
+
+
+def test_a_schema_nested_past_the_engines_depth_is_one_line(tmp_path, capsys):
+    """200 levels of nested objects: the grammar engine refuses them; a one-line error in the API
+    and the CLI (it was a ValueError traceback, and a 500 in the server)."""
+    from edgevl import structured
+    from support.cli import cli, one_line_error
+
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    with pytest.raises(EdgevlError, match="cannot be compiled|nested too deeply") as e:
+        structured.json_schema(deep)
+    assert "\n" not in str(e.value)
+    f = tmp_path / "deep.json"
+    f.write_text(json.dumps(deep))
+    one_line_error(*cli(capsys, "run", "--prompt", "x", "--json-schema", f)[::2], "cannot be compiled")

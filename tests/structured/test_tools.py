@@ -326,3 +326,42 @@ def test_tokenize_counts_the_tools_as_the_chat_endpoint_does(server):
     assert status == 200 and counted["count"] == reply["usage"]["prompt_tokens"] > plain + 20
     status, reply, _ = post(port, {"messages": ASK, "tools": [{"type": "function"}]}, path="/tokenize")
     assert status == 400 and reply["error"]["param"] == "tools", reply
+
+
+PYDANTIC_LIKE = {"type": "function", "function": {"name": "GetWeather", "parameters": {
+    "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                       "country": {"enum": ["FR", "DE"]}},
+                      "required": ["city", "country"], "additionalProperties": False}},
+    "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}, "days": {"type": "integer", "minimum": 1,
+                                                                               "maximum": 7}},
+    "required": ["loc", "days"], "additionalProperties": False}}}
+STRINGS = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {
+        "id": {"type": "string", "format": "uuid"}, "when": {"type": "string", "format": "date-time"},
+        "path": {"type": "string", "pattern": "^a\\/[0-9]{2}$"}, "n": {"type": "integer"}},
+    "required": ["id", "when", "path", "n", "note"]}}}    # "note": required, not described
+
+
+@pytest.mark.parametrize("tool", [PYDANTIC_LIKE, STRINGS], ids=["defs-and-refs", "formats-escapes-required"])
+def test_forced_calls_follow_the_whole_parameter_schema(qwen, tool):
+    """Tools as openai.pydantic_function_tool writes them ($defs, $ref), string formats, an escaped
+    slash in a pattern, a required parameter the properties leave out: the forced call validates."""
+    from jsonschema import Draft202012Validator, FormatChecker
+
+    params = tool["function"]["parameters"]
+    for opts in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        c = edgevl.complete(qwen, ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                            thinking=False, max_new_tokens=300, **opts)
+        assert c.finish_reason == "tool_calls", c
+        (call,) = c.tool_calls
+        args = json.loads(call["function"]["arguments"])
+        errors = [e.message for e in Draft202012Validator(params, format_checker=FormatChecker()).iter_errors(args)]
+        assert not errors, (errors, args)
+
+
+def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
+    bad = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}, "required": ["x"]}}}
+    with pytest.raises(EdgevlError, match="the parameters of function 'tag' cannot be constrained"):
+        edgevl.complete(qwen, ASK, tools=[WEATHER, bad], tool_choice="required")
+    edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
