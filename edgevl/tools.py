@@ -276,6 +276,12 @@ class CallStream:
         self.calls: list[dict] = []
         self._args: dict | None = None    # the current call's arguments so far
         self._name_sent = False
+        # An answer the grammar does not hold ("auto") may open a call and never close it (a small
+        # model drops a tag, a stop string cuts it): its events wait until it closes, and the text
+        # of one that never does is the answer's content, as written
+        self.hold = spec.structure is None
+        self._held: list = []
+        self._raw = ""
 
     def feed(self, text: str, end: bool = False) -> list[tuple]:
         """Events the text completes: ("content", str), ("name", index, id, name),
@@ -300,10 +306,25 @@ class CallStream:
                 out.append(("content", self.buf[:i]))
             self.buf, self.in_calls = self.buf[i:], True
         while True:
+            before = self.buf
             ev = self._step()
             if not ev:
                 break
-            out += ev
+            if not self.hold:
+                out += ev
+                continue
+            self._raw += before[:len(before) - len(self.buf)]
+            self._held += ev
+            if self._args is None:     # the call closed
+                if self.spec.parallel or len(self.calls) == 1:
+                    out += self._held
+                else:                  # one call at most (parallel_tool_calls false): later ones dropped
+                    self.calls.pop()
+                self._held, self._raw = [], ""
+        if end and self.hold and self.open:   # a call that never closed: its text, not half a call
+            self.calls.pop()
+            self._args, self._held = None, []
+            self.buf, self._raw = self._raw + self.buf, ""
         if end and self.buf.strip():
             # text that is no call: content; but a constrained answer's rest is a call the token
             # limit cut, never shown as half a call
@@ -341,8 +362,11 @@ class CallStream:
             schema = self.spec.schemas.get(fn["name"], {}).get("properties", {}).get(m.group(1).strip(), {})
             p = m.group(1).strip()
             self._args[p] = _typed(m.group(2), schema)
-            frag = ("{" if len(self._args) == 1 else ", ") + json.dumps(p) + ": " + json.dumps(
-                self._args[p], ensure_ascii=False)
+            try:
+                value = json.dumps(self._args[p], ensure_ascii=False, allow_nan=False)
+            except ValueError:   # a number past float's range: the model's own JSON text, not Infinity
+                value = " ".join(m.group(2).split())
+            frag = ("{" if len(self._args) == 1 else ", ") + json.dumps(p) + ": " + value
             fn["arguments"] += frag
             self.buf = b.lstrip("\n")[m.end():]
             return [("args", k, frag)]

@@ -365,3 +365,40 @@ def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
     with pytest.raises(EdgevlError, match="the parameters of function 'tag' cannot be constrained"):
         edgevl.complete(qwen, ASK, tools=[WEATHER, bad], tool_choice="required")
     edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
+
+
+def test_a_call_that_never_closes_is_the_answers_text_not_half_a_call():
+    """"auto": a model that drops a closing tag (or a stop string that cuts the call) leaves a call
+    that never closes; its text is the answer's content as written, and no call is announced,
+    streamed or not (a client was left holding a call with empty arguments)."""
+    spec = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS)
+    text = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"
+    assert tools.parse(text, spec) == (text, [])
+    s = tools.CallStream(spec)
+    events = [e for i in range(0, len(text), 5) for e in s.feed(text[i:i + 5])] + s.feed("", end=True)
+    assert all(e[0] == "content" for e in events) and "".join(e[1] for e in events) == text
+
+
+def test_parallel_tool_calls_false_gives_one_call_in_auto():
+    spec = tools.ToolSpec(TOOLS, "auto", parallel=False, schemas=SCHEMAS)
+    one = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>\n")
+    content, calls = tools.parse(one.format("Paris") + one.format("Rome"), spec)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    s = tools.CallStream(spec)
+    events = s.feed(one.format("Paris") + one.format("Rome"), end=True)
+    assert [e[3] for e in events if e[0] == "name"] == ["get_weather"]
+
+
+def test_a_number_past_floats_range_stays_json_in_the_arguments():
+    """A model may write 5.8e2325 (valid JSON): the arguments keep its text, not Infinity, which
+    strict JSON parsers (JSON.parse) refuse."""
+    spec = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS)
+    text = ("<tool_call>\n<function=count_items>\n<parameter=area>\n{\"x\": 5.8e2325, \"y\": 1}\n</parameter>\n"
+            "</function>\n</tool_call>")
+    _, (call,) = tools.parse(text, spec)
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    args = json.loads(call["function"]["arguments"], parse_constant=refuse)
+    assert args["area"]["y"] == 1 and "5.8e2325" in call["function"]["arguments"]
