@@ -554,6 +554,9 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
         # an answer of calls only has no text for stop strings to end: they would cut a call, which
         # is then no call at all
         stop = []
+    if structure is not None and structure.kind in ("json_object", "json_schema"):
+        # the grammar ends a JSON answer: a stop string could only cut it short of its schema
+        stop = []
     if spec is not None and spec.render:
         chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": spec.render}
     compiled = structured.compiled(model, structure) if structure is not None else None

@@ -473,3 +473,17 @@ def test_a_schema_nested_past_the_engines_depth_is_one_line(tmp_path, capsys):
     f = tmp_path / "deep.json"
     f.write_text(json.dumps(deep))
     one_line_error(*cli(capsys, "run", "--prompt", "x", "--json-schema", f)[::2], "cannot be compiled")
+
+
+def test_stop_strings_do_not_cut_a_json_answer(qwen):
+    """A stop string inside a JSON answer would leave a prefix that may even parse (``7`` of a
+    number the schema wants above 100000); the grammar ends such answers, so stop strings do not."""
+    schema = {"type": "object", "properties": {"reading": {"type": "integer", "minimum": 100000}},
+              "required": ["reading"], "additionalProperties": False}
+    kw = dict(json_schema=schema, thinking=False, temperature=0, max_new_tokens=60)
+    want = edgevl.complete(qwen, "Read the meter.", **kw)
+    assert want.finish_reason == "stop", want
+    for stop in (["5"], ["\""], ["reading"], [":"]):
+        c = edgevl.complete(qwen, "Read the meter.", stop=stop, **kw)
+        assert c.text == want.text and c.json == want.json, stop
+        jsonschema.validate(c.json, schema)
