@@ -304,17 +304,21 @@ def test_decoding_from_another_thread_is_as_fast_as_from_the_loading_thread(tmp_
     OpenMP to matter): the API decoding from a threading.Thread against the main thread, side
     by side, interleaved. Measured here: 0.9-1.1x (about 460-500 tok/s both ways); before the owner thread,
     with the nets loaded and run on the main thread, 0.15-0.2x (480-520 vs 75-100 tok/s; the
-    task measured 0.3-0.5x on real shapes)."""
+    task measured 0.3-0.5x on real shapes), which fails every look."""
     ck = verification.get("qwen3_5").make_tiny(tmp_path / "ck", seed=0, text_only=True, hidden_size=512,
                                                intermediate_size=1536, num_hidden_layers=4)
     model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="bf16", progress=False), threads=2)
     decode_rate(model, 8)   # first-run allocations
-    main, thread = [], []
-    for i in range(9):   # interleaved, each side first in turn; one run can jump by 40 % either way here
-        for side in ((main, thread) if i % 2 else (thread, main)):
-            side.append(decode_rate(model) if side is main else in_thread(lambda: decode_rate(model)))
-    ratio = statistics.median(thread) / statistics.median(main)
+    tries = []
+    for _ in range(3):   # a busy machine can slow either side for a while: up to three looks
+        main, thread = [], []
+        for i in range(9):   # interleaved, each side first in turn; one run can jump by 40 % either way here
+            for side in ((main, thread) if i % 2 else (thread, main)):
+                side.append(decode_rate(model) if side is main else in_thread(lambda: decode_rate(model)))
+        tries.append((statistics.median(thread) / statistics.median(main), thread, main))
+        if tries[-1][0] >= 0.8:
+            break
     others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
-    assert ratio >= 0.8, (f"from a thread at {ratio:.2f}x the main thread's speed (tok/s from a thread "
-                          f"{[round(r) for r in thread]}, main {[round(r) for r in main]}; "
-                          f"other threads: {others})")
+    assert tries[-1][0] >= 0.8, "from a thread at " + "; ".join(
+        f"{r:.2f}x the main thread's speed (tok/s from a thread {[round(x) for x in t]}, main {[round(x) for x in m]})"
+        for r, t, m in tries) + f"; other threads: {others}"
