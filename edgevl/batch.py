@@ -214,9 +214,10 @@ def _pyarrow():
 
 
 def read_input(src, prompt: str | None = None, image_column: str = "image", prompt_column: str = "prompt",
-               id_column: str = "id") -> list[dict]:
+               id_column: str = "id", notes: dict | None = None) -> list[dict]:
     """The job's rows: ``{"id", "image" (as given), "source" (a path, a PIL image, image bytes or a
-    ``ParquetImage``), "prompt", "error"}``."""
+    ``ParquetImage``), "prompt", "error"}``. ``notes`` (a dict) hears what a folder input skipped:
+    ``notes["videos"]``, its video files."""
     if prompt is not None and _text(prompt) != prompt:
         raise EdgevlError("--prompt is not valid UTF-8 text (it has a lone surrogate or undecodable bytes); "
                           "pass it as UTF-8")
@@ -228,7 +229,7 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
             raise EdgevlError(f"--input {src} does not exist; pass a folder of images or a "
                               f".jsonl/.csv/.parquet file")
         if path.is_dir():
-            return _folder_rows(path, prompt)
+            return _folder_rows(path, prompt, notes if notes is not None else {})
         ext = path.suffix.lower()
         if ext in IMAGE_EXTS:
             raise EdgevlError(f"--input {src} is one image; use `edgevl run` for one image, or pass its folder")
@@ -256,11 +257,11 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
     return _table_rows(records, None, "the rows", "row", prompt, image_column, prompt_column, id_column)
 
 
-def _folder_files(root: Path, exts) -> list[tuple[str, Path]]:
-    """(relative name, path) of the folder's files with these extensions, hidden ones left out.
+def _folder_files(root: Path) -> tuple[list, list]:
+    """(relative name, path) of the folder's images and of its video files, hidden ones left out.
     Symlinked subfolders are followed (datasets are often linked in), each real folder once: a
     link back up the tree would otherwise loop."""
-    found, visited = [], set()
+    found, videos, visited = [], [], set()
     for d, dirs, files in os.walk(root, followlinks=True):
         st = os.stat(d)
         if (st.st_dev, st.st_ino) in visited:
@@ -269,26 +270,22 @@ def _folder_files(root: Path, exts) -> list[tuple[str, Path]]:
         visited.add((st.st_dev, st.st_ino))
         dirs[:] = [x for x in dirs if not x.startswith(".")]
         for f in files:
-            if not f.startswith(".") and os.path.splitext(f)[1].lower() in exts:
+            ext = os.path.splitext(f)[1].lower()
+            if not f.startswith(".") and ext in IMAGE_EXTS + VIDEO_FILE_EXTS:
                 p = Path(d) / f
-                found.append((p.relative_to(root).as_posix(), p))
-    return found
+                (found if ext in IMAGE_EXTS else videos).append((p.relative_to(root).as_posix(), p))
+    return found, videos
 
 
-def folder_videos(root: Path) -> int:
-    """Video files in a folder input, which gives image rows only (batch says it skipped them)."""
-    return len(_folder_files(root, VIDEO_FILE_EXTS))
-
-
-def _folder_rows(root: Path, prompt: str | None) -> list[dict]:
+def _folder_rows(root: Path, prompt: str | None, notes: dict) -> list[dict]:
     if not prompt:
         raise EdgevlError("--prompt is required for a folder of images")
-    found = _folder_files(root, IMAGE_EXTS)
+    found, videos = _folder_files(root)
+    notes["videos"] = len(videos)   # a folder gives image rows only: batch says it skipped these
     if not found:
-        videos = folder_videos(root)
         raise EdgevlError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root}" + (
-            f"; its {videos} video file(s) go in a table's video column (a JSONL line {{\"video\": \"clip.mp4\"}})"
-            if videos else ""))
+            f"; its {len(videos)} video file(s) go in a table's video column (a JSONL line "
+            f"{{\"video\": \"clip.mp4\"}})" if videos else ""))
     found.sort()
     rows, seen = [], {}
     for rel, p in found:
@@ -1312,7 +1309,9 @@ class BatchJob:
                          "model_options": dict(model_options or {})}   # the architecture's load-time options
         if output is not None:
             _refuse_output_is_input(rows, output)
-        self.items = read_input(rows, prompt, image_column, prompt_column, id_column)
+        notes: dict = {}
+        self.items = read_input(rows, prompt, image_column, prompt_column, id_column, notes)
+        self.skipped_videos = notes.get("videos", 0)
         if any(it.get("video") for it in self.items):   # a model without video would fail every such row
             from .model import check_load_options
 
@@ -1427,11 +1426,9 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     if job.oversubscribed():
         print(f"warning: {job.workers} workers x {job.threads} threads > {_physical_cores()} cores; ncnn slows "
               "down badly when oversubscribed", file=sys.stderr)
-    src = Path(a.input).expanduser()
-    videos = folder_videos(src) if src.is_dir() else 0
-    if videos:
-        print(f"batch: skipped {videos} video file(s) under {a.input}: a folder gives image rows; list videos in a "
-              "table's video column", file=sys.stderr)
+    if job.skipped_videos:
+        print(f"batch: skipped {job.skipped_videos} video file(s) under {a.input}: a folder gives image rows; list "
+              "videos in a table's video column", file=sys.stderr)
     for _ in job.run():
         pass
     if job.torn_bytes:
