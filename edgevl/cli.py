@@ -206,13 +206,11 @@ def _video_fps(name):
 def add_video_args(p: argparse.ArgumentParser, many: bool | None = True) -> None:
     """--video and how clips are sampled (models whose vision encoder takes video); ``many=None``:
     the sampling flags only (batch takes its videos from a table's video column)."""
-    if many is None:
-        pass
-    elif many:
+    if many:
         p.add_argument("--video", action="append", default=None,
                        help="video: a file (MP4/WebM/MOV... need PyAV: pip install 'edgevl[video]'), an animated "
                             "GIF/WebP or a folder of frames; repeat for several (default: none)")
-    else:
+    elif many is not None:
         p.add_argument("--video", default=None, help="video for your first message (a file, animated GIF/WebP or "
                                                       "folder of frames; default: none)")
     p.add_argument("--fps", type=_video_fps("--fps"), default=None,
@@ -565,9 +563,9 @@ def cmd_batch(a) -> int:
     try:
         path = resolve_model(a.model)
         check_package(path, a)   # before the output is opened
-        sampling = sampling_kwargs(a)
-        if any(v is not None for v in video_options(a).values()):
-            sampling["video_options"] = video_options(a)
+        sampling, clips = sampling_kwargs(a), video_options(a)
+        if any(v is not None for v in clips.values()):
+            sampling["video_options"] = clips
         return batch_cli(a, path, sampling, runtime_option_values(a))
     except KeyboardInterrupt:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)

@@ -355,8 +355,11 @@ def _as_videos(video) -> list:
     import numpy as np
     from PIL import Image
 
-    # paths of still pictures (.png, .jpg ...) are frames of one clip: as clips, each would be one frame
-    stills = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+    from .processing.video import FRAME_SUFFIXES
+
+    # paths of still pictures (.png, .jpg ...; not GIF or WebP, which may be clips) are frames of one
+    # clip: as clips, each would be one frame
+    stills = tuple(x for x in FRAME_SUFFIXES if x not in (".gif", ".webp"))
     if isinstance(video, (list, tuple)) and len(video) > 1 and all(
             isinstance(x, (str, os.PathLike)) and os.path.splitext(str(x))[1].lower() in stills for x in video):
         return [video]
