@@ -635,20 +635,16 @@ def _converted_from_other(pkg: Path, checkpoint: Path) -> str | None:
     """What changed in ``checkpoint`` since bench converted it into ``pkg`` (None: nothing): its
     config, its weight files' names, or the bytes of a weight file written since (hashed only
     then, so an unchanged checkpoint costs a few stats)."""
-    from .package import read_manifest
-    from .weights import Checkpoint, sha256_file
+    from .package import read_manifest, source_file_changed
+    from .weights import Checkpoint
 
     if (pkg / "config.json").read_bytes() != (checkpoint / "config.json").read_bytes():
         return "the checkpoint's config.json changed"
     recorded = (read_manifest(pkg).get("source") or {}).get("files") or {}
-    files = {p.name: p for p in Checkpoint(checkpoint).files}
-    if set(files) != set(recorded):
+    if {p.name for p in Checkpoint(checkpoint).files} != set(recorded):
         return "the checkpoint's weight files changed"
-    made = (pkg / "manifest.json").stat().st_mtime
-    for name, path in sorted(files.items()):
-        if path.stat().st_mtime > made and sha256_file(path) != recorded[name]:
-            return f"the checkpoint's {name} changed"
-    return None
+    changed = source_file_changed(pkg, checkpoint, newer_than=(pkg / "manifest.json").stat().st_mtime)
+    return f"the checkpoint's {changed[0]} changed" if changed else None
 
 
 def _bench_images_cli(a, systems: dict, compare: list, ref: Path, threads: int) -> int:

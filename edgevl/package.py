@@ -184,6 +184,21 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def source_file_changed(package, folder, newer_than: float | None = None) -> tuple[str, bool] | None:
+    """The first weight file recorded when ``package`` was converted that ``folder`` no longer holds
+    as it was: (name, False) when it is not there, (name, True) when its sha256 differs; None when
+    all are as recorded (or nothing was). ``newer_than``: only files modified after that time are
+    hashed, the others taken as unchanged."""
+    recorded = (read_manifest(package).get("source") or {}).get("files") or {}
+    for name, digest in sorted(recorded.items()):
+        f = Path(folder) / name
+        if not f.is_file():
+            return name, False
+        if (newer_than is None or f.stat().st_mtime > newer_than) and sha256_file(f) != digest:
+            return name, True
+    return None
+
+
 def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
     """Hash every file, write the manifest last, then move the folder into place.
 

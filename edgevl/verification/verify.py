@@ -158,17 +158,13 @@ def source_changed(package, reference_dir) -> str | None:
     by the sha256 of the weight files its manifest recorded (None: the same files, or nothing
     recorded): another checkpoint written to the same folder would fail the comparison, and
     the package would take the blame."""
-    from ..package import read_manifest
-    from ..weights import sha256_file
+    from ..package import source_file_changed
 
-    recorded = (read_manifest(package).get("source") or {}).get("files") or {}
-    for name, digest in sorted(recorded.items()):
-        f = Path(reference_dir) / name
-        if not f.is_file():
-            return f"{name} is not there"
-        if sha256_file(f) != digest:
-            return f"{name} differs from the file converted"
-    return None
+    changed = source_file_changed(package, reference_dir)
+    if changed is None:
+        return None
+    name, there = changed
+    return f"{name} differs from the file converted" if there else f"{name} is not there"
 
 
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
