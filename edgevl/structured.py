@@ -294,10 +294,16 @@ def compiled(model, structure: Structure, where: str | None = None) -> Compiled:
     return Compiled(structure, template, key[1], key[2])
 
 
-def check(structure: Structure, where: str | None = None) -> None:
+def problem(structure: Structure) -> str | None:
     """What ``compiled`` would refuse in ``structure`` regardless of the tokenizer (a bad schema,
-    an unsupported keyword), found without a model: an EdgevlError naming the problem."""
+    an unsupported keyword), found without a model, in the grammar engine's words (one line)."""
     error = _llg().LLMatcher.validate_grammar(structure.grammar, None)
+    return _one_line(error) if error else None
+
+
+def check(structure: Structure, where: str | None = None) -> None:
+    """``problem`` as an EdgevlError naming it."""
+    error = problem(structure)
     if error:
         raise EdgevlError(_describe(structure, error, where))
 

@@ -105,35 +105,29 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
     spec = ToolSpec(out, choice, named, parallel, schemas=schemas)
     if choice in ("required", "function"):   # the named one: one call of that function, as OpenAI's
         chosen = schemas if choice == "required" else {named: schemas[named]}
-        for fn, params in chosen.items():   # each one checked alone, so that the error can name it
-            try:
-                one = structured.grammar_structure(call_grammar({fn: params}, False, _tags(model)), "tool_choice")
-            except ValueError as e:
-                one, error = None, str(e)
-            else:
-                error = _llg_error(one)
-            if error:
-                raise EdgevlError(_tool_error(fn, error))
-        spec.structure = structured.grammar_structure(
-            call_grammar(chosen, parallel and choice == "required", _tags(model)), "tool_choice")
+        spec.structure = _call_structure(model, chosen, parallel and choice == "required")
     return spec
 
 
-def _llg_error(structure) -> str | None:
-    try:
-        structured.check(structure, "tool")
-    except EdgevlError as e:
-        return str(e)
-    return None
+def _call_structure(model, chosen: dict, parallel: bool):
+    """The grammar of calls to ``chosen``, checked now (before a request queues); parameters that
+    cannot be constrained are one line naming their function."""
+    tags = _tags(model)
 
+    def build(fns: dict, many: bool):
+        try:
+            s = structured.grammar_structure(call_grammar(fns, many, tags), "tool_choice")
+        except ValueError as e:    # the engine refuses the grammar itself (a bad pattern)
+            return None, " ".join(str(e).split())
+        return s, structured.problem(s)
 
-def _tool_error(name: str, error: str) -> str:
-    msg = " ".join(error.split())
-    for head in ("tool cannot be used (", "tool uses "):
-        if msg.startswith(head):
-            msg = msg[len(head) - (1 if head.endswith("(") else 0):]
-    return (f"tools: the parameters of function {name!r:.60} cannot be constrained to ({msg[:300]}); "
-            "simplify that schema or use tool_choice \"auto\"")
+    structure, error = build(chosen, parallel)
+    if error is None:
+        return structure
+    # the function at fault, each alone (the whole grammar's error does not say whose)
+    fn = next((f for f, params in chosen.items() if build({f: params}, False)[1]), next(iter(chosen)))
+    raise EdgevlError(f"tools: the parameters of function {fn!r:.60} cannot be constrained ({error[:300]}); "
+                      "simplify that schema or use tool_choice \"auto\"")
 
 
 def _choice(tool_choice, schemas) -> tuple[str, str | None]:
