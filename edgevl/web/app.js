@@ -252,6 +252,17 @@
     return fig;
   }
 
+  function removable(f, remove) {
+    // a file's thumbnail with its × button (files waiting to be sent, and a question being edited)
+    const t = thumb(f);
+    const x = el("button", "remove", "×");
+    x.type = "button";
+    x.title = "Remove";
+    x.addEventListener("click", remove);
+    t.append(x);
+    return t;
+  }
+
   function boxedImage(file, boxes) {
     // the image with the answer's boxes as labelled elements over it, placed in percent of the
     // image's own pixels so they follow its displayed size
@@ -371,19 +382,11 @@
     if (m.files.length) {
       // a file the server refused can be taken out here (the edit keeps what is left)
       const files = el("div", "files");
-      m.files.forEach((f, k) => {
-        const t = thumb(f);
-        const x = el("button", "remove", "×");
-        x.type = "button";
-        x.title = "Remove";
-        x.addEventListener("click", () => {
-          m.files = m.files.filter((_, j) => j !== k);
-          m.text = box.value;
-          renderMessages();
-        });
-        t.append(x);
-        files.append(t);
-      });
+      m.files.forEach((f, k) => files.append(removable(f, () => {
+        m.files = m.files.filter((_, j) => j !== k);
+        m.text = box.value;
+        renderMessages();
+      })));
       div.append(files);
     }
     div.append(box, actions);
@@ -730,15 +733,7 @@
   function renderPending() {
     const box = $("pending");
     box.replaceChildren();
-    pending.forEach((f, i) => {
-      const t = thumb(f);
-      const x = el("button", "remove", "×");
-      x.type = "button";
-      x.title = "Remove";
-      x.addEventListener("click", () => { pending.splice(i, 1); renderPending(); });
-      t.append(x);
-      box.append(t);
-    });
+    pending.forEach((f, i) => box.append(removable(f, () => { pending.splice(i, 1); renderPending(); })));
   }
 
   $("file-input").addEventListener("change", (e) => {

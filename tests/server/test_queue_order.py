@@ -9,6 +9,17 @@ import pytest
 from edgevl.server import Gate, HTTPError
 
 
+def holding_and_waiting(gate, holder, waiter) -> tuple:
+    """Threads running ``holder`` (once it holds the only slot) and ``waiter`` (once it waits)."""
+    threads = []
+    for fn, ready in ((holder, gate.locked), (waiter, lambda: gate.waiting >= 1)):
+        threads.append(threading.Thread(target=fn))
+        threads[-1].start()
+        while not ready():
+            time.sleep(0.005)
+    return tuple(threads)
+
+
 def test_waiters_are_served_in_arrival_order():
     gate, order = Gate(max_queue=8, slots=1), []
 
@@ -48,14 +59,7 @@ def test_a_newcomer_does_not_take_a_freed_slot_ahead_of_a_waiter():
         with gate():
             got.append("waiter")
 
-    h = threading.Thread(target=holder)
-    h.start()
-    while not gate.locked():
-        time.sleep(0.005)
-    w = threading.Thread(target=waiter)
-    w.start()
-    while gate.waiting < 1:
-        time.sleep(0.005)
+    h, w = holding_and_waiting(gate, holder, waiter)
     release.set()
     h.join(10)
     w.join(10)
@@ -75,14 +79,7 @@ def test_a_waiter_that_hangs_up_leaves_and_the_queue_goes_on():
             with gate(gone=hung.is_set):
                 order.append("quitter")
 
-    h = threading.Thread(target=holder)
-    h.start()
-    while not gate.locked():
-        time.sleep(0.005)
-    q = threading.Thread(target=quitter)
-    q.start()
-    while gate.waiting < 1:
-        time.sleep(0.005)
+    h, q = holding_and_waiting(gate, holder, quitter)
     with pytest.raises(HTTPError) as e:   # the queue is full
         with gate():
             pass
