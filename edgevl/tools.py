@@ -269,7 +269,6 @@ class CallStream:
         self.in_calls = False
         self.calls: list[dict] = []
         self._args: dict | None = None    # the current call's arguments so far
-        self._name_sent = False
         # An answer the grammar does not hold ("auto") may open a call and never close it (a small
         # model drops a tag, a stop string cuts it): its events wait until it closes, and the text
         # of one that never does is the answer's content, as written
