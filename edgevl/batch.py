@@ -1004,16 +1004,20 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                         name="edgevl-batch-worker")
         p.start()
         child.close()  # so the parent sees EOF when the worker dies
-        return {"proc": p, "conn": parent, "items": deque(), "ready": False}
+        return {"proc": p, "conn": parent, "items": deque(), "ready": False, "broken": False}
 
     queue = deque(todo)
     slots = [start() for _ in range(min(workers, len(todo)))]
     try:
         while queue or any(s["items"] for s in slots):
             for s in slots:
-                while s["ready"] and len(s["items"]) < depth and queue:
+                while s["ready"] and not s["broken"] and len(s["items"]) < depth and queue:
+                    try:
+                        s["conn"].send(queue[0])
+                    except OSError:  # it died since its last answer: its EOF, read below, reports that
+                        s["broken"] = True
+                        break
                     s["items"].append(queue.popleft())
-                    s["conn"].send(s["items"][-1])
             by_conn = {id(s["conn"]): s for s in slots}
             for conn in mp_wait([s["conn"] for s in slots]):
                 s = by_conn[id(conn)]

@@ -1,6 +1,7 @@
 """`edgevl batch` on the demo model: folders and tables in, JSONL/Parquet out, bad rows, resume
 after a real SIGKILL, local worker processes and a local Ray on the loopback interface."""
 
+import contextlib
 import csv
 import json
 import os
@@ -632,6 +633,33 @@ def test_a_crashed_worker_fails_only_its_row(pkg, scenes, reference, tmp_path):
     assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
     list(edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1, retry_errors=True))
     assert_complete(read_jsonl(out), reference)
+
+
+def _killed(pid):
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(500):  # until it is a zombie: its end of the pipe is closed
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                return
+        time.sleep(0.01)
+
+
+def test_workers_that_died_between_rows_are_replaced(pkg, scenes, reference, tmp_path):
+    """Both workers die while the job is between two rows: the next row handed to either must not
+    raise a broken pipe; their rows in flight fail alone and the job goes on with new workers."""
+    folder, _ = scenes
+    gen = edgevl.batch(pkg, folder, PROMPT, output=tmp_path / "out.jsonl", workers=2, threads=1)
+    rows = [next(gen)]
+    spawned = [p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(spawned) == 2
+    for pid in spawned:
+        _killed(pid)
+    rows += list(gen)
+    assert len(rows) == N and len({r["id"] for r in rows}) == N
+    died = [r for r in rows if r["error"]]
+    assert 1 <= len(died) <= 2 and all("worker process died on this row (killed by signal 9)" in r["error"]
+                                       for r in died)
+    assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
 
 
 def test_ray_address_of_a_running_cluster(pkg, scenes, reference, tmp_path):
