@@ -192,6 +192,14 @@ def _setting(req: dict, name: str, kind=float):
     return v
 
 
+def _readable(conn) -> bool:
+    """Whether a socket has input waiting (or its end), without blocking. poll, not select: select
+    cannot take descriptors past 1024, which a server holding many idle connections hands out."""
+    p = select.poll()
+    p.register(conn, select.POLLIN)
+    return bool(p.poll(0))
+
+
 def _too_many_pixels(param: str) -> HTTPError:
     return HTTPError(400, f"the request's images have more than {MAX_IMAGE_PIXELS} pixels in all; send smaller "
                      "images", param, "image_too_large")
@@ -1283,7 +1291,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                 return True
-            if not select.select([conn], [], [], 0)[0] or conn.recv(1, socket.MSG_PEEK):
+            if not _readable(conn) or conn.recv(1, socket.MSG_PEEK):
                 return False  # nothing new, or the next request's bytes
             self._probe()
             return False

@@ -141,3 +141,28 @@ def test_half_closed_client_keeps_its_place_in_the_queue(endless):
         first.close()
         status, body = final_response(second.result(timeout=30))
     assert status == b"HTTP/1.1 200 OK" and json.loads(body)["usage"]["completion_tokens"] == 4, body
+
+
+def test_requests_are_served_with_many_idle_connections_open(endless):
+    """Past about 1000 open connections a new one's descriptor is above 1024, where select()
+    fails: the hang-up check must still work there (idle keep-alive clients, or anyone with no key)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048 <= hard or hard == resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    port = endless.server_address[1]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(600)]  # both ends in this process
+    try:
+        assert wait_for(lambda: idle[-1].fileno() > 1024 or None, 5) is not None
+        status, body, _ = post(port, {"messages": MSGS, "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        s = send_raw(port, {"messages": MSGS})   # and a hang-up up there is still seen
+        assert wait_for(endless.gate.locked, 10) is not None
+        s.close()
+        took = wait_for(lambda: not endless.gate.locked(), 5)
+        assert took is not None and took < 1.0, took
+    finally:
+        for c in idle:
+            c.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
