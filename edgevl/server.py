@@ -89,6 +89,7 @@ from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stop_
 from .metrics import Registry, process_metrics
 from .model import Model, load
 from .processing.image import data_url_bytes, file_url_path
+from .processing.video import OutsideFolder, open_regular
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias, check_setting, finite_number
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
@@ -234,6 +235,8 @@ class PendingImage:
             raise _too_many_pixels(param) from None
         except HTTPError:
             raise
+        except OutsideFolder as e:
+            raise HTTPError(403, str(e), param, "image_path_forbidden") from None
         except EdgevlError as e:
             raise HTTPError(400, str(e), param, "invalid_image") from None
         except Exception as e:  # noqa: BLE001 - Pillow raises many types for bad data
@@ -254,6 +257,8 @@ class PendingImage:
             return exif_transpose(im)  # as for image files (and transformers' load_image)
         except HTTPError:
             raise
+        except OutsideFolder as e:
+            raise HTTPError(403, str(e), self.param, "image_path_forbidden") from None
         except MemoryError:
             raise HTTPError(400, "not enough memory to decode the image; send a smaller one", self.param,
                             "image_too_large") from None
@@ -299,10 +304,9 @@ def _image(url: str, server: EdgevlServer, param: str) -> PendingImage:
                         "image_path_forbidden")
 
     def opener():
-        if not full.is_file():
-            raise EdgevlError(f"Image file not found: {path}; check the path." if not full.exists() else
-                              f"Image path is not a file: {path}; pass an image file.")
-        return Image.open(full)  # Pillow closes the file once the pixels are loaded
+        # checked again where it is opened, on the open descriptor: the file may have been swapped
+        # for a symlink to somewhere else while the request waited for the model
+        return Image.open(open_regular(root / path, root, path, "image"))
 
     return PendingImage(opener, param)
 
@@ -315,8 +319,6 @@ class PendingVideo:
     behind: it never has a name)."""
 
     def __init__(self, source, param: str, server, options: dict):
-        from .processing.video import OutsideFolder
-
         self.source, self.param = source, param
         try:
             self.tokens = server.model.video_tokens(source, **options)
@@ -1464,6 +1466,8 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(e, ShuttingDown):   # cut short by a shutdown: clients retry a 503 elsewhere
             return HTTPError(503, "the server is shutting down; send the request to another instance or retry "
                              "shortly", code="shutting_down", headers={"Retry-After": "5"})
+        if isinstance(e, OutsideFolder):  # a local file swapped for a way out while the request waited
+            return HTTPError(403, str(e), code="image_path_forbidden")
         if isinstance(e, EdgevlError) and not isinstance(e, PackageError):
             return HTTPError(400, str(e), code="invalid_request")
         self.server.model.reset()

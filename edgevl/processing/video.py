@@ -292,7 +292,7 @@ def _regular(path, root: Path | None, name: str, what: str = "video") -> str:
     return real
 
 
-def _open_regular(path, root: Path | None, name: str, what: str = "video"):
+def open_regular(path, root: Path | None, name: str, what: str = "video"):
     """``path`` opened for reading, under ``_regular``'s rules, checked before opening and again on
     the open descriptor, whose own path is what is checked: neither a symlink nor a file swapped
     in meanwhile can lead out of ``root``."""
@@ -335,7 +335,7 @@ def _opener(vf: VideoFile):
             return f
         return open_file
     root = None if vf.root is None else Path(os.path.realpath(vf.root))
-    return lambda: _open_regular(vf.path, root, vf.name)
+    return lambda: open_regular(vf.path, root, vf.name)
 
 
 def _truncated(name: str) -> EdgevlError:
@@ -705,7 +705,7 @@ def _orientation(im: Image.Image) -> int:
 
 def _open_frame(x: _FrameFile, root):
     """(file, PIL image) of a frame file, its header read (nothing decoded)."""
-    f = _open_regular(x.path, root, x.name, "frame")
+    f = open_regular(x.path, root, x.name, "frame")
     try:
         with warnings.catch_warnings():   # sizes are checked by the caller, in one line
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -101,6 +101,25 @@ def test_a_frame_swapped_for_a_symlink_after_the_header_is_refused_where_it_is_o
     assert str(outside) not in str(e.value)
 
 
+def test_an_image_swapped_for_a_symlink_while_the_request_waits_is_refused(setup):
+    """An image path is checked when the request arrives and opened when it holds the model: a
+    symlink to a file outside, swapped in between, must not be read."""
+    from edgevl.server import HTTPError, _image
+
+    srv, _, allowed, outside = setup
+    Image.new("RGB", (64, 48), (9, 9, 9)).save(allowed / "later.png")
+    pending = _image("later.png", srv, "messages[0].content[0].image_url")
+    (allowed / "later.png").unlink()
+    (allowed / "later.png").symlink_to(outside / "1.png")   # the same size: no other check notices
+    with pytest.raises(HTTPError) as e:
+        pending.decode()
+    assert e.value.status == 403 and "outside the allowed folder" in str(e.value), e.value
+    assert str(outside) not in str(e.value)
+    (allowed / "later.png").unlink()
+    Image.new("RGB", (64, 48), (9, 9, 9)).save(allowed / "later.png")
+    assert _image("later.png", srv, "x").decode().getpixel((0, 0)) == (9, 9, 9)
+
+
 def test_a_playlist_cannot_open_files_it_names(setup, tmp_path):
     """An HLS playlist or an FFmpeg concat list inside the allowed folder naming a clip outside
     it: FFmpeg would open that clip (at any depth); no file but the one given is ever opened."""
