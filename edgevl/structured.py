@@ -315,9 +315,14 @@ def _describe(structure: Structure, error: str, where: str | None) -> str:
     if msg.startswith("Unimplemented keys"):
         keys = msg.split(":", 1)[1].strip()
         return f"{what} uses JSON Schema keywords constrained output does not support ({keys}); remove them"
-    if "too big" in msg or "too large" in msg or "too complex" in msg.lower():
+    if too_large(msg):
         return f"{what} is too large to compile in bounded time and memory ({msg}); simplify it"
     return f"{what} cannot be used ({msg}); fix it"
+
+
+def too_large(error: str) -> bool:
+    """Whether the grammar engine's error says a grammar passed its size or time limits."""
+    return "too big" in error or "too large" in error or "too complex" in error.lower()
 
 
 # -- one sequence --------------------------------------------------------------------------------------

@@ -114,18 +114,28 @@ def _call_structure(model, chosen: dict, parallel: bool):
     cannot be constrained are one line naming their function."""
     tags = _tags(model)
 
-    def build(fns: dict, many: bool):
+    def build(lark: str):
         try:
-            s = structured.grammar_structure(call_grammar(fns, many, tags), "tool_choice")
+            s = structured.grammar_structure(lark, "tool_choice")
         except ValueError as e:    # the engine refuses the grammar itself (a bad pattern)
             return None, " ".join(str(e).split())
         return s, structured.problem(s)
 
-    structure, error = build(chosen, parallel)
+    whole = call_grammar(chosen, parallel, tags)
+    if len(whole) > structured.MAX_GRAMMAR_CHARS:   # before any compiling: thousands of tools cost minutes
+        raise EdgevlError(f"tools: the grammar of calls to {len(chosen)} functions is too large to compile "
+                          f"({len(whole)} characters, limit {structured.MAX_GRAMMAR_CHARS}); send fewer tools (or "
+                          "smaller parameter schemas) with this tool_choice, or use tool_choice \"auto\"")
+    structure, error = build(whole)
     if error is None:
         return structure
+    if len(chosen) > 1 and structured.too_large(error):   # the whole list's fault, no one function's
+        raise EdgevlError(f"tools: the grammar of calls to {len(chosen)} functions is too large to compile in "
+                          f"bounded time and memory ({error[:300]}); send fewer tools with this tool_choice, "
+                          "or use tool_choice \"auto\"")
     # the function at fault, each alone (the whole grammar's error does not say whose)
-    fn = next((f for f, params in chosen.items() if build({f: params}, False)[1]), next(iter(chosen)))
+    fn = next((f for f, params in chosen.items() if build(call_grammar({f: params}, False, tags))[1]),
+              next(iter(chosen)))
     raise EdgevlError(f"tools: the parameters of function {fn!r:.60} cannot be constrained ({error[:300]}); "
                       "simplify that schema or use tool_choice \"auto\"")
 

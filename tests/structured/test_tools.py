@@ -367,6 +367,18 @@ def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
     edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
 
 
+def test_thousands_of_forced_tools_are_refused_at_once_as_a_list(qwen):
+    """Every tool goes into the grammar of a forced call: past the grammar size limit the list is
+    refused before anything compiles (20 000 tools took a minute of CPU, then blamed the first)."""
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}} for i in range(3000)]
+    with pytest.raises(EdgevlError, match="the grammar of calls to 3000 functions is too large to compile "
+                       r"\(\d+ characters") as e:
+        tools.prepare(qwen, many, "required")
+    assert "'f0'" not in str(e.value)
+    assert tools.prepare(qwen, many[:3], "required").structure is not None
+
+
 def test_a_call_that_never_closes_is_the_answers_text_not_half_a_call():
     """"auto": a model that drops a closing tag (or a stop string that cuts the call) leaves a call
     that never closes; its text is the answer's content as written, and no call is announced,
