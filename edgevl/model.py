@@ -64,11 +64,14 @@ class ImageCache:
     """Encoded images and videos (the vision tower's rows and processor info), by the digest of an
     image's pixels and its patch limit or of a video file's bytes and its sampling options, least
     recently used first out, within ``limit`` bytes of rows (0: keeps none). Used on the model's
-    owner thread only."""
+    owner thread only (``holds`` looks from any thread)."""
 
     def __init__(self, limit: int):
         self.limit, self.bytes, self.hits, self.misses = int(limit), 0, 0, 0
         self._items: dict = {}
+
+    def holds(self, key) -> bool:
+        return key in self._items       # one dict lookup: atomic in CPython, moves nothing
 
     def get(self, key):
         hit = self._items.pop(key, None)
@@ -400,11 +403,24 @@ class Model:
         if not self.takes_video:
             raise EdgevlError(f"this model ({self.arch.name}) takes no video"
                               + ("" if self.vision is None else "; send a few frames as images"))
-        digest = _file_digest(video) if self.image_cache.limit > 0 else None
+        digest = self.video_digest(video)
         if digest is None:      # frames in memory, a folder of frames, a path under the server's rules
             return self.vision.encode_video(video, fps, max_frames, max_pixels)
         return self._cached(("video", digest, fps, max_frames, max_pixels),
                             lambda: self.vision.encode_video(video, fps, max_frames, max_pixels))
+
+    def video_digest(self, video) -> str | None:
+        """The key of a clip's file in the encoding cache (None: not cached)."""
+        from .processing.video import DecodedVideo
+
+        if self.image_cache.limit <= 0:
+            return None
+        return video.digest if isinstance(video, DecodedVideo) else _file_digest(video)
+
+    def video_cached(self, digest: str | None, fps=None, max_frames=None, max_pixels=None) -> bool:
+        """Whether the encoding cache holds this clip (from any thread: a look, nothing moved)."""
+        return digest is not None and self.image_cache.holds(
+            ("video", digest, fps, max_frames, max_pixels))
 
     def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None) -> int:

@@ -319,7 +319,7 @@ class PendingVideo:
     behind: it never has a name)."""
 
     def __init__(self, source, param: str, server, options: dict):
-        self.source, self.param = source, param
+        self.source, self.param, self.model, self.options = source, param, server.model, options
         try:
             self.tokens = server.model.video_tokens(source, **options)
         except OutsideFolder as e:
@@ -332,8 +332,30 @@ class PendingVideo:
             self.close()
             raise
 
-    def decode(self):
-        return self.source
+    def decode(self, gone=None):
+        """The clip decoded here, on the request's own thread, not the model's: a long clip (or a
+        bomb of frames) must not stall the other requests' decoding. ``gone()``: the client hung
+        up, which stops the decoding (a ConnectionAbortedError). A clip the encoding cache holds is
+        left to the model."""
+        from .processing.video import DecodeCancelled, DecodedVideo, cancel_when, load_video
+
+        model = self.model
+        digest = model.video_digest(self.source)
+        if model.video_cached(digest, **self.options) or not model.takes_video:
+            return self.source
+        try:
+            with cancel_when(gone):
+                sampled = load_video(self.source, model.vision.video_cfg, **self.options)
+        except DecodeCancelled:
+            raise ConnectionAbortedError("the client hung up while its video was decoded") from None
+        except OutsideFolder as e:   # a file swapped for a way out since the request arrived
+            raise HTTPError(403, str(e), self.param, "image_path_forbidden") from None
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), self.param, "invalid_video") from None
+        except MemoryError:
+            raise HTTPError(400, "not enough memory to decode the video; send a smaller one or sample fewer "
+                            "frames", self.param, "video_too_large") from None
+        return DecodedVideo(sampled, digest)
 
     def close(self) -> None:
         if self.source.file is not None:
@@ -826,13 +848,14 @@ def _check_prompt_tokens(text: str, server: EdgevlServer, extra: int, param: str
                         param, "context_length_exceeded")
 
 
-def decode_images(messages: list) -> list:
-    """The messages with every pending image decoded (call with the model held)."""
+def decode_images(messages: list, gone=None) -> list:
+    """The messages with every pending image and video decoded (call with a slot held);
+    ``gone()``: the client hung up, which stops a video's decoding."""
     out = []
     for m in messages:
         if isinstance(m["content"], list):
             m = dict(m, content=[dict(p, image=p["image"].decode()) if p["type"] == "image" else
-                                 dict(p, video=p["video"].decode()) if p["type"] == "video" else p
+                                 dict(p, video=p["video"].decode(gone)) if p["type"] == "video" else p
                                  for p in m["content"]])
         out.append(m)
     return out
@@ -1427,7 +1450,7 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, messages, kwargs, stream, include_usage):
         # pixels are decoded only once the request runs, one request at a time: waiting requests
         # hold only their compressed bytes, however large the images
-        answers = self._run(lambda: decode_images(messages), kwargs,
+        answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs,
                             (lambda choices: self._stream(choices, include_usage, kwargs.get("tools")))
                             if stream else None)
         if answers is None:
@@ -1619,7 +1642,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
             if not stream:
-                answers = self._run(lambda: decode_images(messages), kwargs)
+                answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs)
                 if answers is None:
                     return
                 evs, = answers      # the Responses API has no n: one answer
@@ -1652,7 +1675,7 @@ class Handler(BaseHTTPRequestHandler):
                         self._typed_event(e)
                 self._end_events(done=False)
 
-            self._run(lambda: decode_images(messages), kwargs, send)
+            self._run(lambda: decode_images(messages, self._client_gone), kwargs, send)
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
 

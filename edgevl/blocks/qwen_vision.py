@@ -322,10 +322,13 @@ class VisionEncoder:
         header alone (nothing decoded); bad files fail here in one line. ``count_text`` (the
         tokenizer's count of a text) counts each ``<T seconds>``; without it, 12 at most."""
         cfg = self.video_cfg
-        clip = vid.open_clip(video)
-        indices, (th, tw) = vid.plan(clip, cfg, fps, max_frames, max_pixels)
+        if isinstance(video, vid.DecodedVideo):
+            (th, tw), stamps = video.sampled.resized_size, video.sampled.timestamps
+        else:
+            clip = vid.open_clip(video)
+            indices, (th, tw) = vid.plan(clip, cfg, fps, max_frames, max_pixels)
+            stamps = vid.timestamps(indices, clip.fps, cfg.temporal_patch_size)
         per = (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
-        stamps = vid.timestamps(indices, clip.fps, cfg.temporal_patch_size)
         return sum(per + 2 + (12 if count_text is None else count_text(f"<{t:.1f} seconds>")) for t in stamps)
 
     def encode_video(self, video, fps: float | None = None, max_frames: int | None = None,
@@ -334,7 +337,8 @@ class VisionEncoder:
         (``kind`` "video", ``grid_thw``, ``timestamps`` ...). The tower attends within one temporal
         patch only, so it runs once per patch: memory stays that of one pair of frames."""
         t0 = time.perf_counter()
-        s = vid.load_video(video, self.video_cfg, fps, max_frames, max_pixels)
+        s = (video.sampled if isinstance(video, vid.DecodedVideo)
+             else vid.load_video(video, self.video_cfg, fps, max_frames, max_pixels))
         gt, gh, gw = s.grid_thw
         v, tp = self.v, self.video_cfg.temporal_patch_size
         tables = self.inputs({"pixel_values": None, "grid_thw": (1, gh, gw)})

@@ -31,7 +31,9 @@ import os
 import re
 import stat
 import struct
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -532,9 +534,13 @@ def _pillow_reader(opener, fmt: str, name: str):
         try:
             with opener() as f, Image.open(f, formats=[fmt]) as src:
                 for i in indices:
-                    src.seek(i)
+                    for j in range(src.tell() + 1, i + 1):   # frame by frame: each may cost a whole canvas
+                        src.seek(j)
+                        _check_caller()
+                    if src.tell() != i:
+                        src.seek(i)
                     yield i, src.convert("RGB")
-        except EdgevlError:
+        except (EdgevlError, DecodeCancelled):
             raise
         except MemoryError:
             raise EdgevlError(f"not enough memory to decode {name}; send a smaller video") from None
@@ -628,6 +634,7 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
                 for i, frame in enumerate(c.decode(video=0)):
                     if nxt is None:
                         return
+                    _check_caller()
                     if i == nxt:
                         if (frame.width, frame.height) != coded:    # before converting it
                             raise EdgevlError(f"{name}: its frames differ in size ({frame.width}x{frame.height} "
@@ -638,7 +645,7 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
                         while nxt == i:   # a short clip may repeat an index
                             yield i, img
                             nxt = next(want, None)
-        except EdgevlError:
+        except (EdgevlError, DecodeCancelled):
             raise
         except MemoryError:
             raise EdgevlError(f"not enough memory to decode {name}; send a smaller video") from None
@@ -836,6 +843,31 @@ def open_clip(video) -> Clip:
     return _file_clip(VideoFile(video.path, None, video.root, name), fps)
 
 
+class DecodeCancelled(Exception):
+    """The caller gave up on the clip (a client that hung up) while its frames were decoded."""
+
+
+_caller = threading.local()
+
+
+@contextmanager
+def cancel_when(gone):
+    """Within this block, decoding on this thread stops with :class:`DecodeCancelled` as soon as
+    ``gone()`` is true; it is asked after every frame decoded, sampled or not (reaching one
+    sampled frame may take thousands)."""
+    _caller.gone = gone
+    try:
+        yield
+    finally:
+        _caller.gone = None
+
+
+def _check_caller() -> None:
+    gone = getattr(_caller, "gone", None)
+    if gone is not None and gone():
+        raise DecodeCancelled()
+
+
 @dataclass
 class SampledVideo:
     frames: list            # uint8 [H, W, 3] per sampled frame (padded to whole temporal patches)
@@ -845,6 +877,15 @@ class SampledVideo:
     resized_size: tuple
     timestamps: list
     grid_thw: tuple         # (temporal patches, patch rows, patch cols)
+
+
+@dataclass
+class DecodedVideo:
+    """A clip its caller decoded already (the server does, off the model's thread, so that one
+    long clip does not stall every other request), with the digest of its file's bytes for the
+    encoding cache (None: not cached)."""
+    sampled: SampledVideo
+    digest: str | None = None
 
 
 def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
@@ -878,6 +919,7 @@ def load_video(video, cfg: VideoConfig, fps: float | None = None, max_frames: in
     indices, (th, tw) = plan(clip, cfg, fps, max_frames, max_pixels)
     frames = []
     for _, im in clip.read(sorted(int(i) for i in indices)):
+        _check_caller()
         if im.size != (clip.width, clip.height):
             raise EdgevlError(f"{clip.name}: its frames differ in size ({im.width}x{im.height} after "
                               f"{clip.width}x{clip.height}); give frames of one size")

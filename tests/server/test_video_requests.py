@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -279,3 +280,74 @@ def test_sigkill_of_the_server_leaves_no_temporary_file(setup, tmp_path):
         proc.kill()
         proc.wait()
     assert during == [] and os.listdir(tmp) == [], (during, os.listdir(tmp))
+
+
+# -- class 6: a clip is decoded on the request's own thread --------------------------------------
+
+def _video_part(url):
+    return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+
+
+def test_a_clip_being_decoded_does_not_stall_the_other_requests(setup, monkeypatch, tmp_path):
+    """Decoding a clip (a long one, or a bomb of frames) happens off the model's thread: while one
+    request's clip decodes, another request is answered."""
+    srv = setup[0]
+    clip = save_animation(tmp_path / "c.gif", small_frames(9, 64, 48))   # bytes no other test sends: not cached
+    entered, release = threading.Event(), threading.Event()
+    real = vid.load_video
+
+    def slow(*a, **kw):
+        entered.set()
+        release.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(vid, "load_video", slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("video", ask(srv, data_url(clip, "image/gif"), timeout=120)))
+    t.start()
+    try:
+        assert entered.wait(30)
+        status, body, _ = post(srv.server_address[1], {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2}, timeout=30)
+        assert status == 200 and not out, body      # answered while the clip still decodes
+    finally:
+        release.set()
+        t.join(120)
+    assert out["video"][0] == 200, out
+
+
+def test_a_client_that_hangs_up_while_its_clip_decodes_frees_its_slot(setup, monkeypatch, tmp_path):
+    srv = setup[0]
+    clip = save_animation(tmp_path / "c.gif", small_frames(10, 64, 48))
+    entered = threading.Event()
+
+    def endless(*a, **kw):       # decodes frame after frame, as a bomb of frames would
+        entered.set()
+        for _ in range(6000):
+            vid._check_caller()
+            time.sleep(0.01)
+        raise AssertionError("decoding went on after the client hung up")
+
+    monkeypatch.setattr(vid, "load_video", endless)
+    s = send_raw(srv.server_address[1], {"messages": [{"role": "user", "content": _video_part(
+        data_url(clip, "image/gif"))}], "max_tokens": 2})
+    assert entered.wait(30)
+    s.close()
+    took = wait_for(lambda: not srv.gate.locked(), 10)
+    assert took is not None and took < 3, took
+
+
+def test_decoding_stops_between_frames_once_the_caller_is_gone(tmp_path):
+    """Reaching one sampled frame may take thousands of decoded ones: the caller is asked after each."""
+    path = save_animation(tmp_path / "long.gif", small_frames(40, 64, 48))
+    asked = []
+    with vid.cancel_when(lambda: asked.append(1) or len(asked) >= 5), pytest.raises(vid.DecodeCancelled):
+        vid.load_video(path, vid.VideoConfig(), max_frames=2)   # frames 0 and 39: all 40 decoded
+    assert len(asked) == 5
+    assert len(vid.load_video(path, vid.VideoConfig(), max_frames=2).frames) == 2   # no caller: as before
+    if has_pyav():
+        clip = write_pyav(tmp_path / "long.mp4", small_frames(40, 64, 48))
+        asked.clear()
+        with vid.cancel_when(lambda: asked.append(1) or len(asked) >= 5), pytest.raises(vid.DecodeCancelled):
+            vid.load_video(clip, vid.VideoConfig(), max_frames=2)
+        assert len(asked) == 5
