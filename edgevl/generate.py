@@ -385,6 +385,18 @@ def _check_video_tokens(model, videos: list, options: dict, text_tokens: int = 0
                           "API)")
 
 
+def _check_tool_turns(model, messages: list) -> None:
+    """Tool calls and results in the history need a template that writes them: one without a
+    tool-call format would drop an assistant's calls (an empty turn) or render a tool result as
+    some other role, and the model would answer a conversation it was never shown."""
+    if tool_calls.call_format(model) is not None:
+        return
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and (m.get("role") == "tool" or m.get("role") == "assistant" and m.get("tool_calls")):
+            raise EdgevlError(f"messages[{i}]: a {m['role']} turn with tool calls or results needs a model whose chat "
+                              f"template has a tool-call format; this model ({model.arch.name}) has none")
+
+
 def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int | None = None,
             allow_special_in_content: bool = False, chat_template_kwargs=None,
             thinking: bool | None = None, video=None, video_options: dict | None = None) -> Prepared:
@@ -413,7 +425,9 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
             messages = [{"role": "user", "content": content}]
             text = None
     else:
-        prompt = tool_calls.template_messages(prompt) if isinstance(prompt, list) else prompt
+        if isinstance(prompt, list):
+            _check_tool_turns(model, prompt)
+            prompt = tool_calls.template_messages(prompt)
         _validate_messages(prompt)
         for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
             parts = _image_parts(prompt, (kind, kind + "_url"))

@@ -175,6 +175,13 @@ def test_a_family_without_a_call_format_refuses_tools(tmp_path):
     model = edgevl.load(pkg)
     with pytest.raises(EdgevlError, match=r"this model \(youtu\S*\) has no tool-call format in its chat template"):
         edgevl.complete(model, ASK, tools=TOOLS)
+    # a history with a call and its result: refused as the server does, not rendered without the call
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    for history, at in (([*ASK, call], 1), ([*ASK, {"role": "tool", "tool_call_id": "c1", "content": "21 C"}], 1)):
+        with pytest.raises(EdgevlError, match=rf"messages\[{at}\]: a (assistant|tool) turn with tool calls or "
+                           r"results needs a model whose chat template has a tool-call format; this model \(youtu"):
+            edgevl.complete(model, history, max_new_tokens=2)
     from edgevl.server import make_server
 
     srv, _ = make_server(model, max_queue=1)
