@@ -94,6 +94,11 @@ from .sample import MAX_TOP_LOGPROBS, check_logit_bias, check_setting, finite_nu
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
 MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the patch budget shrinks them later
+# Peak bytes per pixel of decoding an image and making it RGB (measured on 100-megapixel images:
+# Pillow's WebP decoder holds ~15, a 16-bit RGBA PNG ~8), and what requests' decoded images may
+# hold at once: past it a request waits for the others' to go before decoding (one alone may go past it)
+DECODE_BYTES = {"WEBP": 16, None: 8}
+DECODE_BUDGET = 1 << 30
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
 PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
 NO_TOOLS = "tools go in the request's tools field, not in chat_template_kwargs; send them there"
@@ -173,6 +178,39 @@ class Gate:
 
 # -- request parsing (no model access: runs outside the lock) ----------------------------------
 
+class MemoryBudget:
+    """Bytes that requests' decoded images may hold at once: a request whose images would go past
+    it waits (holding its slot) until others give theirs back; one alone always goes, so a single
+    image larger than the budget is served, never starved. Held from decoding to the end of the
+    request, as long as its images live."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.peak = int(limit), 0, 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, cost: int, gone=lambda: False):
+        with self._cond:
+            while self.used and self.used + cost > self.limit:
+                self._cond.wait(0.25)
+                if gone():
+                    raise ConnectionAbortedError("the client hung up while waiting to decode its images")
+            self.used += cost
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= cost
+                self._cond.notify_all()
+
+
+def decode_cost(messages: list) -> int:
+    """The bytes decoding a request's pending images may peak at (``DECODE_BYTES``)."""
+    return sum(p["image"].cost for m in messages if isinstance(m.get("content"), list)
+               for p in m["content"] if p.get("type") == "image" and isinstance(p.get("image"), PendingImage))
+
+
 def _number(req: dict, name: str, default, kind=float):
     v = req.get(name)
     if v is None:
@@ -230,6 +268,7 @@ class PendingImage:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies
                 im = opener()
                 self.width, self.height = im.width, im.height
+                self.cost = im.width * im.height * DECODE_BYTES.get(im.format, DECODE_BYTES[None])
                 im.close()
         except Image.DecompressionBombError:
             raise _too_many_pixels(param) from None
@@ -1409,7 +1448,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
 
-    def _run(self, prompt, kwargs, streamer=None) -> list | None:
+    def _run(self, prompt, kwargs, streamer=None, cost: int = 0) -> list | None:
         """Each answer's events (a list per choice, ``n`` of them), once the request holds a slot;
         with ``streamer``, handed to it as an iterator per choice. None where nothing is left to
         answer. ``prompt()`` gives what ``stream_choices`` takes, made only now."""
@@ -1417,42 +1456,47 @@ class Handler(BaseHTTPRequestHandler):
             if self._client_gone():
                 self.close_connection = True
                 return None
-            given = prompt()
-            choices = []
-            try:
-                choices = [_Observed(c, i, self._arrived, self.server.metrics, self._answered) for i, c in
-                           enumerate(stream_choices(self.server.model, given, engine=self.server.engine, **kwargs))]
-                # template, images, prefill: errors here still get a status (the answers share
-                # them: the first answer's first event tells; the others may wait for a slot)
-                first = next(choices[0])
-                if streamer is not None:
-                    streamer([chain([first], choices[0]), *choices[1:]])
-                    return None
-                out = []
-                for i, c in enumerate(choices):
-                    evs = [first] if i == 0 else []
-                    for ev in c:
-                        evs.append(ev)
-                        if self._client_gone():  # nobody will read the answer: free the model now
-                            self.close_connection = True
-                            return None
-                    out.append(evs)
-            except (HTTPError, ConnectionError, TimeoutError):
-                raise
-            except Exception as e:  # noqa: BLE001 - the request's mistake, the package's fault or a bug
-                raise self._generation_error(e) from None
-            finally:
-                for c in choices:   # an answer not read to its end stops decoding now
-                    c.close()
-                given = None  # before the next request may decode its images
+            with self.server.decode_budget.hold(cost, self._client_gone):
+                return self._generate(prompt, kwargs, streamer)
+
+    def _generate(self, prompt, kwargs, streamer) -> list | None:
+        """``_run``'s work once the request holds a slot (and its images' memory)."""
+        given = prompt()
+        choices = []
+        try:
+            choices = [_Observed(c, i, self._arrived, self.server.metrics, self._answered) for i, c in
+                       enumerate(stream_choices(self.server.model, given, engine=self.server.engine, **kwargs))]
+            # template, images, prefill: errors here still get a status (the answers share
+            # them: the first answer's first event tells; the others may wait for a slot)
+            first = next(choices[0])
+            if streamer is not None:
+                streamer([chain([first], choices[0]), *choices[1:]])
+                return None
+            out = []
+            for i, c in enumerate(choices):
+                evs = [first] if i == 0 else []
+                for ev in c:
+                    evs.append(ev)
+                    if self._client_gone():  # nobody will read the answer: free the model now
+                        self.close_connection = True
+                        return None
+                out.append(evs)
+        except (HTTPError, ConnectionError, TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the request's mistake, the package's fault or a bug
+            raise self._generation_error(e) from None
+        finally:
+            for c in choices:   # an answer not read to its end stops decoding now
+                c.close()
+            given = None  # before the next request may decode its images
         return out
 
     def _answer(self, messages, kwargs, stream, include_usage):
-        # pixels are decoded only once the request runs, one request at a time: waiting requests
-        # hold only their compressed bytes, however large the images
+        # pixels are decoded only once the request holds a slot and its images' memory
+        # (decode_budget): waiting requests hold only their compressed bytes, however large the images
         answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs,
                             (lambda choices: self._stream(choices, include_usage, kwargs.get("tools")))
-                            if stream else None)
+                            if stream else None, decode_cost(messages))
         if answers is None:
             return
         self._send(200, {**self._head("chat.completion"),
@@ -1642,7 +1686,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
             if not stream:
-                answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs)
+                answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs,
+                                    cost=decode_cost(messages))
                 if answers is None:
                     return
                 evs, = answers      # the Responses API has no n: one answer
@@ -1675,7 +1720,7 @@ class Handler(BaseHTTPRequestHandler):
                         self._typed_event(e)
                 self._end_events(done=False)
 
-            self._run(lambda: decode_images(messages, self._client_gone), kwargs, send)
+            self._run(lambda: decode_images(messages, self._client_gone), kwargs, send, decode_cost(messages))
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
 
@@ -1806,6 +1851,7 @@ class EdgevlServer(ThreadingHTTPServer):
         # requests decode together in the engine's slots; the gate queues the rest
         self.engine = Engine(model, parallel)   # checks parallel before the port is taken
         self.gate = Gate(int(max_queue), parallel)
+        self.decode_budget = MemoryBudget(DECODE_BUDGET)
         self.created = int(time.time())
         self.metrics = server_metrics(self)
         self.draining = False

@@ -64,6 +64,39 @@ def test_concurrent_image_bombs_keep_server_memory_bounded(tmp_path):
     assert peak_kb < model_kb + (1 << 20)
 
 
+def test_concurrent_webp_bombs_decode_within_the_memory_budget(tmp_path):
+    """Four concurrent requests, each a 4 KB lossless WebP of 6000x6000: Pillow's WebP decoder
+    peaks near 15 bytes a pixel (~540 MB each), so the slots decoding at once took 2 GB and more
+    (four 10-megapixel ones took a gateway to 6 GB). The decode budget lets one such request hold
+    its pixels at a time: the server's VmHWM stays under the model's + 1 GiB."""
+    from PIL import Image
+
+    pkg = demo_package()
+    webp = tmp_path / "big.webp"
+    Image.new("RGB", (6000, 6000), (20, 40, 60)).save(webp, lossless=True)
+    url = "data:image/webp;base64," + base64.b64encode(webp.read_bytes()).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    small = image_msg(png_bomb(tmp_path / "small.png", 128, 128))
+    proc = subprocess.Popen([sys.executable, "-m", "edgevl", "serve", str(pkg), "--port", "0", "--threads", "1",
+                             "--parallel", "4", "--max-image-patches", "256"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1))
+        status, body, _ = post(port, {"messages": small, "max_tokens": 2})
+        assert status == 200, body
+        model_kb = status_kb(proc.pid, "VmHWM")
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: post(port, {"messages": msgs, "max_tokens": 2}, timeout=300), range(4)))
+        peak_kb = status_kb(proc.pid, "VmHWM")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(r[0] == 200 for r in results), [r[:2] for r in results]
+    print(f"\nserver VmHWM: {model_kb / 1024:.0f} MB, then {peak_kb / 1024:.0f} MB after 4 concurrent WebP bombs")
+    assert peak_kb < model_kb + (1 << 20)
+
+
 ARENA_SCRIPT = """
 import base64, re, sys, threading
 from edgevl import server as S
