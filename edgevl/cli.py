@@ -475,7 +475,7 @@ def cmd_serve(a) -> int:
     from .server import api_keys_from, check_options, serve
 
     check_model_args(a)
-    check_options(a.max_tokens, a.allow_origin, a.shutdown_grace)   # before a model loads
+    check_options(a.max_tokens, a.allow_origin, a.shutdown_grace, a.max_video_decode)   # before a model loads
     keys = api_keys_from(a.api_key, a.api_key_file, os.environ.get("EDGEVL_API_KEY"))
     path = resolve_model(a.model)
     model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
@@ -484,7 +484,7 @@ def cmd_serve(a) -> int:
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,
                  max_image_patches=a.max_image_patches, allow_special_in_content=a.allow_special_in_content,
                  thinking=a.thinking, parallel=a.parallel, shutdown_grace=a.shutdown_grace,
-                 allow_origins=a.allow_origin, max_tokens=a.max_tokens)
+                 allow_origins=a.allow_origin, max_tokens=a.max_tokens, max_video_decode=a.max_video_decode)
 
 
 def cmd_check(a) -> int:
@@ -673,6 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from this origin (e.g. http://localhost:3000; '*': any) call the API from "
                    "a browser (CORS); repeatable (default: same origin only, as the chat page)")
+    s.add_argument("--max-video-decode", type=_number("--max-video-decode"), default=64.0, metavar="GPX",
+                   help="the most decoding one request's video may take, in gigapixels of frames: sampling a "
+                   "clip decodes every frame up to the last one taken, and an animation composes each onto its "
+                   "whole canvas (counted 25x); longer clips get a 400 (default: 64, about a minute of decoding)")
     s.add_argument("--shutdown-grace", type=_number("--shutdown-grace"), default=30.0, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests (503) and let those under way finish for up to this "
                    "long before stopping (default: 30)")

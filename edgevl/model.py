@@ -423,14 +423,14 @@ class Model:
             ("video", digest, fps, max_frames, max_pixels))
 
     def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None) -> int:
+                     max_pixels: int | None = None, max_decode: int | None = None) -> int:
         """Prompt tokens a clip will take, from its header alone (nothing decoded): per temporal
         patch its pads, its start and end tokens and its ``<T seconds>`` text."""
         if not self.takes_video:
             raise EdgevlError(f"this model ({self.arch.name}) takes no video"
                               + ("" if self.vision is None else "; send a few frames as images"))
         return self.vision.video_tokens(video, fps, max_frames, max_pixels,
-                                        count_text=lambda s: len(self.tokenizer.encode(s)))
+                                        count_text=lambda s: len(self.tokenizer.encode(s)), max_decode=max_decode)
 
     def positions(self, input_ids, images=()) -> np.ndarray:
         """Rotary positions [axes, len(input_ids)] of a whole prompt (images: processor infos of

@@ -89,7 +89,7 @@ from .generate import MAX_CHOICES, encode_messages, model_template_kwargs, stop_
 from .metrics import Registry, process_metrics
 from .model import Model, load
 from .processing.image import data_url_bytes, file_url_path
-from .processing.video import OutsideFolder, open_regular
+from .processing.video import OutsideFolder, VideoTooCostly, open_regular
 from .sample import MAX_TOP_LOGPROBS, check_logit_bias, check_setting, finite_number
 
 MAX_BODY = 20 << 20             # request bytes; a base64 image is 4/3 of its file size
@@ -99,6 +99,7 @@ MAX_IMAGE_PIXELS = 100_000_000  # per request, all images (~400 MB decoded); the
 # hold at once: past it a request waits for the others' to go before decoding (one alone may go past it)
 DECODE_BYTES = {"WEBP": 16, None: 8}
 DECODE_BUDGET = 1 << 30
+MAX_VIDEO_DECODE_GPX = 64.0   # one request's video decoding, in gigapixels of frames (~a minute of FFmpeg on a core)
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
 PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
 NO_TOOLS = "tools go in the request's tools field, not in chat_template_kwargs; send them there"
@@ -359,8 +360,12 @@ class PendingVideo:
 
     def __init__(self, source, param: str, server, options: dict):
         self.source, self.param, self.model, self.options = source, param, server.model, options
+        self.max_decode = server.max_video_decode
         try:
-            self.tokens = server.model.video_tokens(source, **options)
+            self.tokens = server.model.video_tokens(source, **options, max_decode=self.max_decode)
+        except VideoTooCostly as e:
+            self.close()
+            raise HTTPError(400, str(e), param, "video_too_large") from None
         except OutsideFolder as e:
             self.close()
             raise HTTPError(403, str(e), param, "image_path_forbidden") from None
@@ -384,11 +389,13 @@ class PendingVideo:
             return self.source
         try:
             with cancel_when(gone):
-                sampled = load_video(self.source, model.vision.video_cfg, **self.options)
+                sampled = load_video(self.source, model.vision.video_cfg, **self.options, max_decode=self.max_decode)
         except DecodeCancelled:
             raise ConnectionAbortedError("the client hung up while its video was decoded") from None
         except OutsideFolder as e:   # a file swapped for a way out since the request arrived
             raise HTTPError(403, str(e), self.param, "image_path_forbidden") from None
+        except VideoTooCostly as e:  # ... or for a longer clip
+            raise HTTPError(400, str(e), self.param, "video_too_large") from None
         except EdgevlError as e:
             raise HTTPError(400, str(e), self.param, "invalid_video") from None
         except MemoryError:
@@ -1819,13 +1826,15 @@ class EdgevlServer(ThreadingHTTPServer):
                  image_dir=None, max_queue: int = 8, model_name: str | None = None, max_body: int = MAX_BODY,
                  access_log: bool = False, allow_special_in_content: bool = False,
                  max_image_patches: int | None = None, strict_model: bool = False, chat_template_kwargs=None,
-                 thinking: bool | None = None, parallel: int = 4, allow_origins=None, max_tokens: int | None = None):
+                 thinking: bool | None = None, parallel: int = 4, allow_origins=None, max_tokens: int | None = None,
+                 max_video_decode: float = MAX_VIDEO_DECODE_GPX):
         if not 0 <= int(port) <= 65535:
             raise EdgevlError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 0:
             raise EdgevlError(f"--max-queue must be >= 0, got {max_queue}")
-        check_options(max_tokens=max_tokens)
+        check_options(max_tokens=max_tokens, max_video_decode=max_video_decode)
         self.max_tokens = max_tokens
+        self.max_video_decode = int(max_video_decode * 1e9)   # pixels of frames one request's clips may decode
         if image_dir is not None:
             image_dir = Path(image_dir).expanduser().resolve()
             if not image_dir.is_dir():
@@ -1900,10 +1909,13 @@ class EdgevlServer(ThreadingHTTPServer):
         self.engine.close()
 
 
-def check_options(max_tokens=None, allow_origins=None, shutdown_grace: float = 0.0) -> None:
+def check_options(max_tokens=None, allow_origins=None, shutdown_grace: float = 0.0,
+                  max_video_decode: float = MAX_VIDEO_DECODE_GPX) -> None:
     """The server's own limits, checked before a model loads (``edgevl serve``): one-line errors."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise EdgevlError(f"--max-tokens must be a whole number >= 1, got {max_tokens!r}")
+    if not (isinstance(max_video_decode, (int, float)) and 0 < max_video_decode < math.inf):
+        raise EdgevlError(f"--max-video-decode must be a number of gigapixels > 0, got {max_video_decode!r}")
     if not shutdown_grace >= 0:
         raise EdgevlError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
     _origins(allow_origins)
@@ -1988,17 +2000,17 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key=None,
           allow_special_in_content: bool = False, max_image_patches: int | None = None,
           strict_model: bool = False, chat_template_kwargs=None, thinking: bool | None = None,
           parallel: int = 4, shutdown_grace: float = 30.0, allow_origins=None,
-          max_tokens: int | None = None) -> int:
+          max_tokens: int | None = None, max_video_decode: float = MAX_VIDEO_DECODE_GPX) -> int:
     """Serve until Ctrl-C, or SIGTERM (``EdgevlServer.drain``: the requests under way get up to
     ``shutdown_grace`` seconds to end; a second SIGTERM stops at once): the ``edgevl serve`` command."""
-    check_options(max_tokens, allow_origins, shutdown_grace)
+    check_options(max_tokens, allow_origins, shutdown_grace, max_video_decode)
     model = model_path if isinstance(model_path, Model) else load(model_path, threads=threads)
     model.preload(progress=True)
     server = EdgevlServer(model, host, port, api_key=api_key, image_dir=image_dir, max_queue=max_queue,
                           model_name=model_name, access_log=True, allow_special_in_content=allow_special_in_content,
                           max_image_patches=max_image_patches, strict_model=strict_model,
                           chat_template_kwargs=chat_template_kwargs, thinking=thinking, parallel=parallel,
-                          allow_origins=allow_origins, max_tokens=max_tokens)
+                          allow_origins=allow_origins, max_tokens=max_tokens, max_video_decode=max_video_decode)
     if not api_key and "*" in server.allow_origins:
         print("warning: --allow-origin '*' without --api-key: any web page open in a browser that can reach this "
               "port can use the model", file=sys.stderr)

@@ -317,7 +317,7 @@ class VisionEncoder:
         return res[-1], info
 
     def video_tokens(self, video, fps: float | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None, count_text=None) -> int:
+                     max_pixels: int | None = None, count_text=None, max_decode: int | None = None) -> int:
         """Prompt tokens a clip will take (its pads, timestamps and start/end tokens), from its
         header alone (nothing decoded); bad files fail here in one line. ``count_text`` (the
         tokenizer's count of a text) counts each ``<T seconds>``; without it, 12 at most."""
@@ -326,7 +326,7 @@ class VisionEncoder:
             (th, tw), stamps = video.sampled.resized_size, video.sampled.timestamps
         else:
             clip = vid.open_clip(video)
-            indices, (th, tw) = vid.plan(clip, cfg, fps, max_frames, max_pixels)
+            indices, (th, tw) = vid.plan(clip, cfg, fps, max_frames, max_pixels, max_decode)
             stamps = vid.timestamps(indices, clip.fps, cfg.temporal_patch_size)
         per = (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.merge_size ** 2
         return sum(per + 2 + (12 if count_text is None else count_text(f"<{t:.1f} seconds>")) for t in stamps)

@@ -247,6 +247,9 @@ class Clip:
     height: int
     read: object          # (sorted indices) -> iterator of (index, PIL RGB image)
     name: str = "the video"
+    # decoding work per frame: a file decodes every frame up to the last sampled one ("file"; an
+    # animation composes each onto the whole canvas, "animation"); a folder or list only the sampled
+    decodes: str = "sampled"
 
 
 @dataclass
@@ -260,6 +263,10 @@ class VideoFile:
     file: object = None
     root: str | Path | None = None
     name: str | None = None
+
+
+class VideoTooCostly(EdgevlError):
+    """A clip whose sampling would decode more than the caller's bound (``plan``'s ``max_decode``)."""
 
 
 class OutsideFolder(EdgevlError):
@@ -525,7 +532,8 @@ def _file_clip(vf: VideoFile, fps: float | None) -> Clip:
             raise _truncated(name) from None
     if fmt is None:
         return _pyav_clip(opener, name, fps)
-    return Clip(total, fps if fps is not None else rate, width, height, _pillow_reader(opener, fmt, name), name)
+    return Clip(total, fps if fps is not None else rate, width, height, _pillow_reader(opener, fmt, name), name,
+                "animation")
 
 
 def _pillow_reader(opener, fmt: str, name: str):
@@ -657,7 +665,7 @@ def _pyav_clip(opener, name: str, fps: float | None) -> Clip:
             raise EdgevlError(f"{name} ended before frame {nxt + 1} of the {total} its header announces; the file "
                               "is truncated")
 
-    return Clip(total, fps if fps is not None else src_fps, width, height, read, name)
+    return Clip(total, fps if fps is not None else src_fps, width, height, read, name, "file")
 
 
 # -- frames: a list, or a folder of image files
@@ -888,10 +896,22 @@ class DecodedVideo:
     digest: str | None = None
 
 
+# Decoding cost per pixel of a frame, relative to FFmpeg's (~1 gigapixel a second on a laptop core):
+# Pillow composes each animation frame onto the whole canvas (0.41 s for a 4096x4096 one: ~25x)
+DECODE_COST = {"file": 1, "sampled": 1, "animation": 25}
+
+
+def decode_work(clip: Clip, indices) -> int:
+    """Pixels (in FFmpeg-frame equivalents) decoding ``indices`` of ``clip`` goes through."""
+    frames = int(max(indices)) + 1 if clip.decodes != "sampled" else len(indices)
+    return frames * clip.width * clip.height * DECODE_COST[clip.decodes]
+
+
 def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
-         max_pixels: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+         max_pixels: int | None = None, max_decode: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
     """The frames a clip gives (source indices) and their (height, width), from its header alone;
-    a clip or option outside the limits is a one-line error."""
+    a clip or option outside the limits is a one-line error. ``max_decode``: the most decoding
+    work (``decode_work``) accepted (the server's bound on what one request may cost)."""
     if clip.total < cfg.temporal_patch_size:
         raise EdgevlError(f"{clip.name} has {clip.total} frame(s); a video needs at least "
                           f"{cfg.temporal_patch_size} (give a single picture as an image)")
@@ -905,6 +925,12 @@ def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int
     if max_frames is not None and max_frames < cfg.temporal_patch_size:
         raise EdgevlError(f"max_frames must be at least {cfg.temporal_patch_size}, got {max_frames}")
     indices = sample_indices(clip.total, clip.fps, cfg, fps, max_frames)
+    if max_decode is not None and decode_work(clip, indices) > max_decode:
+        reach = int(max(indices)) + 1 if clip.decodes != "sampled" else len(indices)
+        raise VideoTooCostly(
+            f"{clip.name}: sampling it means decoding {reach} frames of {clip.width}x{clip.height}"
+            f"{' composed on the whole canvas' if clip.decodes == 'animation' else ''}, more than this server decodes "
+            f"for one request (about {max_decode / 1e9:.0f} gigapixels); send a shorter or smaller clip")
     th, tw = (video_smart_resize(len(indices), clip.height, clip.width, cfg, max_pixels)
               if cfg.do_resize else (clip.height, clip.width))
     if th % cfg.factor or tw % cfg.factor:
@@ -913,10 +939,10 @@ def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int
 
 
 def load_video(video, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
-               max_pixels: int | None = None) -> SampledVideo:
+               max_pixels: int | None = None, max_decode: int | None = None) -> SampledVideo:
     """Decode, sample and resize a clip; only the sampled frames are ever held."""
     clip = open_clip(video)
-    indices, (th, tw) = plan(clip, cfg, fps, max_frames, max_pixels)
+    indices, (th, tw) = plan(clip, cfg, fps, max_frames, max_pixels, max_decode)
     frames = []
     for _, im in clip.read(sorted(int(i) for i in indices)):
         _check_caller()

@@ -351,3 +351,26 @@ def test_decoding_stops_between_frames_once_the_caller_is_gone(tmp_path):
         with vid.cancel_when(lambda: asked.append(1) or len(asked) >= 5), pytest.raises(vid.DecodeCancelled):
             vid.load_video(clip, vid.VideoConfig(), max_frames=2)
         assert len(asked) == 5
+
+
+def test_a_clip_that_would_take_too_long_to_decode_is_refused_from_its_header(setup, tmp_path):
+    """A 30 KB GIF of 2000 one-pixel frames on a 2048x2048 canvas: Pillow composes every frame onto
+    the whole canvas, ~0.1 s each, and sampling its last frame decodes them all. Refused at once,
+    from the header; a server given a larger --max-video-decode takes it."""
+    srv = setup[0]
+    bomb = write_gif(tmp_path / "bomb.gif", (2048, 2048), [(k % 2048, 0, 1, 1) for k in range(2000)])
+    t0 = time.monotonic()
+    msg = refused(ask(srv, data_url(bomb, "image/gif"), video_options={"max_frames": 2}), 400,
+                  "decoding 2000 frames of 2048x2048 composed on the whole canvas", "64 gigapixels")
+    assert time.monotonic() - t0 < 20, msg
+    plain = save_animation(tmp_path / "ok.gif", small_frames(6, 64, 48))
+    assert ask(srv, data_url(plain, "image/gif"))[0] == 200
+    with pytest.raises(EdgevlError, match="--max-video-decode must be a number of gigapixels > 0"):
+        make_server(srv.model, max_video_decode=0)
+
+
+def test_a_frame_folder_counts_only_its_sampled_frames():
+    clip = vid.Clip(10_000, 30.0, 1920, 1080, None, "frames", "sampled")
+    assert vid.decode_work(clip, [0, 9_999]) == 2 * 1920 * 1080
+    clip.decodes = "file"
+    assert vid.decode_work(clip, [0, 9_999]) == 10_000 * 1920 * 1080
