@@ -134,11 +134,13 @@ def video_smart_resize(frames: int, height: int, width: int, cfg: VideoConfig,
     if cfg.cap_pixels_per_frame:
         per_frame = max(min(cfg.max_video_tokens * factor * factor, max_px // frames), int(min_px * 1.05))
         max_px = per_frame * frames
+    given = (width, height)     # the message names the clip's own size, not the scaled one
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise EdgevlError(f"the video is {width}x{height}: its aspect ratio exceeds {MAX_ASPECT}:1; crop it first")
+        raise EdgevlError(f"the video is {given[0]}x{given[1]}: its aspect ratio exceeds {MAX_ASPECT}:1; crop it "
+                          "first")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(frames / tf) * tf
     if t_bar * h_bar * w_bar > max_px:

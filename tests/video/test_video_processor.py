@@ -150,6 +150,8 @@ def test_bad_options_and_frames():
         vid.load_video({"frames": [np.zeros((4, 4), np.float32)] * 4}, CFG)
     with pytest.raises(EdgevlError, match="lasts over"):
         vid.load_video({"frames": frames * 10, "fps": 0.001}, CFG)
+    with pytest.raises(EdgevlError, match=r"the video is 2100x8: its aspect ratio exceeds"):  # its own size
+        vid.load_video({"frames": [Image.new("RGB", (2100, 8))] * 2}, CFG)
 
 
 @pytest.mark.parametrize("codec,ext", [("mpeg4", "mp4"), ("libvpx-vp9", "webm")])
