@@ -389,7 +389,8 @@ def cmd_run(a) -> int:
     if a.verbose:
         settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.min_p)
         budget = a.max_image_patches or getattr(model.vision, "default_max_patches", None)
-        print(f"[model {model.path} ({model.arch.name}, {model.dtype}, {model.threads} threads); "
+        threads = f"{model.threads} thread{'s' if model.threads != 1 else ''}"
+        print(f"[model {model.path} ({model.arch.name}, {model.dtype}, {threads}); "
               f"{settings.describe()}; max_new_tokens {a.max_new_tokens or default_max_new_tokens(model)}"
               + (f"; image patch budget {budget}" + (" (--max-image-patches)" if a.max_image_patches else
                                                        " (the model's own)") if images and budget else "")

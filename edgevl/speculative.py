@@ -66,7 +66,7 @@ def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: i
     why, fix = missing
     if mode == "mtp" and not has_block:
         raise EdgevlError("speculative='mtp' needs a multi-token-prediction (MTP) block, which this package lacks "
-                          f"({why}); use speculative='none'" + (f" or {fix}" if fix else ""))
+                          f"({why}); use speculative='none' (--speculative none)" + (f" or {fix}" if fix else ""))
     # the draft options only shape drafting: without a block a limit of "1 to 1" would hide why
     for name, value in (("draft_tokens", draft_tokens), ("draft_vocab", draft_vocab)):
         if value is not None and not has_block:
@@ -79,7 +79,7 @@ def check_options(mode, draft_tokens, draft_vocab, has_block: bool, undo_rows: i
         raise EdgevlError(f"draft_tokens must be an integer from 1 to {limit} for this model, got {k!r:.40}")
     if mode == "mtp" and undo_rows < 2:
         raise EdgevlError("speculative decoding needs the KV cache to be cut back, which this ncnn build does not "
-                          "do; use speculative='none'")
+                          "do; use speculative='none' (--speculative none)")
     v = DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
         raise EdgevlError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r:.40}")

@@ -98,7 +98,8 @@ class Architecture:
             if v is None:
                 continue
             if k not in self.options:
-                raise EdgevlError(f"{self.name} models have no conversion option {k!r}"
+                flag = "--" + k.replace("_", "-")   # the command line's spelling beside the API's
+                raise EdgevlError(f"{self.name} models have no conversion option {k!r} ({flag})"
                                   + (f" (they have: {', '.join(self.options)})" if self.options else ""))
             if v not in self.options[k].choices:
                 raise EdgevlError(f"{k} must be one of {', '.join(self.options[k].choices)}, got {v!r}")
