@@ -181,6 +181,18 @@ def _runtime_option(name: str, archs: list):
     return parse
 
 
+def load_for(a, path):
+    """The model a command runs, loaded with the command's options; a thinking switch the model
+    lacks is said, not silently ignored."""
+    from . import load
+
+    model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    if getattr(a, "thinking", None) is not None and not model.arch.thinking_args(True):
+        print(f"note: this model ({model.arch.name}) has no thinking switch in its chat template; "
+              f"--{'' if a.thinking else 'no-'}thinking changes nothing", file=sys.stderr)
+    return model
+
+
 def runtime_option_values(a) -> dict:
     """The load-time options given on the command line (for ``load(..., options=)``)."""
     from .model import SPECULATIVE_OPTIONS
@@ -360,7 +372,6 @@ def resolve_images(a) -> list:
 
 
 def cmd_run(a) -> int:
-    from . import load
     from .chat import no_image_note
     from .generate import default_max_new_tokens, stream_events, with_reasoning
     from .sample import resolve
@@ -382,7 +393,7 @@ def cmd_run(a) -> int:
     model_path = resolve_model(a.model)
     check_package(model_path, a, video=bool(a.video))
     images = resolve_images(a)
-    model = load(model_path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    model = load_for(a, model_path)
     if not images and not a.video and (note := no_image_note(model, "--image")):
         print(note, file=sys.stderr)
     kwargs = sampling_kwargs(a)
@@ -457,14 +468,13 @@ def cmd_verify(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    from . import load
     from .chat import chat_loop
 
     check_model_args(a)
     check_media(a)
     path = resolve_model(a.model)
     check_package(path, a, video=bool(a.video))
-    model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    model = load_for(a, path)
     return chat_loop(model, image=a.image, max_image_patches=a.max_image_patches,
                      video=a.video, video_options=video_options(a),
                      allow_special_in_content=a.allow_special_in_content, thinking=a.thinking,
@@ -472,14 +482,13 @@ def cmd_chat(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from . import load
     from .server import api_keys_from, check_options, serve
 
     check_model_args(a)
     check_options(a.max_tokens, a.allow_origin, a.shutdown_grace, a.max_video_decode)   # before a model loads
     keys = api_keys_from(a.api_key, a.api_key_file, os.environ.get("EDGEVL_API_KEY"))
     path = resolve_model(a.model)
-    model = load(path, threads=a.threads, low_memory=a.low_memory, options=runtime_option_values(a))
+    model = load_for(a, path)
     name = a.model_name or ("demo" if path != a.model else None)  # not the cache folder's hash
     return serve(model, host=a.host, port=a.port, api_key=keys, image_dir=a.allow_image_dir,
                  max_queue=a.max_queue, model_name=name, strict_model=a.strict_model,

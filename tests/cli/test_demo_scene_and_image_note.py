@@ -84,3 +84,19 @@ def test_demo_chat_without_an_image_notes_it_once_per_conversation(tmp_path, mon
     lines = iter(["Describe the image.", "/quit"])
     chat_loop(model, image="demo", seed=3, max_new_tokens=2, input_fn=lambda _: next(lines), out=io.StringIO())
     assert "note:" not in capsys.readouterr().err
+
+
+def test_a_thinking_switch_the_model_lacks_is_said(tmp_path, monkeypatch, capsys):
+    """Youtu models have no thinking switch in their template: --no-thinking is said to do
+    nothing (it was ignored without a word); a model that has one (Qwen3.5) takes it silently."""
+    from edgevl.random_model import write_qwen3_5
+
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--thinking", "--no-thinking"):
+        code, _, err = cli(capsys, "run", "--image", "demo", "--prompt", "hi", "--max-new-tokens", "2", flag)
+        assert code == 0 and f"no thinking switch in its chat template; {flag} changes nothing" in err, err
+    (tmp_path / "ck").mkdir()
+    write_qwen3_5(tmp_path / "ck", seed=0)
+    pkg = edgevl.convert(tmp_path / "ck", tmp_path / "pkg", dtype="fp32", progress=False)
+    code, _, err = cli(capsys, "run", pkg, "--prompt", "hi", "--max-new-tokens", "2", "--no-thinking")
+    assert code == 0 and "thinking switch" not in err, err
