@@ -1316,10 +1316,13 @@ class BatchJob:
         notes: dict = {}
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column, notes)
         self.skipped_videos = notes.get("videos", 0)
-        if any(it.get("video") for it in self.items):   # a model without video would fail every such row
+        # a model without video (or without a vision tower, for images) would fail every such row
+        videos = any(it.get("video") for it in self.items)
+        images = any(it.get("source") is not None for it in self.items)
+        if videos or images:
             from .model import check_load_options
 
-            check_load_options(path, video=True)
+            check_load_options(path, video=videos, images=images)
         if self.ray is None and not low_memory and min(self.workers, len(self.items)) > 1:
             _check_worker_memory(path, self.workers, min(self.workers, len(self.items)))
         self.output, self.overwrite, self.retry_errors, self.repair = output, overwrite, retry_errors, repair

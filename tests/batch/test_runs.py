@@ -755,3 +755,16 @@ def test_table_values_that_are_not_text_are_not_asked_as_their_python_spelling(t
     src.write_text(json.dumps({"id": {"n": 1}, "image": "a.png"}) + "\n")
     with pytest.raises(EdgevlError, match="its 'id' is a dict, not text or a number"):
         read_input(src, prompt="Describe it.")
+
+
+def test_images_for_a_model_without_a_vision_tower_are_refused_up_front(scenes, tmp_path):
+    """As videos for a model without video: one line before anything runs, not every row failing
+    with a --retry-errors hint that can never help."""
+    from edgevl.errors import EdgevlError
+    from support.youtu import tiny_checkpoint
+
+    pkg = edgevl.convert(tiny_checkpoint(tmp_path / "ck"), tmp_path / "pk", dtype="fp32", progress=False)
+    folder, _ = scenes
+    with pytest.raises(EdgevlError, match="this model has no vision tower; it cannot take images"):
+        list(edgevl.batch(pkg, folder, PROMPT, output=tmp_path / "out.jsonl"))
+    assert not (tmp_path / "out.jsonl").exists()
