@@ -401,8 +401,8 @@ class Model:
         """(rows [tokens, hidden], processor info) for one clip: a file, a folder of frames, a
         list of frames, or ``{"frames": [...], "fps": N}`` (docs/video.md)."""
         if not self.takes_video:
-            raise EdgevlError(f"this model ({self.arch.name}) takes no video"
-                              + ("" if self.vision is None else "; send a few frames as images"))
+            raise EdgevlError("this model has no vision tower; it takes no video" if self.vision is None else
+                              f"this model ({self.arch.name}) takes no video; send a few frames as images")
         digest = self.video_digest(video)
         if digest is None:      # frames in memory, a folder of frames, a path under the server's rules
             return self.vision.encode_video(video, fps, max_frames, max_pixels)
@@ -427,8 +427,8 @@ class Model:
         """Prompt tokens a clip will take, from its header alone (nothing decoded): per temporal
         patch its pads, its start and end tokens and its ``<T seconds>`` text."""
         if not self.takes_video:
-            raise EdgevlError(f"this model ({self.arch.name}) takes no video"
-                              + ("" if self.vision is None else "; send a few frames as images"))
+            raise EdgevlError("this model has no vision tower; it takes no video" if self.vision is None else
+                              f"this model ({self.arch.name}) takes no video; send a few frames as images")
         return self.vision.video_tokens(video, fps, max_frames, max_pixels,
                                         count_text=lambda s: len(self.tokenizer.encode(s)), max_decode=max_decode)
 
@@ -747,5 +747,5 @@ def _check_load_options(m: dict, low_memory: bool, options: dict | None, video: 
     speculative.check_options(spec["speculative"], spec["draft_tokens"], spec["draft_vocab"], has_mtp,
                               1 << 30 if has_mtp else 0, speculative.missing_block(m, low_memory))
     if video and m.get("video_token_id") is None:
-        raise EdgevlError(f"this model ({arch.name}) takes no video" + ("; send a few frames as images"
-                                                                        if "vision" in m["graphs"] else ""))
+        raise EdgevlError(f"this model ({arch.name}) takes no video; send a few frames as images"
+                          if "vision" in m["graphs"] else "this model has no vision tower; it takes no video")

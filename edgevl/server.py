@@ -558,7 +558,8 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
                 if not isinstance(url, str):
                     raise HTTPError(400, f"{param}.video_url.url must be a string", param)
                 if not server.model.takes_video:
-                    raise HTTPError(400, f"this model ({server.model.arch.name}) takes no video", param,
+                    raise HTTPError(400, "this model has no vision tower; it takes no video" if server.model.vision
+                                    is None else f"this model ({server.model.arch.name}) takes no video", param,
                                     "invalid_video")
                 v = _video(url, server, param, video_options)
                 parts.append({"type": "video", "video": v})

@@ -56,6 +56,15 @@ def test_run_and_its_options(setup, capsys):
 def test_models_without_video_say_so(capsys, tmp_path):
     code, _, err = cli(capsys, "run", demo_package(), "--prompt", PROMPT, "--video", str(tmp_path))
     one_line_error(code, err, "takes no video")
+    # a text-only Qwen3.5 (a family that takes video) lacks the tower, not the family the video
+    from PIL import Image
+
+    ck = make_qwen3_5(tmp_path / "ck", text_only=True)
+    pk = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    code, _, err = cli(capsys, "run", pk, "--prompt", PROMPT, "--video", str(tmp_path))
+    one_line_error(code, err, "this model has no vision tower; it takes no video")
+    with pytest.raises(EdgevlError, match="this model has no vision tower; it takes no video"):
+        edgevl.generate(edgevl.load(pk), PROMPT, video=[Image.new("RGB", (64, 64))] * 2)
 
 
 def test_chat_video_first_and_by_command(setup):
