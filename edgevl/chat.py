@@ -397,6 +397,8 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
             if not shown and ev is not None and ev.finish_reason == "length" and ev.reasoning_tokens:
                 say("[the token limit ran out inside the thinking, before any answer; raise --max-new-tokens or "
                     "start the chat with --no-thinking]")
+            elif ev is not None and ev.finish_reason == "length" and session.response_format is not None:
+                say("[the token limit cut this answer before its JSON was complete; raise --max-new-tokens]")
         except EdgevlError as e:
             say(f"error: {e}")
         except KeyboardInterrupt:

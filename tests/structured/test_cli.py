@@ -64,7 +64,11 @@ def test_chat_schema_command(qwen, schema_file):
     assert f"[answers follow the JSON schema in {schema_file}]" in text and "[answers are free text again]" in text
     answer = text.split(f"{schema_file}]\n", 1)[1].splitlines()[0]
     jsonschema.validate(json.loads(answer), SCHEMAS["meter"])
-    assert "error: /schema /no/such.json: no such file" in text
+    assert "error: /schema /no/such.json: no such file" in text and "cut this answer" not in text
+    lines = iter(["/schema " + str(schema_file), "Read the meter.", "/quit"])   # an answer the limit cuts
+    out = io.StringIO()
+    chat_loop(qwen, input_fn=lambda _: next(lines), out=out, thinking=False, max_new_tokens=3)
+    assert "[the token limit cut this answer before its JSON was complete; raise --max-new-tokens]" in out.getvalue()
 
 
 def test_batch_json_schema_writes_parsed_rows(qwen_vl_package, schema_file, tmp_path, capsys):
