@@ -1256,19 +1256,12 @@ class BatchJob:
                  model_options: dict | None = None, chat_template_kwargs: dict | None = None,
                  thinking: bool | None = None, allow_special_in_content: bool = False, repair: bool = False,
                  response_format=None, json_schema=None, **sampling):
-        import difflib
-        import inspect
-
-        from .generate import stream_choices, template_kwargs
+        from .generate import check_generation_options, template_kwargs
         from .model import Model
         from .sample import Sampler
 
         # what goes to every row's generation: a misspelt option fails once here, not in each row
-        known = set(inspect.signature(stream_choices).parameters) - {"model", "prompt", "image", "n", "engine"}
-        for k in sampling:
-            if k not in known:
-                near = difflib.get_close_matches(k, sorted(known), 1)
-                raise EdgevlError(f"batch has no option {k!r}" + (f"; did you mean {near[0]}?" if near else ""))
+        check_generation_options(sampling, "batch")
         if workers is None or int(workers) < 1:
             raise EdgevlError(f"workers must be >= 1, got {workers}")
         self.workers = int(workers)

@@ -505,8 +505,22 @@ def default_max_new_tokens(model) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 256
 
 
+def check_generation_options(names, what: str = "generation", exclude=("n", "engine")) -> None:
+    """Options meant for ``stream_choices``: a misspelt one is one line naming the nearest option,
+    not a TypeError naming a function the caller never called."""
+    import difflib
+    import inspect
+
+    known = set(inspect.signature(stream_choices).parameters) - {"model", "prompt", "image", *exclude}
+    for k in names:
+        if k not in known:
+            near = difflib.get_close_matches(k, sorted(known), 1)
+            raise EdgevlError(f"{what} has no option {k!r}" + (f"; did you mean {near[0]}?" if near else ""))
+
+
 def stream_events(model, prompt, image=None, **kwargs) -> Iterator[Event]:
     """One answer's events as they are generated (the options: ``stream_choices``)."""
+    check_generation_options(kwargs, exclude=("n",))
     (events,) = stream_choices(model, prompt, 1, image=image, **kwargs)
     with closing(events):   # a consumer that stops early (a client gone) stops the generation now
         yield from events

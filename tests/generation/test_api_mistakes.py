@@ -172,3 +172,12 @@ def test_a_placeholders_text_typed_beside_a_video_stays_text(qwen):
     pad = qwen.video_token_id
     assert typed.input_ids.count(pad) == plain.input_ids.count(pad) > 0
     assert len(typed.input_ids) > len(plain.input_ids)
+
+
+def test_a_misspelt_option_names_the_nearest_one(demo):
+    """Not a TypeError naming an internal function the caller never called."""
+    for call in (edgevl.generate, edgevl.complete, lambda *a, **k: list(edgevl.stream_generate(*a, **k))):
+        with pytest.raises(EdgevlError, match="generation has no option 'max_new_token'; did you mean max_new_tokens"):
+            call(demo, "hi", max_new_token=2)
+        with pytest.raises(EdgevlError, match="generation has no option 'bogus'$"):
+            call(demo, "hi", bogus=1)
