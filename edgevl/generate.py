@@ -734,7 +734,7 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
             out, pending = (pending[:-keep], pending[-keep:]) if keep else (pending, "")
         else:
             out, pending = pending, ""
-        yield stats(out, token, lp=lp)
+        yield stats(out, None if thought else token, lp=lp)   # a token its reasoning event gave is not given twice
     tail, thought = split.flush()
     tail = pending + (post.feed(tail) + post.flush() if post else tail)
     if stop:

@@ -181,3 +181,16 @@ def test_a_misspelt_option_names_the_nearest_one(demo):
             call(demo, "hi", max_new_token=2)
         with pytest.raises(EdgevlError, match="generation has no option 'bogus'$"):
             call(demo, "hi", bogus=1)
+
+
+def test_each_generated_token_is_one_event_while_thinking(qwen):
+    """A reasoning token came as two events with the same token id (its reasoning, then an empty
+    answer piece): code collecting ``Event.token`` got every thinking token twice."""
+    from edgevl.generate import stream_events
+
+    for thinking in (True, False):
+        evs = list(stream_events(qwen, "Hello there", max_new_tokens=6, temperature=0, thinking=thinking))
+        toks = [ev.token for ev in evs if ev.token is not None]
+        assert len(toks) == evs[-1].generation_tokens == 6, (thinking, toks)
+        assert toks == list(qwen.generate_tokens(prepare(qwen, "Hello there", thinking=thinking).input_ids,
+                                                 max_new_tokens=6))
