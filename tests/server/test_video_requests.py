@@ -244,7 +244,7 @@ def test_temporary_files_are_gone_when_the_request_ends(setup, tmp_path, monkeyp
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     url = data_url(allowed / "clip.gif", "image/gif")
-    long_clip = data_url(write_gif(tmp_path / "long.gif", (4000, 4000), [(0, 0, 8, 8)] * 400), "image/gif")
+    long_clip = data_url(write_gif(tmp_path / "long.gif", (1024, 1024), [(0, 0, 8, 8)] * 400), "image/gif")
     port = srv.server_address[1]
 
     def clean():    # the handler closes them as it finishes, just after the client has its answer
