@@ -405,6 +405,7 @@ class Model:
                               f"this model ({self.arch.name}) takes no video; send a few frames as images")
         digest = self.video_digest(video)
         if digest is None:      # frames in memory, a folder of frames, a path under the server's rules
+            self.image_cache.misses += 1    # asked for and not held, as an image with the cache off
             return self.vision.encode_video(video, fps, max_frames, max_pixels)
         return self._cached(("video", digest, fps, max_frames, max_pixels),
                             lambda: self.vision.encode_video(video, fps, max_frames, max_pixels))

@@ -188,8 +188,8 @@ def _part(p, where: str) -> dict:
         return {"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}}
     if kind in ("image_url", "video_url"):     # the chat API's own parts, and edgevl's video part
         return p
-    raise RequestError(f"{where} must be an input_text or input_image part (files and audio are not supported)",
-                       where)
+    raise RequestError(f"{where} must be an input_text or input_image part, or a video_url part for a video (files "
+                       "and audio are not supported)", where)
 
 
 class Writer:

@@ -147,6 +147,7 @@ def test_a_video_file_sent_again_is_not_decoded_and_encoded_again(tmp_path):
                                thinking=False)
 
     want = ask(plain, clip)
+    assert (plain.image_cache.hits, plain.image_cache.misses) == (0, 1)   # counted with the cache off too
     assert ask(model, clip) == ask(model, clip) == want and len(calls) == 1
     rows, info = model.encode_video(clip)
     assert len(calls) == 1 and info["seconds"] < 0.5

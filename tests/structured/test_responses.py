@@ -166,7 +166,7 @@ BAD = [
     ({"input": []}, "input must be a string or a non-empty list", "input"),
     ({"input": [{"type": "file_search_call"}]}, "input[0] is a 'file_search_call' item", "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-     "must be an input_text or input_image part", "input[0].content[0]"),
+     "must be an input_text or input_image part, or a video_url part for a video", "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "file ids are not supported", "input[0].content[0]"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools are supported", "tools[0]"),
