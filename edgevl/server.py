@@ -186,7 +186,7 @@ class MemoryBudget:
     request, as long as its images live."""
 
     def __init__(self, limit: int):
-        self.limit, self.used, self.peak = int(limit), 0, 0
+        self.limit, self.used = int(limit), 0
         self._cond = threading.Condition()
 
     @contextmanager
@@ -197,7 +197,6 @@ class MemoryBudget:
                 if gone():
                     raise ConnectionAbortedError("the client hung up while waiting to decode its images")
             self.used += cost
-            self.peak = max(self.peak, self.used)
         try:
             yield
         finally:
@@ -385,7 +384,7 @@ class PendingVideo:
 
         model = self.model
         digest = model.video_digest(self.source)
-        if model.video_cached(digest, **self.options) or not model.takes_video:
+        if model.video_cached(digest, **self.options):
             return self.source
         try:
             with cancel_when(gone):
@@ -1541,8 +1540,6 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(e, ShuttingDown):   # cut short by a shutdown: clients retry a 503 elsewhere
             return HTTPError(503, "the server is shutting down; send the request to another instance or retry "
                              "shortly", code="shutting_down", headers={"Retry-After": "5"})
-        if isinstance(e, OutsideFolder):  # a local file swapped for a way out while the request waited
-            return HTTPError(403, str(e), code="image_path_forbidden")
         if isinstance(e, EdgevlError) and not isinstance(e, PackageError):
             return HTTPError(400, str(e), code="invalid_request")
         self.server.model.reset()

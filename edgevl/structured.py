@@ -102,7 +102,7 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
         raise EdgevlError(f"{where} is nested too deeply to be a usable schema; simplify it") from None
     except (TypeError, ValueError) as e:    # a set, a NaN: not JSON
         raise EdgevlError(f"{where} is not JSON ({e}); send a JSON schema") from None
-    _check_size(text, where)
+    check_size(text, where)
     try:
         grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as e:   # the engine's own limits (a schema nested past its depth), bad text
@@ -110,16 +110,16 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
     return Structure("json_schema", grammar, schema, name)
 
 
-def _check_size(text: str, where: str) -> None:
+def check_size(text: str, where: str, fix: str = "send a smaller schema or grammar") -> None:
+    """Grammar text past ``MAX_GRAMMAR_CHARS`` refused before anything compiles."""
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise EdgevlError(f"{where} is too large to compile ({len(text)} characters, limit {MAX_GRAMMAR_CHARS}); "
-                          "send a smaller schema or grammar")
+        raise EdgevlError(f"{where} is too large to compile ({len(text)} characters, limit {MAX_GRAMMAR_CHARS}); {fix}")
 
 
 def regex(pattern, where: str = "regex") -> Structure:
     if not isinstance(pattern, str) or not pattern:
         raise EdgevlError(f"{where} must be a non-empty regular expression string")
-    _check_size(pattern, where)
+    check_size(pattern, where)
     return Structure("regex", _llg().LLMatcher.grammar_from_regex(pattern))
 
 
@@ -128,7 +128,7 @@ def choice(options, where: str = "choice") -> Structure:
             or not all(isinstance(o, str) and o for o in options)):
         raise EdgevlError(f"{where} must be a non-empty list of non-empty strings")
     text = "start: " + " | ".join(json.dumps(o) for o in options)
-    _check_size(text, where)
+    check_size(text, where)
     return Structure("choice", _llg().LLMatcher.grammar_from_lark(text))
 
 
@@ -136,7 +136,7 @@ def grammar(text, where: str = "grammar") -> Structure:
     """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, ``root ::= ...``)."""
     if not isinstance(text, str) or not text.strip():
         raise EdgevlError(f"{where} must be a non-empty Lark or GBNF grammar string")
-    _check_size(text, where)
+    check_size(text, where)
     llg = _llg()
     try:
         g = llg.grammar_from("grammar", text)

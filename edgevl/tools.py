@@ -122,10 +122,10 @@ def _call_structure(model, chosen: dict, parallel: bool):
         return s, structured.problem(s)
 
     whole = call_grammar(chosen, parallel, tags)
-    if len(whole) > structured.MAX_GRAMMAR_CHARS:   # before any compiling: thousands of tools cost minutes
-        raise EdgevlError(f"tools: the grammar of calls to {len(chosen)} functions is too large to compile "
-                          f"({len(whole)} characters, limit {structured.MAX_GRAMMAR_CHARS}); send fewer tools (or "
-                          "smaller parameter schemas) with this tool_choice, or use tool_choice \"auto\"")
+    # before any compiling: thousands of tools cost minutes
+    structured.check_size(whole, f"tools: the grammar of calls to {len(chosen)} functions",
+                          "send fewer tools (or smaller parameter schemas) with this tool_choice, or use tool_choice "
+                          "\"auto\"")
     structure, error = build(whole)
     if error is None:
         return structure

@@ -903,10 +903,14 @@ class DecodedVideo:
 DECODE_COST = {"file": 1, "sampled": 1, "animation": 25}
 
 
+def _frames_decoded(clip: Clip, indices) -> int:
+    """Frames decoding ``indices`` of ``clip`` goes through."""
+    return int(max(indices)) + 1 if clip.decodes != "sampled" else len(indices)
+
+
 def decode_work(clip: Clip, indices) -> int:
     """Pixels (in FFmpeg-frame equivalents) decoding ``indices`` of ``clip`` goes through."""
-    frames = int(max(indices)) + 1 if clip.decodes != "sampled" else len(indices)
-    return frames * clip.width * clip.height * DECODE_COST[clip.decodes]
+    return _frames_decoded(clip, indices) * clip.width * clip.height * DECODE_COST[clip.decodes]
 
 
 def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int | None = None,
@@ -928,9 +932,9 @@ def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int
         raise EdgevlError(f"max_frames must be at least {cfg.temporal_patch_size}, got {max_frames}")
     indices = sample_indices(clip.total, clip.fps, cfg, fps, max_frames)
     if max_decode is not None and decode_work(clip, indices) > max_decode:
-        reach = int(max(indices)) + 1 if clip.decodes != "sampled" else len(indices)
         raise VideoTooCostly(
-            f"{clip.name}: sampling it means decoding {reach} frames of {clip.width}x{clip.height}"
+            f"{clip.name}: sampling it means decoding {_frames_decoded(clip, indices)} frames of "
+            f"{clip.width}x{clip.height}"
             f"{' composed on the whole canvas' if clip.decodes == 'animation' else ''}, more than this server decodes "
             f"for one request (about {max_decode / 1e9:.0f} gigapixels); send a shorter or smaller clip")
     th, tw = (video_smart_resize(len(indices), clip.height, clip.width, cfg, max_pixels)
