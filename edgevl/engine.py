@@ -144,7 +144,7 @@ class Engine:
 
     def __init__(self, model, parallel: int = 4):
         if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 256:
-            raise EdgevlError(f"--parallel must be between 1 and 256, got {parallel!r:.40}")
+            raise EdgevlError(f"parallel (--parallel) must be between 1 and 256, got {parallel!r:.40}")
         if model.low_memory and parallel > 1:
             raise EdgevlError("low-memory mode decodes one sequence at a time; use --parallel 1 or run "
                               "without --low-memory")
@@ -246,7 +246,7 @@ class Engine:
                 self.cond.wait()
             if self.closed:
                 for s in [*self.waiting, *self.active]:
-                    s.out.put(ShuttingDown("the server is shutting down"))
+                    s.out.put(ShuttingDown("the engine was closed before this request ended"))
                     s.cancelled = True
                 closing = True
             else:

@@ -192,6 +192,11 @@ class Model:
         Also ``with edgevl.load(...) as model:``."""
         self._owner.close()
 
+    def __reduce__(self):
+        # its nets live in this process's ncnn thread; pickle's own message names a weakref
+        raise TypeError("a loaded model cannot be pickled or sent to another process; "
+                        "call edgevl.load in each process instead")
+
     def __enter__(self) -> Model:
         return self
 

@@ -59,6 +59,12 @@ def demo_package(progress: bool = False) -> Path:
             if not (out / MANIFEST).is_file():  # another process may have won the race
                 raise
         except OSError as e:
+            # only an error about the cache folder is the cache folder's fault; any other (a file of
+            # the installed package that cannot be read) names its own path
+            where = Path(e.filename) if e.filename else None
+            if where is not None and not where.resolve().is_relative_to(out.parent.resolve()):
+                raise EdgevlError(f"the demo model cannot be converted: {where} cannot be read "
+                                  f"({e.strerror or e}); reinstall edgevl") from None
             raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
                               f"({e.strerror or e}); set EDGEVL_CACHE to a writable folder") from None
     return out

@@ -126,3 +126,25 @@ def test_cli_run_on_demo_scene_under_500mb(tmp_path):
     peak_mb = int(lines[-1]) / 1024
     print(f"edgevl run on the demo model (incl. first conversion): peak RSS {peak_mb:.0f} MB")
     assert peak_mb < 500, f"peak RSS {peak_mb:.0f} MB"
+
+
+def test_a_file_error_while_converting_the_demo_blames_the_right_folder(tmp_path, monkeypatch):
+    """Only an error about the cache folder says to set EDGEVL_CACHE; a file of the installed
+    package that cannot be read is named, with reinstalling as the fix."""
+    import pytest
+
+    from edgevl.errors import EdgevlError
+
+    module = sys.modules[edgevl.convert.__module__]   # edgevl.convert is also the function's name
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    missing = DEMO_CHECKPOINT.parent.parent / "models" / "youtu_vl" / "gone.jinja"
+    for error, expected in ((FileNotFoundError(2, "No such file or directory", str(missing)),
+                             f"{missing} cannot be read .*; reinstall edgevl"),
+                            (PermissionError(13, "Permission denied", str(tmp_path / "cache" / "demo-x")),
+                             "into the edgevl cache folder .*set EDGEVL_CACHE to a writable folder")):
+        def fail(*a, error=error, **k):
+            raise error
+        monkeypatch.setattr(module, "convert", fail)
+        with pytest.raises(EdgevlError, match=expected):
+            demo_package()

@@ -340,7 +340,7 @@ def test_a_low_memory_model_serves_one_request_at_a_time(packages):
 def test_engine_options_are_checked(packages):
     model = _model(packages, "youtu")
     for bad in (0, -1, 1.5, True, 1000):
-        with pytest.raises(EdgevlError, match="--parallel must be between 1 and 256"):
+        with pytest.raises(EdgevlError, match=r"parallel \(--parallel\) must be between 1 and 256"):
             Engine(model, parallel=bad)
 
 
@@ -707,3 +707,24 @@ def test_slot_memory_counts_the_snapshots_prefix_reuse_keeps(packages):
         assert engine.state_bytes() - live == kept > 0
     finally:
         engine.close()
+
+
+def test_closing_the_engine_ends_its_requests_in_its_own_words(packages):
+    """An API user has no server: a request the engine's close() cuts short says the engine was
+    closed; a loaded model is refused by pickle (another process loads its own)."""
+    import pickle
+
+    from edgevl.errors import ShuttingDown
+
+    model = _model(packages, "youtu")
+    prep = requests(model)[1][0]
+    engine = Engine(model, parallel=1)
+    first = engine.generate_tokens(prep.input_ids, 400, ignore_eos=True)
+    queued = engine.generate_tokens(prep.input_ids, 400, ignore_eos=True)
+    next(first)
+    engine.close()
+    for s in (first, queued):
+        with pytest.raises(ShuttingDown, match="the engine was closed before this request ended"):
+            list(s)
+    with pytest.raises(TypeError, match="cannot be pickled .* call edgevl.load in each process"):
+        pickle.dumps(model)
