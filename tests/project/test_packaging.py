@@ -4,9 +4,14 @@ folder), so a data file no pattern names works in a checkout and is missing from
 
 import glob
 
-import tomllib
+import pytest
 
 from support.common import ROOT
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 
 def test_package_data_names_every_data_file_of_the_package():
