@@ -93,6 +93,9 @@ class Completion:
         if self.structure not in ("json_object", "json_schema"):
             raise EdgevlError("this answer was not constrained to JSON; pass json_schema= or response_format="
                               "{\"type\": \"json_object\"}")
+        if self.tool_calls and not self.text.strip():
+            raise EdgevlError("the answer is tool calls (Completion.tool_calls), not JSON; run the tools and send "
+                              "their results for the answer")
         if self.finish_reason != "stop" and self.reasoning and not self.text.strip():
             raise EdgevlError(f"the token limit ({self.generation_tokens} tokens) ran out inside the thinking, before "
                               "any answer; raise max_new_tokens or pass thinking=False")
@@ -579,12 +582,16 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     structure = structured.parse(response_format, json_schema)
     spec = tool_calls.prepare(model, tools, tool_choice, parallel_tool_calls)
     if spec is not None and spec.structure is not None:
-        if structure is not None:
-            raise EdgevlError(f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format")
+        # forced calls: the answer is only calls, and a format for its text has nothing to apply to
+        # (OpenAI takes the pair)
         structure = spec.structure
         # an answer of calls only has no text for stop strings to end: they would cut a call, which
         # is then no call at all
         stop = []
+    elif spec is not None and spec.parses and structure is not None and not getattr(structure, "structure",
+                                                                                      structure).calls:
+        # "auto" with a format: the text answer follows it, or the answer is calls
+        structure = tool_calls.with_calls(model, getattr(structure, "structure", structure), spec)
     if structure is not None and structure.kind in ("json_object", "json_schema"):
         # the grammar ends a JSON answer: a stop string could only cut it short of its schema
         stop = []

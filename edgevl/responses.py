@@ -3,13 +3,18 @@ chat completion request (``to_chat``: ``input`` items become messages, ``instruc
 message, flat function tools chat tools, ``text.format`` a response format), which the server checks
 and runs as any chat request; ``Writer`` turns its events into the response's output items
 (reasoning, message, function calls) and, streamed, into the typed events that build them. Nothing
-is stored: a conversation goes back in whole, as with chat completions."""
+is stored but the output items of recent answers (``ItemStore``, in memory and bounded), so that a
+client may refer to them by id (``item_reference``) in the next turn; a conversation otherwise
+goes back in whole, as with chat completions."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 
 from . import tools as tool_calls
 
@@ -34,14 +39,47 @@ OWN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "te
        "safety_identifier", "service_tier", "user", *REFUSED}
 
 
+class ItemStore:
+    """The output items of recent answers by id, newest kept (at most ``items`` of them and ``size``
+    bytes of JSON): clients such as the AI SDK send an earlier answer back as ``item_reference``s
+    to its items' ids (the Responses API stores by default). Lost on restart, and not shared between
+    servers: a reference the store does not hold is a 400 saying to send the item itself."""
+
+    def __init__(self, items: int = 4096, size: int = 32 << 20):
+        self.limit, self.size = items, size
+        self.held: OrderedDict = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def keep(self, items: list) -> None:
+        with self.lock:
+            for it in items:
+                n = len(json.dumps(it))
+                if n > self.size:
+                    continue
+                old = self.held.pop(it["id"], None)
+                if old is not None:
+                    self.bytes -= old[1]
+                self.held[it["id"]] = (dict(it), n)
+                self.bytes += n
+            while self.held and (len(self.held) > self.limit or self.bytes > self.size):
+                self.bytes -= self.held.popitem(last=False)[1][1]
+
+    def get(self, item_id):
+        with self.lock:
+            found = self.held.get(item_id) if isinstance(item_id, str) else None
+            return None if found is None else dict(found[0])
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def to_chat(req: dict) -> tuple[dict, list]:
+def to_chat(req: dict, items: ItemStore | None = None) -> tuple[dict, list]:
     """(the request as a chat completion request, where each of its messages came from: "input[i]"
     or "instructions"). The sampling fields and edgevl's extensions (``top_k``, ``seed``, ``stop``,
-    ``chat_template_kwargs``, ``video_options``...) pass through."""
+    ``chat_template_kwargs``, ``video_options``...) pass through. ``items``: where
+    ``item_reference`` items are looked up."""
     if not isinstance(req, dict):
         raise RequestError("the request must be a JSON object")
     for key, why in REFUSED.items():
@@ -60,7 +98,7 @@ def to_chat(req: dict) -> tuple[dict, list]:
         messages.append({"role": "user", "content": given})
         origin.append("input")
     elif isinstance(given, list) and given:
-        messages += _items(given, origin)
+        messages += _items(given, origin, items)
     else:
         raise RequestError("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
@@ -137,14 +175,33 @@ def _tools(tools) -> list:
     return out
 
 
-def _items(items: list, origin: list) -> list:
-    out = []
+def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
+    out, dropped = [], set()
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
             raise RequestError(f"{where} must be an object (a message, function_call or function_call_output item)",
                                where)
         kind = it.get("type", "message")
+        if kind == "item_reference":
+            found = store.get(it.get("id")) if store is not None else None
+            if found is None:
+                raise RequestError(f"{where} refers to the item {it.get('id')!r:.60}, which this server does not "
+                                   "hold (it keeps recent answers' items in memory only); send the item itself "
+                                   "(in the AI SDK: providerOptions.openai.store = false)", where)
+            it, kind = found, found["type"]
+        if kind == "function_call":
+            args = it.get("arguments", "{}")
+            try:
+                json.loads(args) if isinstance(args, str) and args.strip() else None
+            except ValueError:
+                if it.get("status") == "incomplete":   # a call the token limit cut: no call was made
+                    dropped.add(it.get("call_id"))
+                    continue
+                raise RequestError(f"{where}.arguments is not JSON ({args!r:.60}); send the arguments the call "
+                                   "returned", f"{where}.arguments") from None
+        if kind == "function_call_output" and it.get("call_id") in dropped:
+            continue
         if kind == "message":
             content = it.get("content")
             if isinstance(content, list):
@@ -218,7 +275,8 @@ class Writer:
                "temperature": req.get("temperature"), "top_p": req.get("top_p"),
                "tool_choice": req.get("tool_choice", "auto"), "tools": req.get("tools") or [],
                "text": req.get("text") or {"format": {"type": "text"}}, "reasoning": req.get("reasoning"),
-               "store": False, "metadata": req.get("metadata") or {}, "truncation": "disabled", "usage": None}
+               "store": req.get("store") is not False, "metadata": req.get("metadata") or {},
+               "truncation": "disabled", "usage": None}
         if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if last is not None:
@@ -243,9 +301,13 @@ class Writer:
         self.items.append(item)
         i = len(self.items) - 1
         out.append(self._ev("response.output_item.added", output_index=i, item=dict(item)))
+        # the text's part is announced before its deltas (clients' accumulators add the deltas to it)
         if item["type"] == "message":
             out.append(self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
                                 part={"type": "output_text", "text": "", "annotations": []}))
+        elif item["type"] == "reasoning":
+            out.append(self._ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                                part={"type": "reasoning_text", "text": ""}))
         return out
 
     def _close(self, complete: bool = True) -> list[dict]:
@@ -257,8 +319,10 @@ class Writer:
         kind, where = item["type"], {"item_id": item["id"], "output_index": i}
         out = []
         if kind == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": self.text}]
-            out.append(self._ev("response.reasoning_text.done", **where, content_index=0, text=self.text))
+            part = {"type": "reasoning_text", "text": self.text}
+            item["content"] = [part]
+            out += [self._ev("response.reasoning_text.done", **where, content_index=0, text=self.text),
+                    self._ev("response.content_part.done", **where, content_index=0, part=dict(part))]
         elif kind == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             item["content"] = [part]

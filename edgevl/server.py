@@ -508,8 +508,8 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
             raise HTTPError(400, f"{where} must be an object with role and content", where)
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in ("system", "user", "assistant", "tool"):
-            raise HTTPError(400, f"{where}.role must be system, user, assistant or tool, got {m.get('role')!r}",
-                            f"{where}.role")
+            raise HTTPError(400, f"{where}.role must be system (or developer), user, assistant or tool, got "
+                            f"{m.get('role')!r}", f"{where}.role")
         content = m.get("content")
         if content is None and role == "assistant":  # e.g. an earlier tool-call turn
             content = ""
@@ -696,9 +696,12 @@ def parse_request(req: dict, server: EdgevlServer) -> tuple[list, dict, bool, bo
                   max_image_patches=server.max_image_patches, chat_template_kwargs=ctk, logprobs=bool(logprobs),
                   top_logprobs=top or 0)
     kwargs["response_format"] = _structure(req, server)
-    if spec is not None and spec.structure is not None and kwargs["response_format"] is not None:
-        raise HTTPError(400, f"tool_choice {spec.choice!r} constrains the answer to tool calls; drop response_format",
-                        "response_format", "invalid_response_format")
+    if spec is not None and spec.parses and spec.structure is None and kwargs["response_format"] is not None:
+        try:   # "auto" with a format: checked now, before the request queues
+            kwargs["response_format"] = structured.compiled(
+                server.model, tool_calls.with_calls(server.model, kwargs["response_format"].structure, spec))
+        except EdgevlError as e:
+            raise HTTPError(400, str(e), "tools", "invalid_request_error") from None
     kwargs["tools"] = spec
     from .processing.video import check_options as check_video_options
 
@@ -957,7 +960,8 @@ def _usage(lasts: list) -> dict:
     """From each answer's last event: the prompt counted once, the answers' tokens together."""
     ev, made = lasts[0], sum(e.generation_tokens for e in lasts)
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": made, "total_tokens": ev.prompt_tokens + made,
-            "prompt_tokens_details": {"cached_tokens": ev.prompt_tokens - ev.prefill_tokens}}
+            "prompt_tokens_details": {"cached_tokens": ev.prompt_tokens - ev.prefill_tokens},
+            "completion_tokens_details": {"reasoning_tokens": sum(e.reasoning_tokens for e in lasts)}}
 
 
 # -- metrics (GET /metrics) -----------------------------------------------------------------------
@@ -1675,7 +1679,7 @@ class Handler(BaseHTTPRequestHandler):
         self._check_key()
         req = self._read_json()
         try:
-            chat, origin = responses.to_chat(req)
+            chat, origin = responses.to_chat(req, self.server.items)
         except responses.RequestError as e:
             raise HTTPError(400, str(e), e.param) from None
         try:
@@ -1699,6 +1703,8 @@ class Handler(BaseHTTPRequestHandler):
                 for ev in evs:
                     w.feed(ev)
                 w.finish(evs[-1])
+                if req.get("store") is not False:
+                    self.server.items.keep(w.items)
                 self._send(200, w.final)
                 return
 
@@ -1721,7 +1727,10 @@ class Handler(BaseHTTPRequestHandler):
                     self._typed_event({"type": "error", "sequence_number": w.seq, "code": err.get("code"),
                                        "message": err["message"], "param": err.get("param")})
                 else:
-                    for e in w.finish(ev):
+                    ending = w.finish(ev)
+                    if req.get("store") is not False:
+                        self.server.items.keep(w.items)
+                    for e in ending:
                         self._typed_event(e)
                 self._end_events(done=False)
 
@@ -1857,6 +1866,7 @@ class EdgevlServer(ThreadingHTTPServer):
 
         # requests decode together in the engine's slots; the gate queues the rest
         self.engine = Engine(model, parallel)   # checks parallel before the port is taken
+        self.items = responses.ItemStore()       # recent Responses answers' items (item_reference)
         self.gate = Gate(int(max_queue), parallel)
         self.decode_budget = MemoryBudget(DECODE_BUDGET)
         self.created = int(time.time())

@@ -63,6 +63,7 @@ class Structure:
     grammar: str
     schema: dict | None = None
     name: str | None = None
+    calls: bool = False      # the answer may instead be tool calls (tools.with_calls)
 
     @property
     def json(self) -> bool:
@@ -86,8 +87,10 @@ def _schema_of(value, where: str) -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise EdgevlError(f"{where} is not valid JSON ({e}); send a JSON schema object") from None
-    if isinstance(value, bool):     # JSON Schema's true/false schemas
-        value = {} if value else {"not": {}}
+    if value is False:              # JSON Schema's schema that nothing matches
+        raise EdgevlError(f"{where} is false, a schema no answer can match; send the schema the answer must follow")
+    if value is True:               # ... and the one that everything matches
+        value = {}
     if not isinstance(value, dict):
         raise EdgevlError(f"{where} must be a JSON schema object (or a pydantic model class), got "
                           f"{type(value).__name__}")
@@ -148,6 +151,32 @@ def grammar(text, where: str = "grammar") -> Structure:
 def grammar_structure(lark: str, kind: str = "grammar") -> Structure:
     """A Structure from a Lark grammar edgevl builds itself (the tool-call grammar)."""
     return Structure(kind, _llg().LLMatcher.grammar_from_lark(lark))
+
+
+def _grammars(structure: Structure) -> list:
+    """The grammar entries of ``structure``'s text (llguidance's JSON form, or Lark)."""
+    text = structure.grammar
+    if text.lstrip().startswith("{"):
+        top = json.loads(text)
+        entries = top.get("grammars")
+        if not isinstance(entries, list) or not entries or set(top) - {"grammars", "max_tokens"} \
+                or top.get("max_tokens") is not None:
+            raise ValueError(f"a {structure.kind} grammar of an unexpected form")
+        return entries
+    return [{"lark_grammar": text}]
+
+
+def either(first: Structure, second: Structure) -> Structure:
+    """An answer that is ``first`` or ``second`` (kind, schema and name of ``first``): the two
+    grammars side by side in one, under a start rule that refers to each by name."""
+    parts = []
+    for tag, s in (("first", first), ("second", second)):
+        entries = _grammars(s)
+        if len(entries) > 1:   # references by index inside it would move
+            raise ValueError(f"a {s.kind} grammar made of several grammars")
+        parts.append({**entries[0], "name": f"edgevl_{tag}"})
+    top = {"grammars": [{"name": "edgevl_either", "lark_grammar": "start: @edgevl_first | @edgevl_second"}, *parts]}
+    return Structure(first.kind, json.dumps(top), first.schema, first.name, calls=True)
 
 
 def parse(response_format=None, json_schema_=None, where: str = "response_format") -> Structure | None:

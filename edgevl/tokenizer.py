@@ -16,6 +16,28 @@ from .errors import EdgevlError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.json", "chat_template.jinja", "generation_config.json")
 
+
+def one_system(messages: list) -> list:
+    """Leading system (or developer) messages as one, their texts apart by a blank line: clients
+    send several (an agent's instructions and the caller's; the Responses API's instructions and a
+    developer item), which OpenAI takes, and templates such as Qwen's refuse a second one."""
+    k = 0
+    while k < len(messages) and isinstance(messages[k], dict) and messages[k].get("role") in ("system", "developer"):
+        k += 1
+    if k < 2:
+        return messages
+    texts = [m.get("content") for m in messages[:k]]
+    if all(isinstance(t, str) for t in texts):
+        content = "\n\n".join(texts)
+    else:
+        content = []
+        for t in texts:
+            if content:
+                content.append({"type": "text", "text": "\n\n"})
+            content += [{"type": "text", "text": t}] if isinstance(t, str) else list(t or [])
+    return [{"role": "system", "content": content}, *messages[k:]]
+
+
 def _raise(msg):
     raise EdgevlError(f"chat template error: {msg}")
 
@@ -142,6 +164,7 @@ class Tokenizer:
             raise EdgevlError("this checkpoint has no chat template; pass a plain prompt with raw=True "
                               "(or add chat_template.jinja to the model folder)")
         self.compile_template()
+        messages = one_system(messages)
         try:
             return self._env.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)

@@ -109,7 +109,20 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
     return spec
 
 
-def _call_structure(model, chosen: dict, parallel: bool):
+def with_calls(model, answer: structured.Structure, spec: ToolSpec) -> structured.Structure:
+    """``tool_choice`` "auto" with an answer format (``response_format``): the answer follows that
+    format or is calls to the tools, as OpenAI applies a format to the text answer only. The calls
+    are then held to the call grammar too (so they parse and validate)."""
+    calls = _call_structure(model, spec.schemas, spec.parallel,
+                            "simplify that schema, or drop response_format (the calls are then read unconstrained)")
+    try:
+        return structured.either(answer, calls)
+    except ValueError as e:
+        raise EdgevlError(f"response_format cannot be combined with tools ({e}); drop one of them") from None
+
+
+def _call_structure(model, chosen: dict, parallel: bool,
+                    fix: str = "simplify that schema or use tool_choice \"auto\""):
     """The grammar of calls to ``chosen``, checked now (before a request queues); parameters that
     cannot be constrained are one line naming their function."""
     tags = _tags(model)
@@ -121,6 +134,23 @@ def _call_structure(model, chosen: dict, parallel: bool):
             return None, " ".join(str(e).split())
         return s, structured.problem(s)
 
+    def grammar(fns: dict, several: bool) -> str | None:
+        try:
+            return call_grammar(fns, several, tags)
+        except ValueError:         # a string format no regex is known for
+            return None
+
+    for f, params in chosen.items():   # what cannot be written at all, named before anything compiles
+        other = sorted(set(params) - TOP_LEVEL)
+        if other:   # the grammar writes the listed parameters: keywords about the object as a whole
+            raise EdgevlError(f"tools: the parameters of function {f!r:.60} cannot be constrained (top-level "
+                              f"keywords {', '.join(map(repr, other))[:200]} are not held by the call format); {fix}")
+        if grammar({f: params}, False) is None:
+            try:
+                call_grammar({f: params}, False, tags)
+            except ValueError as e:
+                raise EdgevlError(f"tools: the parameters of function {f!r:.60} cannot be constrained ({e}); "
+                                  f"{fix}") from None
     whole = call_grammar(chosen, parallel, tags)
     # before any compiling: thousands of tools cost minutes
     structured.check_size(whole, f"tools: the grammar of calls to {len(chosen)} functions",
@@ -136,8 +166,12 @@ def _call_structure(model, chosen: dict, parallel: bool):
     # the function at fault, each alone (the whole grammar's error does not say whose)
     fn = next((f for f, params in chosen.items() if build(call_grammar({f: params}, False, tags))[1]),
               next(iter(chosen)))
-    raise EdgevlError(f"tools: the parameters of function {fn!r:.60} cannot be constrained ({error[:300]}); "
-                      "simplify that schema or use tool_choice \"auto\"")
+    raise EdgevlError(f"tools: the parameters of function {fn!r:.60} cannot be constrained ({error[:300]}); {fix}")
+
+
+# the keywords of a parameters object the call grammar holds (or that say nothing to hold)
+TOP_LEVEL = {"type", "properties", "required", "additionalProperties", "$defs", "definitions", "title",
+             "description", "$schema", "$id", "$comment", "examples", "default", "strict"}
 
 
 def _choice(tool_choice, schemas) -> tuple[str, str | None]:
@@ -180,10 +214,16 @@ def _value(rule: str, schema: dict) -> list[str]:
         if "const" in schema and isinstance(schema["const"], str):
             return [f"{rule}: {_lit(schema['const'])} {close}"]
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-        pattern = schema.get("pattern") or FORMATS.get(schema.get("format"))
+        fmt = schema.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise ValueError(f"Unknown format: {fmt}")
+        pattern = schema.get("pattern") or FORMATS.get(fmt)
         if pattern:
             body = pattern.removeprefix("^").removesuffix("$")
-            return [f"{rule}: /{_regex_escape(body)}/ {close}"]
+            term = rule.upper()
+            # the lengths too: the value is in both languages (a terminal's & in the engine's Lark)
+            length = f" & /(.|\\n){{{lo},{'' if hi is None else int(hi)}}}/" if lo or hi is not None else ""
+            return [f"{term}: /{_regex_escape(body)}/{length}", f"{rule}: {term} {close}"]
         # lazy: the value ends at the first closing tag; any characters, newlines included
         reps = f"{{{lo},{int(hi)}}}" if hi is not None else ("+" if lo else "*")
         return [f"{rule}[lazy]: /(.|\\n){reps}\\n<\\/parameter>\\n/"]
@@ -211,6 +251,16 @@ FORMATS = {
                  "(\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
     "email": "[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\\.[A-Za-z0-9-]{1,63})+",
     "ipv4": "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+    # the usual compressed forms (no embedded IPv4, no zone)
+    "ipv6": "(H:){7}H|(H:){1,7}:|(H:){1,6}:H|(H:){1,5}(:H){1,2}|(H:){1,4}(:H){1,3}|(H:){1,3}(:H){1,4}"
+            "|(H:){1,2}(:H){1,5}|H:(:H){1,6}|:((:H){1,7}|:)".replace("H", "[0-9a-fA-F]{1,4}"),
+    # labels of letters, digits and inner hyphens, dot-separated
+    "hostname": "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
+    # an absolute URI: a scheme, then URI characters (a % always followed by two hex digits)
+    "uri": "[A-Za-z][A-Za-z0-9+.-]*:([A-Za-z0-9._~:/?#\\[\\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+",
+    # ISO 8601 as RFC 3339 spells it: weeks, or date and time parts, none empty
+    "duration": "P([0-9]+W|([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)(T(TIME))?|T(TIME))".replace(
+        "TIME", "[0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S"),
 }
 
 
@@ -254,13 +304,56 @@ def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:
 
 # -- reading the model's calls --------------------------------------------------------------------------
 
-def _typed(value: str, schema: dict):
-    if _is_string(schema if isinstance(schema, dict) else {}):
+JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"),
+              (list, "array"), (dict, "object"))
+
+
+def _types(schema, root: dict, depth: int = 0) -> set | None:
+    """The JSON types a parameter's schema allows (through $ref, anyOf/oneOf, type lists, enum and
+    const values); None where it does not say."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target = root
+        for key in ref[2:].split("/"):
+            target = target.get(key) if isinstance(target, dict) else None
+        return _types(target, root, depth + 1)
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list) and t:
+        return set(t)
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if isinstance(values, list):
+            return {next(n for k, n in JSON_TYPES if isinstance(v, k)) for v in values}
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list) and options:
+        each = [_types(o, root, depth + 1) for o in options]
+        return None if any(x is None for x in each) else set().union(*each)
+    return None
+
+
+def _typed(value: str, schema: dict, root: dict | None = None):
+    """A parameter's value as written (strings raw, the rest JSON), typed by its schema."""
+    schema = schema if isinstance(schema, dict) else {}
+    if _is_string(schema) and "$ref" not in schema:
         return value
+    types = _types(schema, root or {})
+    if types is None or "string" not in types:
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    # a string among other types (an optional string, a $ref enum of strings): raw text is the
+    # string, unless it is JSON of another type the schema allows (null for an optional one)
     try:
-        return json.loads(value)
+        parsed = json.loads(value)
     except ValueError:
         return value
+    kind = next(n for k, n in JSON_TYPES if isinstance(parsed, k))
+    return parsed if kind in types or (kind == "integer" and "number" in types) else value
 
 
 def new_id() -> str:
@@ -362,9 +455,10 @@ class CallStream:
         fn = self.calls[k]["function"]
         m = self.PARAM.match(b.lstrip("\n"))
         if m:
-            schema = self.spec.schemas.get(fn["name"], {}).get("properties", {}).get(m.group(1).strip(), {})
+            params = self.spec.schemas.get(fn["name"], {})
+            schema = params.get("properties", {}).get(m.group(1).strip(), {})
             p = m.group(1).strip()
-            self._args[p] = _typed(m.group(2), schema)
+            self._args[p] = _typed(m.group(2), schema, params)
             try:
                 value = json.dumps(self._args[p], ensure_ascii=False, allow_nan=False)
             except ValueError:   # a number past float's range: the model's own JSON text, not Infinity

@@ -209,8 +209,10 @@ def build_lm_head(ctx: Ctx, vocab: int, hidden: int, weight_name: str, rows: int
 
 
 def head_weight_name(ckpt: Checkpoint, tied: bool, embed_name: str, head_name: str = "lm_head.weight") -> str:
-    """The tensor the head uses: ``lm_head.weight``, or the embedding when tied (or absent)."""
-    if not tied and head_name in ckpt:
+    """The tensor the head uses: ``lm_head.weight``, or the embedding when tied (or absent). A
+    checkpoint that stores its own head uses it even where the config says tied, as transformers
+    does (it leaves a stored head of other values untied): a composite config's flags may disagree."""
+    if head_name in ckpt:
         return head_name
     if not tied:
         raise EdgevlError(f"config.json says tie_word_embeddings=false but {head_name} is missing "

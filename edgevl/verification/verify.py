@@ -217,9 +217,17 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
                 rep.add("vision", f"{tag}{label}", ours, theirs)
             rep.add("vision", f"{tag}merger", prep.image_rows[k], merged)
     ids = prep.input_ids
+    room = model.max_context - len(ids)
+    if room <= 0:
+        raise EdgevlError(f"the prompt ({len(ids)} tokens) fills the model's context ({model.max_context}); give a "
+                          "shorter prompt")
+    if max_new_tokens > room:   # ours stop at the context's end; the reference would go on past it
+        log(f"note: the model's context ({model.max_context}) holds {room} new tokens after the {len(ids)}-token "
+            f"prompt; comparing {room}, not {max_new_tokens}")
+        max_new_tokens = room
     log(f"[{next(step)}/{steps}] language model, layer by layer ({len(ids)} prompt tokens)")
-    states, ref_logits = ref.text_states(ids, ref_images)
-    embeds = model.embed(ids, prep.image_rows)
+    embeds = model.embed(ids, prep.image_rows)    # a token past the embedding: our one line, before torch's
+    states, ref_logits = _reference(ref.text_states, ids, ref_images)
     rep.add("text", "embeddings", embeds, states[0])
     names = model.decoder.info["outputs"]["layers"]
     cache = model.decoder.new_cache()
@@ -227,7 +235,7 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
                                            ids=ids)
     # fixed-size states (conv windows, recurrent matrices) after the prefill, against the reference's cache
     ours_state = cache.state_arrays()
-    ref_state = ref.state_arrays(ref.start(ids, ref_images)[1]) if ours_state else {}
+    ref_state = ref.state_arrays(_reference(ref.start, ids, ref_images)[1]) if ours_state else {}
     for i, name in enumerate(names):
         rep.add("text", f"layer {i}", extra[name], states[i + 1])
         for key in sorted(k for k in ours_state if k[0] == i):
@@ -248,8 +256,20 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         rep.mtp_top1 = (int((mtp_logits.argmax(-1) == np.asarray(ref_mtp_logits).argmax(-1)).sum()), len(out))
     log(f"[{next(step)}/{steps}] {max_new_tokens} greedy tokens, ours and the reference's")
     rep.ours = list(model.generate_tokens(ids, max_new_tokens, image=prep.encoded, reuse_cache=False))
-    rep.reference = ref.greedy(ids, max_new_tokens, model.eos_ids, ref_images)
+    rep.reference = _reference(ref.greedy, ids, max_new_tokens, model.eos_ids, ref_images)
     return rep
+
+
+def _reference(fn, *args):
+    """A call of the PyTorch reference; its failure (a config transformers cannot run) is one line."""
+    try:
+        return fn(*args)
+    except (EdgevlError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, said in one line
+        said = " ".join(str(e).split())[:200]
+        raise EdgevlError(f"the PyTorch reference failed on this checkpoint ({type(e).__name__}: {said}); the "
+                          "package cannot be compared with it") from None
 
 
 def verify(package, reference_dir=None, prompt: str = "Describe the image in one sentence.", image=None,

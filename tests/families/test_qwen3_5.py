@@ -213,6 +213,26 @@ def test_text_only_checkpoint(tmp_path):
         edgevl.generate(model, "hi", image=smooth_image(32, 32))
 
 
+def test_a_stored_head_is_used_whatever_the_tie_flags_say(tmp_path):
+    """A composite config's two tie_word_embeddings flags may disagree; transformers leaves a
+    stored lm_head of its own values untied, so the package uses it too (it took text_config's
+    "tied" and answered with the embedding)."""
+    from support.files import edit_json
+
+    ck = make_qwen3_5(tmp_path / "ck", seed=6, tie_word_embeddings=False, num_hidden_layers=2,
+                      full_attention_interval=2)
+
+    def disagree(c):
+        c["tie_word_embeddings"] = False
+        c["text_config"]["tie_word_embeddings"] = True
+    edit_json(ck / "config.json", disagree, restamp=False)
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    ids = prepare(model, LONG[:200]).input_ids
+    ours = list(model.generate_tokens(ids, 12, ignore_eos=True))
+    assert ours == hf_greedy(load_hf(ck), {"input_ids": torch.tensor([ids])}, 12)
+    model.close()
+
+
 def test_conversion_of_mtp_blocks_and_bad_configs(models, tmp_path):
     import shutil
 

@@ -53,6 +53,37 @@ def test_verify_warns_when_the_source_folder_holds_another_checkpoint(tmp_path):
     assert any(line.startswith(warned) for line in lines)
 
 
+def test_verify_compares_what_the_context_holds_and_says_so_in_one_line(tmp_path, monkeypatch):
+    """Tokens past the context: ours stop there, the reference would go on, so only the tokens the
+    context holds are compared (a correct package failed, "first 34 of 40 agree"). A prompt token
+    past the embedding is our one line, not torch's IndexError; a reference that cannot run this
+    config is one line too."""
+    import edgevl
+    from edgevl.errors import EdgevlError
+
+    ck = make_youtu(tmp_path / "ck", seed=3, max_position_embeddings=96)
+    pkg = edgevl.convert(ck, tmp_path / "pkg", dtype="fp32", progress=False)
+    lines = []
+    rep = compare(pkg, None, PROMPTS[1], max_new_tokens=200, log=lines.append)
+    assert rep.identical and 0 < len(rep.ours) == len(rep.reference) < 96, (len(rep.ours), len(rep.reference))
+    assert any(line.startswith("note: the model's context (96) holds") for line in lines), lines
+
+    from edgevl import verification
+
+    def broken(*a, **k):
+        raise ValueError("`get_mask_sizes` can only be called\non Attention layers")
+    monkeypatch.setattr(type(verification.get("youtu").reference(ck)), "text_states", broken)
+    with pytest.raises(EdgevlError, match=r"^the PyTorch reference failed on this checkpoint \(ValueError: "
+                                          r"`get_mask_sizes` can only be called on Attention layers\)"):
+        compare(pkg, None, PROMPTS[1], max_new_tokens=2)
+    monkeypatch.undo()
+
+    small = make_youtu(tmp_path / "small", seed=3, vocab_size=300)   # fewer rows than the tokenizer's
+    pkg = edgevl.convert(small, tmp_path / "small-pkg", dtype="fp32", progress=False)
+    with pytest.raises(EdgevlError, match=r"token id \d+ is outside the vocabulary \(0\.\.299\)"):
+        compare(pkg, None, "hello world", max_new_tokens=2)
+
+
 def test_a_reference_given_by_hand_must_be_the_packages_checkpoint(tmp_path, capsys):
     """verify --reference with the wrong folder: one line before anything loads (a missing folder,
     a package, another family, other sizes), not a Hub error or a shape compared layers later."""

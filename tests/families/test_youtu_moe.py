@@ -179,7 +179,7 @@ def test_layout_table_drives_the_converter(built, tmp_path):
         Y.convert(Checkpoint(other), tmp_path / "pk2", "fp32", {}, lambda t: None)
 
 
-@pytest.mark.parametrize("case", ["deepstack", "lower_bound", "gate", "mrope"])
+@pytest.mark.parametrize("case", ["deepstack", "lower_bound", "gate", "mrope", "no_sparse"])
 def test_bad_config_gives_one_line(built, tmp_path, case):
     import json
     import shutil
@@ -189,13 +189,15 @@ def test_bad_config_gives_one_line(built, tmp_path, case):
     shutil.copytree(ck, bad)
     cfg = json.loads((bad / "config.json").read_text())
     want = {"deepstack": "deepstack", "lower_bound": "kda_gate_lower_bound", "gate": "mla_output_gate",
-            "mrope": "mrope_section"}[case]
+            "mrope": "mrope_section", "no_sparse": "mlp_layer_types has no sparse layer"}[case]
     if case == "deepstack":
         cfg["vision_config"]["deepstack_visual_indexes"] = [0]
     elif case == "lower_bound":
         cfg["kda_gate_lower_bound"] = 5.0
     elif case == "gate":
         cfg["mla_output_gate"] = "channelwise"
+    elif case == "no_sparse":   # converted, then its empty expert store was called corrupt at load
+        cfg["mlp_layer_types"] = ["dense"] * cfg["num_hidden_layers"]
     else:
         cfg["rope_parameters"]["mrope_section"] = [3, 3, 3]
     (bad / "config.json").write_text(json.dumps(cfg))

@@ -306,6 +306,7 @@ def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
     (dict(json_schema={"$ref": "#/$defs/missing"}), "does not exist"),
     (dict(json_schema=["not", "a", "schema"]), "must be a JSON schema object"),
     (dict(json_schema="{not json"), "not valid JSON"),
+    (dict(json_schema=False), "is false, a schema no answer can match"),
     (dict(json_schema={"enum": [f"value {i} of a long enumeration" for i in range(200_000)]}), "too large"),
     (dict(response_format={"type": "regex", "regex": "[a-z"}), "unclosed character class"),
     (dict(response_format={"type": "regex", "regex": "(?<=a)b"}), "look-around"),

@@ -118,6 +118,16 @@ def test_thinking_comes_as_a_reasoning_item(client):
     check_sequence(events)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
         r.output[0].content[0].text
+    # the reasoning's part is announced before its deltas and closed after them, as a message's is
+    # (openai-node's accumulator adds each delta to the part and throws without it)
+    kinds = [(e.type, getattr(getattr(e, "part", None), "type", None)) for e in events]
+    first = kinds.index(("response.reasoning_text.delta", None))
+    done = kinds.index(("response.reasoning_text.done", None))
+    assert ("response.content_part.added", "reasoning_text") in kinds[:first]
+    assert kinds[done + 1] == ("response.content_part.done", "reasoning_text")
+    assert events[done + 1].part.text == r.output[0].content[0].text
+    # the chat endpoint counts the reasoning tokens as the Responses API does
+    assert c.usage.completion_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens
 
 
 def test_reasoning_effort_switches_thinking(client):
@@ -176,7 +186,7 @@ BAD = [
     ({"input": "hi", "instructions": ["a"]}, "instructions must be a string", "instructions"),
     # the chat reading's errors name the request's own fields (instructions make messages[0] here)
     ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
-     "input[1].role must be system, user, assistant or tool", "input[1].role"),
+     "input[1].role must be system (or developer), user, assistant or tool", "input[1].role"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be >= 1", "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": "4"}, "max_output_tokens must be an integer", "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "text.format"),
@@ -213,3 +223,48 @@ def test_logprobs_when_included(client):
     assert [e.token for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] == \
         [e.token for e in got]
     assert client.responses.create(model="m", input=ASK, max_output_tokens=4).output[0].content[0].logprobs == []
+
+
+def test_earlier_answers_items_by_reference_and_cut_calls(client, server):
+    """Clients that store (the AI SDK's default) send an earlier answer back as item_reference ids:
+    this server keeps recent answers' items and reads them as the items themselves; one it does not
+    hold is a 400 saying to send the item. A call the token limit cut (incomplete, arguments not
+    JSON) is left out with its output; a whole call whose arguments are not JSON is a 400 naming it.
+    Instructions and a developer item together are one system message (Qwen's template refuses two)."""
+    port = server.server_address[1]
+    r = client.responses.create(model="m", input=ASK, max_output_tokens=6, temperature=0,
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    (msg,) = [o for o in r.output if o.type == "message"]
+    turns = [{"role": "user", "content": ASK}, {"type": "item_reference", "id": msg.id},
+             {"role": "user", "content": "And again?"}]
+    whole = [{"role": "user", "content": ASK}, {"role": "assistant", "content": msg.content[0].text},
+             {"role": "user", "content": "And again?"}]
+    again = dict(max_output_tokens=6, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    by_reference = client.responses.create(model="m", input=turns, **again)
+    assert by_reference.output_text == client.responses.create(model="m", input=whole, **again).output_text
+    status, reply, _ = post(port, {"input": [{"type": "item_reference", "id": "msg_nothere"}]}, path="/v1/responses")
+    assert status == 400 and reply["error"]["param"] == "input[0]", reply
+    assert "does not hold" in reply["error"]["message"] and "send the item itself" in reply["error"]["message"]
+    status, reply, _ = post(port, {"input": ASK, "store": False, "max_output_tokens": 2}, path="/v1/responses")
+    assert status == 200 and reply["store"] is False
+    kept = reply["output"][-1]["id"]
+    status, reply, _ = post(port, {"input": [{"type": "item_reference", "id": kept}]}, path="/v1/responses")
+    assert status == 400, reply      # store: false keeps nothing
+
+    cut = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Pa',
+           "status": "incomplete"}
+    base = [{"role": "user", "content": "Weather?"}]
+    with_cut = client.responses.create(model="m", input=[*base, cut, {"role": "user", "content": "say hi"}],
+                                       tools=[FLAT_TOOL], **again)
+    without = client.responses.create(model="m", input=[*base, {"role": "user", "content": "say hi"}],
+                                      tools=[FLAT_TOOL], **again)
+    assert with_cut.output_text == without.output_text
+    status, reply, _ = post(port, {"input": [*base, {"role": "assistant", "content": "ok"},
+                                             {**cut, "status": "completed"}], "tools": [FLAT_TOOL]},
+                            path="/v1/responses")
+    assert status == 400 and reply["error"]["param"] == "input[2].arguments", reply
+
+    both = client.responses.create(model="m", instructions="Be brief.", input=[
+        {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": ASK}], **again)
+    one = client.responses.create(model="m", instructions="Be brief.\n\nAnswer in French.", input=ASK, **again)
+    assert both.output_text == one.output_text

@@ -117,6 +117,9 @@ class TextArgs:
             v = getattr(a, key)
             if len(v) != n or any(t not in kinds for t in v):
                 raise EdgevlError(f"config.json field {key} must list {n} entries of {' / '.join(kinds)}")
+        if "sparse" not in a.mlp_layer_types:   # the package's expert store would be empty
+            raise EdgevlError("config.json field mlp_layer_types has no sparse layer: a Youtu MoE model routes "
+                              "experts in at least one layer; mark its MoE layers sparse")
         if a.hidden_act != "silu":
             raise EdgevlError(f"hidden_act {a.hidden_act!r} is not supported for Youtu MoE models (expected silu)")
         if a.num_key_value_heads not in (None, a.num_attention_heads):
