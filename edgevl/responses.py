@@ -137,8 +137,9 @@ def to_chat(req: dict, items: ItemStore | None = None) -> tuple[dict, list]:
 
 
 # the chat reading's field names, as a Responses request spells them
-FIELDS = ((r"\bmax_tokens\b", "max_output_tokens"), (r"\bresponse_format(\.json_schema)?", "text.format"),
-          (r"\b(tools\[\d+\])\.function\.", r"\1."), (r"\btool_choice\.function\.", "tool_choice."))
+FIELDS = ((r"^messages$", "input"), (r"\bmax_tokens\b", "max_output_tokens"),
+          (r"\bresponse_format(\.json_schema)?", "text.format"), (r"\b(tools\[\d+\])\.function\.", r"\1."),
+          (r"\btool_choice\.function\.", "tool_choice."))
 
 
 def renamed(text: str, origin: list) -> str:

@@ -264,6 +264,11 @@ def test_earlier_answers_items_by_reference_and_cut_calls(client, server):
                             path="/v1/responses")
     assert status == 400 and reply["error"]["param"] == "input[2].arguments", reply
 
+    # a prompt past the context names the request's input (its chat reading's param is messages)
+    from edgevl import responses
+    assert responses.renamed("messages", []) == "input"
+    assert responses.renamed("messages[0].content", ["input[2]"]) == "input[2].content"
+
     both = client.responses.create(model="m", instructions="Be brief.", input=[
         {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": ASK}], **again)
     one = client.responses.create(model="m", instructions="Be brief.\n\nAnswer in French.", input=ASK, **again)
