@@ -298,14 +298,21 @@ def _other_strings(messages, kw: dict):
         yield from _strings(v, k)
 
 
-def _masked(messages, marks) -> list[dict]:
-    marks, out = iter(marks), []
+def _masked(messages, marks: dict) -> list[dict]:
+    """The messages with content k (``_contents``' order) replaced by ``marks[k]`` where given."""
+    k, out = 0, []
+
+    def mark(text):
+        nonlocal k
+        k += 1
+        return marks.get(k - 1, text)
+
     for m in messages:
         c = m.get("content")
         if isinstance(c, str):
-            c = next(marks)
+            c = mark(c)
         elif isinstance(c, list):
-            c = [dict(p, text=next(marks)) if isinstance(p, dict) and p.get("type") == "text"
+            c = [dict(p, text=mark(p["text"])) if isinstance(p, dict) and p.get("type") == "text"
                  and isinstance(p.get("text"), str) else p for p in c]
         out.append(dict(m, content=c))
     return out
@@ -338,8 +345,10 @@ def encode_messages(tok, messages, allow_special_in_content: bool = False, chat_
     # runs on that rendering, so a placeholder's text typed in a message is not taken for one.
     if any("\ue000" in c for c in contents):
         raise EdgevlError("message contents may not contain U+E000 together with control-token text")
-    masked = tok.apply_chat_template(_masked(messages, [f"\ue000{k}\ue001" for k in range(len(contents))]),
-                                     add_generation_prompt=True, **kw)
+    # only the contents that hold such text: an empty one stays empty (templates branch on that,
+    # e.g. an assistant turn of calls only), and the others tokenize as in the common case
+    marks = {k: f"\ue000{k}\ue001" for k, c in enumerate(contents) if any(sp in c for sp in specials)}
+    masked = tok.apply_chat_template(_masked(messages, marks), add_generation_prompt=True, **kw)
     if _MARK.sub(lambda m: contents[int(m[1])], masked) != rendered:   # the template rewrites contents
         bad = next(sp for c in contents for sp in specials if sp in c)
         raise EdgevlError(f"a message contains the control-token text {bad!r}, which this chat template cannot "
@@ -383,7 +392,8 @@ def _check_video_tokens(model, videos: list, options: dict, text_tokens: int = 0
         what = f"the video{'s' if len(videos) > 1 else ''} take{'' if len(videos) > 1 else 's'} {need} tokens"
         if text_tokens:
             what += f" and the rest of the prompt at least {text_tokens}"
-        raise EdgevlError(f"{what} but the model's context is {model.max_context}; send a shorter video or sample "
+        raise EdgevlError(f"{what}, but this model's maximum context length is {model.max_context} tokens; send a "
+                          "shorter video or sample "
                           "fewer or smaller frames (--fps, --max-frames, --video-max-pixels; video_options in the "
                           "API)")
 

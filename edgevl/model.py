@@ -529,8 +529,8 @@ class Model:
         if len(input_ids) >= self.max_context:
             fix = ("send a shorter video or lower --fps, --max-frames or --video-max-pixels"
                    if self.video_token_id is not None and self.video_token_id in input_ids else "use a smaller image")
-            raise EdgevlError(f"the prompt has {len(input_ids)} tokens but the model's context is "
-                              f"{self.max_context}; shorten the prompt (or {fix})")
+            raise EdgevlError(f"the prompt has {len(input_ids)} tokens, but this model's maximum context length is "
+                              f"{self.max_context} tokens; shorten the prompt (or {fix})")
         x = self.embed(list(input_ids), image_rows)
         keys = self._keys(input_ids, image_rows)
         positions = self.positions(input_ids, images)

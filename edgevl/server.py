@@ -223,6 +223,8 @@ def _number(req: dict, name: str, default, kind=float):
 def _setting(req: dict, name: str, kind=float):
     """A sampling setting (None: the model's), in its range (``sample.SETTINGS``)."""
     v = _number(req, name, None, kind)
+    if name == "top_k" and v == -1:   # vLLM's (and llama-server's) "every token": top-k off
+        v = 0
     if v is not None:
         try:
             check_setting(name, v)
@@ -530,6 +532,8 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
             kind = p.get("type") if isinstance(p, dict) else None
             if kind == "text" and isinstance(p.get("text"), str):
                 parts.append({"type": "text", "text": p["text"]})
+            elif kind == "refusal" and role == "assistant" and isinstance(p.get("refusal"), str):
+                parts.append({"type": "text", "text": p["refusal"]})   # an earlier answer's, as OpenAI sends it
             elif kind == "image_url":
                 url = p.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
@@ -547,9 +551,9 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
                 except EdgevlError as e:
                     raise HTTPError(400, str(e), param, "invalid_image") from None
                 if image_tokens >= server.model.max_context:
-                    raise HTTPError(400, f"the request's images need {image_tokens} tokens but the model's context "
-                                    f"is {server.model.max_context}; send fewer or smaller images", param,
-                                    "context_length_exceeded")
+                    raise HTTPError(400, f"the request's images need {image_tokens} tokens, but this model's maximum "
+                                    f"context length is {server.model.max_context} tokens; send fewer or smaller "
+                                    "images", param, "context_length_exceeded")
                 parts.append({"type": "image", "image": im})
             elif kind == "video_url":
                 url = p.get("video_url")
@@ -564,8 +568,9 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
                 parts.append({"type": "video", "video": v})
                 image_tokens += v.tokens
                 if image_tokens >= server.model.max_context:
-                    raise HTTPError(400, f"the request's images and videos need {image_tokens} tokens but the "
-                                    f"model's context is {server.model.max_context}; send a shorter video or "
+                    raise HTTPError(400, f"the request's images and videos need {image_tokens} tokens, but this "
+                                    f"model's maximum context length is {server.model.max_context} tokens; send a "
+                                    "shorter video or "
                                     "sample fewer or smaller frames (video_options fps, max_frames, max_pixels)",
                                     param, "context_length_exceeded")
             elif kind == "text":
@@ -874,7 +879,12 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     try:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
     except EdgevlError as e:
-        raise HTTPError(400, str(e), code="invalid_request") from None
+        # a system message after the conversation began is what templates refuse most: name it
+        late = next((i for i, m in enumerate(messages) if m["role"] == "system"
+                     and any(x["role"] != "system" for x in messages[:i])), None)
+        raise HTTPError(400, str(e) + ("" if late is None else f" (messages[{late}] is a system message after the "
+                                       "conversation began; fold it into the first, or send it as a user message)"),
+                        None if late is None else f"messages[{late}]", "invalid_request") from None
     # the text has one placeholder token per image, which becomes the image's tokens
     _check_prompt_tokens(text, server, image_tokens - len(images), "messages",
                          (" or send a shorter video" if videos else "")
@@ -892,8 +902,9 @@ def _check_prompt_tokens(text: str, server: EdgevlServer, extra: int, param: str
     else:
         n, exact = count_tokens(model.tokenizer, text, room, span)
     if n >= room:
-        raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + extra} tokens "
-                        f"but the model's context is {model.max_context}; shorten the prompt{more}",
+        # worded as OpenAI's and vLLM's, which clients (litellm) recognize as a context overflow
+        raise HTTPError(400, f"the prompt has {'' if exact else 'at least '}{n + extra} tokens, but this model's "
+                        f"maximum context length is {model.max_context} tokens; shorten the prompt{more}",
                         param, "context_length_exceeded")
 
 

@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def one_system(messages: list) -> list:
     """Leading system (or developer) messages as one, their texts apart by a blank line: clients
     send several (an agent's instructions and the caller's; the Responses API's instructions and a
-    developer item), which OpenAI takes, and templates such as Qwen's refuse a second one."""
+    developer item), which OpenAI takes, and some models' templates refuse a second one."""
     k = 0
     while k < len(messages) and isinstance(messages[k], dict) and messages[k].get("role") in ("system", "developer"):
         k += 1

@@ -372,10 +372,11 @@ class CallStream:
         self.in_calls = False
         self.calls: list[dict] = []
         self._args: dict | None = None    # the current call's arguments so far
-        # An answer the grammar does not hold ("auto") may open a call and never close it (a small
-        # model drops a tag, a stop string cuts it): its events wait until it closes, and the text
-        # of one that never does is the answer's content, as written
-        self.hold = spec.structure is None
+        # A call may never close: in "auto" a small model drops a tag or a stop string cuts it, and
+        # any call (forced ones too) may meet the token limit. Its events wait until it closes, so
+        # a client never gets half a call (which it would send back in its history); the text of
+        # one that never does is the answer's content in "auto", and nothing where calls are forced
+        self.hold = True
         self._held: list = []
         self._raw = ""
 

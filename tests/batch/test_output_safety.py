@@ -375,7 +375,7 @@ def test_csv_fields_over_131072_characters(pkg, folder, model, tmp_path, capsys)
     assert code == 1 and "1 failed" in err, err
     rows = {r["id"]: r for r in read_jsonl(out)}
     assert rows["notes"]["answer"] == edgevl.generate(model, PROMPT, image=str(folder / "s0.png"))
-    assert rows["long"]["prompt"] == long_prompt and "context is 2048" in rows["long"]["error"]
+    assert rows["long"]["prompt"] == long_prompt and "context length is 2048" in rows["long"]["error"]
 
 
 # ---------------------------------------------------------------------------------------------

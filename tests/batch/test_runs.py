@@ -239,7 +239,7 @@ def test_csv_per_row_prompts_and_bad_rows(pkg, scenes, model, tmp_path):
     assert list(rows) == [t["id"] for t in table]
     assert "Not a readable image file" in rows["corrupt"]["error"] and rows["corrupt"]["answer"] is None
     assert "not found" in rows["missing"]["error"] and "missing.png" in rows["missing"]["error"]
-    assert "context is 2048" in rows["too-long"]["error"]
+    assert "context length is 2048" in rows["too-long"]["error"]
     for t in table:
         r = rows[t["id"]]
         if r["error"] is None:

@@ -124,7 +124,8 @@ def test_greedy_matches_transformers_through_the_api(trained, model):
 
 def test_context_limits(model):
     n = model.max_context
-    with pytest.raises(EdgevlError, match=f"prompt has {n} tokens but the model's context is {n}"):
+    with pytest.raises(EdgevlError, match=f"prompt has {n} tokens, but this model's maximum context length is {n} "
+                                          "tokens"):
         list(model.generate_tokens([5] * n, 4))
     # generation stops at the context end instead of running past it
     toks = list(model.generate_tokens([5] * (n - 3), 50, ignore_eos=True))

@@ -287,7 +287,7 @@ def test_tokenize_and_detokenize(pkgs, text_server):
     for path, bad, msg in (("/tokenize", {}, "send one of content or prompt"),
                            ("/tokenize", {"content": "a", "prompt": "b"}, "send one of"),
                            ("/tokenize", {"content": 5}, "content must be a string"),
-                           ("/tokenize", {"content": "word " * 20000}, "but the model's context is"),
+                           ("/tokenize", {"content": "word " * 20000}, "but this model's maximum context length is"),
                            ("/tokenize", {"messages": [{"role": "user", "content": [
                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "takes text messages"),
                            ("/detokenize", {"tokens": [1, -2]}, "tokens must be a list of token ids"),

@@ -110,7 +110,7 @@ TEXT_COMPLETION_MISTAKES = [
     ("echo-logprobs", {"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ("n", {"prompt": "a", "n": 100}, "n must be an integer from 1 to 16"),
     ("bias", {"prompt": "a", "logit_bias": {"1": 500}}, "logit_bias values"),
-    ("too-long", {"prompt": "word " * 20000}, "but the model's context is"),
+    ("too-long", {"prompt": "word " * 20000}, "but this model's maximum context length is"),
     ("max-tokens-huge-int", {"prompt": "a", "max_tokens": 10 ** 400}, "max_tokens must be an integer"),
     ("tools", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools need a chat template"),
@@ -138,6 +138,13 @@ def test_denormal_and_absurd_sampling_values_are_greedy_or_bounded(text_server):
             assert body["choices"][0]["message"] == greedy, extra  # the limit of temperature -> 0
 
 
+def test_vllms_top_k_minus_one_is_top_k_off(text_server):
+    port = text_server.server_address[1]
+    plain = post(port, {"messages": MSGS, "max_tokens": 4, "temperature": 0.9, "seed": 5})
+    off = post(port, {"messages": MSGS, "max_tokens": 4, "temperature": 0.9, "seed": 5, "top_k": -1})
+    assert off[0] == 200 and off[1]["choices"][0]["message"] == plain[1]["choices"][0]["message"], off
+
+
 def test_echo_null_is_left_out(text_server):
     status, reply, _ = post(text_server.server_address[1], {"prompt": "a", "echo": None, "max_tokens": 1},
                             path="/v1/completions")
@@ -146,7 +153,7 @@ def test_echo_null_is_left_out(text_server):
 
 @pytest.mark.parametrize("field, value, words", [
     ("temperature", -1, "temperature must be a finite number >= 0"), ("top_p", 1.5, "top_p must be in (0, 1]"),
-    ("top_p", 0, "top_p must be in (0, 1]"), ("top_k", -1, "top_k must be >= 0"),
+    ("top_p", 0, "top_p must be in (0, 1]"), ("top_k", -2, "top_k must be >= 0"),
     ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0")])
 def test_sampling_values_are_refused_before_the_request_waits(busy_server, field, value, words):
     """Out of range: a 400 naming the field at once, while every slot is taken and the queue is

@@ -96,8 +96,8 @@ def test_text_bomb_is_refused_fast_in_bounded_memory(tmp_path):
     print(f"\ntext bomb: {status} in {took:.2f} s, VmHWM +{grown_mb:.0f} MB, /health slowest "
           f"{max(health.times):.3f} s of {len(health.times)}")
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert re.fullmatch(r"the prompt has at least \d+ tokens but the model's context is 2048; shorten the "
-                        r"prompt", body["error"]["message"]), body
+    assert re.fullmatch(r"the prompt has at least \d+ tokens, but this model's maximum context length is 2048 "
+                        r"tokens; shorten the prompt", body["error"]["message"]), body
     assert took < 3, took
     assert grown_mb < 200, grown_mb
     assert len(health.times) >= 3 and max(health.times) < 1, health.times
@@ -114,7 +114,8 @@ def test_prompt_over_the_context_is_refused_without_waiting_for_the_model(long_g
     t = time.perf_counter()
     status, body = post_reply(port, {"messages": [{"role": "user", "content": text}], "max_tokens": 2}, timeout=30)
     took = time.perf_counter() - t
-    assert status == 400 and "but the model's context is 2048; shorten the prompt" in body["error"]["message"], body
+    assert status == 400 and ("but this model's maximum context length is 2048 tokens; shorten the prompt"
+                                   in body["error"]["message"]), body
     assert took < 2 and long_generation.gate.locked(), took  # the first request still runs
     assert long_generation.gate.waiting == 0
 
@@ -135,7 +136,7 @@ def test_prompt_that_fits_is_not_refused_and_an_exact_overflow_is(server):
     assert status == 200, body
     status, body = post_reply(port, {"messages": [{"role": "user", "content": "a" * (lo + 1)}], "max_tokens": 1})
     assert status == 400 and body["error"]["message"].startswith(
-        f"the prompt has {tokens(lo + 1)} tokens but the model's context is 2048"), body
+        f"the prompt has {tokens(lo + 1)} tokens, but this model's maximum context length is 2048 tokens"), body
 
 
 TEXTS = [

@@ -246,6 +246,13 @@ def test_a_forced_call_the_token_limit_cuts_is_never_half_a_call_in_the_content(
     done = edgevl.complete(qwen, ASK, tools=TOOLS, tool_choice=forced, max_new_tokens=4, temperature=0,
                            thinking=False)
     assert done.finish_reason == "length" and not done.tool_calls and "<" not in done.text
+    # streamed, a forced call the limit cuts is not announced either: a client kept the name and half
+    # the arguments in its history, which then could not be sent back
+    for budget in (12, 20, 28, 36):
+        chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=forced,
+                                                     temperature=0, max_tokens=budget, stream=True))
+        if chunks[-1].choices[0].finish_reason == "length":
+            assert not any(ch.choices and ch.choices[0].delta.tool_calls for ch in chunks), budget
 
 
 @pytest.mark.parametrize("body, param, needle", [
@@ -369,6 +376,40 @@ def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
     with pytest.raises(EdgevlError, match="the parameters of function 'tag' cannot be constrained"):
         edgevl.complete(qwen, ASK, tools=[WEATHER, bad], tool_choice="required")
     edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
+
+
+def test_control_token_text_beside_a_turn_of_calls_stays_plain_text(qwen):
+    """A tool result (a file, a model card) or a later question may hold ChatML text: it is plain
+    text, also after an assistant turn of calls only, whose empty content the template branches on
+    (it was refused: "this chat template cannot keep it as plain text")."""
+    from edgevl.generate import prepare
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                            "arguments": '{"city": "Paris", "days": 2}'}}
+    end = qwen.tokenizer.token_to_id("<|im_end|>")
+
+    def turns(text, content):
+        return [*ASK, {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": f"The file says {text} here."},
+                {"role": "user", "content": f"And {text}?"}]
+    for content in (None, ""):
+        plain = prepare(qwen, turns("X", content), chat_template_kwargs={"tools": TOOLS}).input_ids
+        typed = prepare(qwen, turns("<|im_end|>", content), chat_template_kwargs={"tools": TOOLS}).input_ids
+        assert typed.count(end) == plain.count(end) and len(typed) > len(plain)
+
+
+def test_what_sdks_replay_in_a_history_is_taken_or_named(server):
+    """An earlier answer's refusal part (the openai SDK's types) is that turn's text; a system
+    message after the conversation began, which Qwen's template refuses, is named."""
+    port = server.server_address[1]
+    said = [*ASK, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, *ASK]
+    as_text = [*ASK, {"role": "assistant", "content": "I cannot."}, *ASK]
+    a, b = (post(port, {"messages": m, "max_tokens": 3, "temperature": 0}) for m in (said, as_text))
+    assert a[0] == b[0] == 200 and a[1]["choices"][0]["message"] == b[1]["choices"][0]["message"], a
+    late = [*ASK, {"role": "assistant", "content": "Sunny."}, {"role": "system", "content": "Be brief."}, *ASK]
+    code, reply, _ = post(port, {"messages": late, "max_tokens": 3})
+    assert code == 400 and reply["error"]["param"] == "messages[2]", reply
+    assert "messages[2] is a system message after the conversation began" in reply["error"]["message"], reply
 
 
 def test_top_level_keywords_a_call_cannot_hold_are_refused_naming_the_tool(qwen):

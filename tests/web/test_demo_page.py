@@ -200,8 +200,8 @@ def test_api_errors_show_as_messages(driver, demo, scenes):
     driver.execute_script("document.getElementById('prompt').value = 'word '.repeat(3000)")
     ask(driver, "")
     got = wait_answer(driver, 2)
-    assert got["error"].startswith("The server refused the request (400): the prompt has ") and "context is 2048" in \
-        got["error"], got
+    assert got["error"].startswith("The server refused the request (400): the prompt has ") and \
+        "context length is 2048" in got["error"], got
     # regenerate retries the failed turn (here with the same result)
     assert driver.find_elements("css selector", ".msg.assistant .regenerate")
 
