@@ -123,7 +123,7 @@ def test_run_on_checkpoint_or_wrong_path(good, tmp_path):
 def test_run_empty_and_too_long_prompts(good):
     _, _, pk = good
     assert_one_line_error(*cli("run", pk, "--prompt", "  ")[::2], "prompt is empty")
-    assert_one_line_error(*cli("run", pk, "--prompt", "word " * 200)[::2], "context is 64")
+    assert_one_line_error(*cli("run", pk, "--prompt", "word " * 200)[::2], "context length is 64")
 
 
 def test_run_bad_flags(good):

@@ -227,7 +227,7 @@ def test_reduced_precision_top1(trained, tmp_path, name, dtype):
 def test_bad_inputs(built, tmp_path, name):
     ck, pk = built(name)
     model = edgevl.load(pk)
-    with pytest.raises(EdgevlError, match="context is"):
+    with pytest.raises(EdgevlError, match="context length is"):
         list(model.generate_tokens([1] * model.max_context, 1))
     with pytest.raises(EdgevlError, match="prompt is empty"):
         edgevl.generate(model, "  ")

@@ -84,8 +84,8 @@ def test_parallel_calls_where_allowed(qwen):
         spec = tools.prepare(qwen, TOOLS, "required", parallel)
         c = structured.compiled(qwen, spec.structure).constraint()
         assert c.valid_prefix(ids) == want
-        content, calls = tools.parse(one + "\n" + one, spec)
-        assert len(calls) == 2 and content == ""
+        content, calls = tools.parse(one + "\n" + one, spec)   # a second call read only where allowed
+        assert len(calls) == (2 if parallel else 1) and content == ""
 
 
 def test_forced_call_with_drafting_is_the_plain_one(qwen, qwen_plain):
