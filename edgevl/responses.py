@@ -185,6 +185,8 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
                                where)
         kind = it.get("type", "message")
         if kind == "item_reference":
+            if not isinstance(it.get("id"), str) or not it["id"]:
+                raise RequestError(f"{where} needs the id of the item it refers to", f"{where}.id")
             found = store.get(it.get("id")) if store is not None else None
             if found is None:
                 raise RequestError(f"{where} refers to the item {it.get('id')!r:.60}, which this server does not "
@@ -193,14 +195,23 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
             it, kind = found, found["type"]
         if kind == "function_call":
             args = it.get("arguments", "{}")
-            try:
-                json.loads(args) if isinstance(args, str) and args.strip() else None
-            except ValueError:
-                if it.get("status") == "incomplete":   # a call the token limit cut: no call was made
-                    dropped.add(it.get("call_id"))
-                    continue
-                raise RequestError(f"{where}.arguments is not JSON ({args!r:.60}); send the arguments the call "
-                                   "returned", f"{where}.arguments") from None
+            if isinstance(args, dict):    # an object where OpenAI's API has its JSON text
+                it = {**it, "arguments": json.dumps(args)}
+            elif not isinstance(args, str):
+                raise RequestError(f"{where}.arguments must be the call's arguments as a JSON object's text",
+                                   f"{where}.arguments")
+            else:
+                try:
+                    parsed = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    if it.get("status") == "incomplete":   # a call the token limit cut: no call was made
+                        dropped.add(it.get("call_id"))
+                        continue
+                    raise RequestError(f"{where}.arguments is not JSON ({args!r:.60}); send the arguments the call "
+                                       "returned", f"{where}.arguments") from None
+                if not isinstance(parsed, dict):
+                    raise RequestError(f"{where}.arguments must be a JSON object, got {args!r:.40}",
+                                       f"{where}.arguments")
         if kind == "function_call_output" and it.get("call_id") in dropped:
             continue
         if kind == "message":
@@ -374,10 +385,11 @@ class Writer:
         return out
 
     def finish(self, last) -> list[dict]:
-        """The last events, ``last`` the chat path's final event: the open item closed (a call the
-        token limit cut stays incomplete), then the whole response."""
-        cut = self.calls is not None and self.calls.open
-        out = self._close(complete=not cut)
+        """The last events, ``last`` the chat path's final event: the open item closed (incomplete
+        where the token limit cut it, as OpenAI marks it), then the whole response."""
+        # a call is written only once it closed: the limit never cuts one that was written
+        whole = self.open is not None and self.open["type"] == "function_call"
+        out = self._close(complete=whole or last.finish_reason != "length")
         status = "incomplete" if last.finish_reason == "length" else "completed"
         self.final = self.response(status, last)
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",

@@ -43,6 +43,14 @@ class ToolSpec:
     parallel: bool = True
     structure: structured.Structure | None = None   # the call grammar ("required" / named)
     schemas: dict = field(default_factory=dict)     # function name -> parameters schema
+    # "auto" whose answer a format holds (with_calls): calls are held to the call grammar too
+    constrained: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Whether a grammar holds the calls (forced, or "auto" beside a format): what the model
+        writes of a call is a call's text, never the answer's."""
+        return self.structure is not None or self.constrained
 
     @property
     def render(self) -> list | None:
@@ -115,6 +123,7 @@ def with_calls(model, answer: structured.Structure, spec: ToolSpec) -> structure
     are then held to the call grammar too (so they parse and validate)."""
     calls = _call_structure(model, spec.schemas, spec.parallel,
                             "simplify that schema, or drop response_format (the calls are then read unconstrained)")
+    spec.constrained = True
     try:
         return structured.either(answer, calls)
     except ValueError as e:
@@ -335,13 +344,14 @@ def _types(schema, root: dict, depth: int = 0) -> set | None:
     return None
 
 
-def _typed(value: str, schema: dict, root: dict | None = None):
-    """A parameter's value as written (strings raw, the rest JSON), typed by its schema."""
+def _typed(value: str, schema: dict, root: dict | None = None, as_json: bool = False):
+    """A parameter's value as written (strings raw, the rest JSON), typed by its schema.
+    ``as_json``: a call grammar held the value (a plain string raw, any other schema as JSON)."""
     schema = schema if isinstance(schema, dict) else {}
     if _is_string(schema) and "$ref" not in schema:
         return value
     types = _types(schema, root or {})
-    if types is None or "string" not in types:
+    if as_json or types is None or "string" not in types:
         try:
             return json.loads(value)
         except ValueError:
@@ -353,6 +363,8 @@ def _typed(value: str, schema: dict, root: dict | None = None):
     except ValueError:
         return value
     kind = next(n for k, n in JSON_TYPES if isinstance(parsed, k))
+    if kind == "string":     # written raw, quotes and all, as a plain string's would be kept
+        return value
     return parsed if kind in types or (kind == "integer" and "number" in types) else value
 
 
@@ -395,11 +407,15 @@ class CallStream:
                         self.buf = ""
                     return out
                 keep = 0 if end else _partial(self.buf, CALL_OPEN)
+                if self.spec.held and not end and not self.buf[:len(self.buf) - keep].strip():
+                    keep = len(self.buf)   # blank text before what may be a call: not the answer's yet
                 text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                if end and self.spec.held and text.strip() and CALL_OPEN.startswith(text.strip()):
+                    text = ""    # the start of a call the token limit cut (the grammar held it to one)
                 if text:
                     out.append(("content", text))
                 return out
-            if i:
+            if i and (self.buf[:i].strip() or not self.spec.held):
                 out.append(("content", self.buf[:i]))
             self.buf, self.in_calls = self.buf[i:], True
         while True:
@@ -425,7 +441,7 @@ class CallStream:
         if end and self.buf.strip():
             # text that is no call: content; but a constrained answer's rest is a call the token
             # limit cut, never shown as half a call
-            if self.spec.structure is None:
+            if not self.spec.held:
                 out.append(("content", self.buf))
             self.buf = ""
         return out
@@ -459,7 +475,7 @@ class CallStream:
             params = self.spec.schemas.get(fn["name"], {})
             schema = params.get("properties", {}).get(m.group(1).strip(), {})
             p = m.group(1).strip()
-            self._args[p] = _typed(m.group(2), schema, params)
+            self._args[p] = _typed(m.group(2), schema, params, self.spec.held)
             try:
                 value = json.dumps(self._args[p], ensure_ascii=False, allow_nan=False)
             except ValueError:   # a number past float's range: the model's own JSON text, not Infinity

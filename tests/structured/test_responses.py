@@ -264,6 +264,19 @@ def test_earlier_answers_items_by_reference_and_cut_calls(client, server):
                             path="/v1/responses")
     assert status == 400 and reply["error"]["param"] == "input[2].arguments", reply
 
+    for bad, param in (("[1]", "input[2].arguments"), ("null", "input[2].arguments")):
+        status, reply, _ = post(port, {"input": [*base, {"role": "assistant", "content": "ok"},
+                                                 {**cut, "arguments": bad, "status": "completed"}]},
+                                path="/v1/responses")
+        assert status == 400 and reply["error"]["param"] == param, reply
+        assert "must be a JSON object" in reply["error"]["message"], reply
+    status, reply, _ = post(port, {"input": [{"type": "item_reference"}]}, path="/v1/responses")
+    assert status == 400 and reply["error"]["param"] == "input[0].id", reply
+    # a message the token limit cut is incomplete, as OpenAI marks it
+    r = client.responses.create(model="m", input=ASK, max_output_tokens=3, temperature=0,
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status == "incomplete" and r.output[-1].status == "incomplete", r
+
     # a prompt past the context names the request's input (its chat reading's param is messages)
     from edgevl import responses
     assert responses.renamed("messages", []) == "input"

@@ -450,6 +450,26 @@ def test_a_call_that_never_closes_is_the_answers_text_not_half_a_call():
     assert all(e[0] == "content" for e in events) and "".join(e[1] for e in events) == text
 
 
+def test_a_call_the_limit_cut_in_auto_beside_a_format_is_not_the_answers_text():
+    """"auto" with a response_format: the grammar held the answer to the format or to calls, so a
+    call's start that the token limit cut is neither (it came back as content, and streamed with
+    another separator than not); a cut answer in the format stays the answer's text."""
+    one = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+           "</parameter>\n</function>\n</tool_call>")
+    held = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS, constrained=True)
+    for text, content, n in ((one + "\n<to", "", 1), ("<tool_call>\n<function=get_w", "", 0), ("\n<to", "", 0),
+                             ('{"answer": "x', '{"answer": "x', 0)):
+        got, calls = tools.parse(text, held)
+        assert (got, len(calls)) == (content, n), text
+        for step in (1, 3, 7):
+            s = tools.CallStream(held)
+            events = [e for i in range(0, len(text), step) for e in s.feed(text[i:i + step])] + s.feed("", end=True)
+            assert "".join(e[1] for e in events if e[0] == "content") == content, (text, step)
+            assert len([e for e in events if e[0] == "name"]) == n
+    free = tools.ToolSpec(TOOLS, "auto", schemas=SCHEMAS)      # no format: what is written is the text
+    assert tools.parse("\n<to", free) == ("\n<to", [])
+
+
 def test_parallel_tool_calls_false_gives_one_call_in_auto():
     spec = tools.ToolSpec(TOOLS, "auto", parallel=False, schemas=SCHEMAS)
     one = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>\n")
@@ -568,7 +588,7 @@ def test_forced_calls_hold_string_formats_and_lengths_beside_patterns(qwen):
 def test_optional_strings_and_string_enums_by_reference_stay_strings():
     """A model writes string values raw: an optional string (anyOf string/null, a type list) or an
     enum of strings behind $ref, written as 12 or true, is that string, not a number or boolean;
-    null is null where the schema allows it, and a JSON string written quoted is read as JSON."""
+    null is null where the schema allows it, and quotes written around a string are its own."""
     params = {"$defs": {"Level": {"enum": ["1", "2"], "type": "string"}}, "type": "object", "properties": {
         "order": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "note": {"type": ["string", "null"]},
         "level": {"$ref": "#/$defs/Level"}, "count": {"type": "integer"}, "either": {"type": ["string", "integer"]}}}
@@ -581,5 +601,7 @@ def test_optional_strings_and_string_enums_by_reference_stay_strings():
 
     assert read({"order": "12", "note": "true", "level": "2", "count": "3", "either": "4"}) == \
         {"order": "12", "note": "true", "level": "2", "count": 3, "either": 4}
-    assert read({"order": "null", "note": "x y", "level": '"1"'}) == {"order": None, "note": "x y", "level": "1"}
+    # quotes a model wrote are the string's, as a plain string's are kept
+    assert read({"order": "null", "note": "x y", "level": "1"}) == {"order": None, "note": "x y", "level": "1"}
+    assert read({"order": '"exact phrase"'}) == {"order": '"exact phrase"'}
     jsonschema.validate(read({"order": "12", "note": "true", "level": "2"}), params)
