@@ -598,10 +598,10 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
         # an answer of calls only has no text for stop strings to end: they would cut a call, which
         # is then no call at all
         stop = []
-    elif spec is not None and spec.parses and structure is not None and not getattr(structure, "structure",
-                                                                                      structure).calls:
-        # "auto" with a format: the text answer follows it, or the answer is calls
-        structure = tool_calls.with_calls(model, getattr(structure, "structure", structure), spec)
+    elif spec is not None and spec.parses and structure is not None:
+        plain = getattr(structure, "structure", structure)     # a Compiled's own Structure
+        if not plain.calls:   # "auto" with a format: the text answer follows it, or the answer is calls
+            structure = tool_calls.with_calls(model, plain, spec)
     if structure is not None and structure.kind in ("json_object", "json_schema"):
         # the grammar ends a JSON answer: a stop string could only cut it short of its schema
         stop = []

@@ -265,9 +265,11 @@ class Writer:
     """A response's output items built from the chat path's events, with the typed stream events
     that build them (``start``, ``feed``, ``finish``; each returns the events to send)."""
 
-    def __init__(self, req: dict, model_id: str, spec=None):
+    def __init__(self, req: dict, model_id: str, spec=None, store: ItemStore | None = None):
         self.id = _id("resp")
         self.req, self.model_id = req, model_id
+        # where the finished answer's items are kept (none when the request says store: false)
+        self.store = store if req.get("store") is not False else None
         self.calls = tool_calls.CallStream(spec) if spec is not None and spec.parses else None
         self.items: list[dict] = []
         self.open: dict | None = None     # the item being written
@@ -392,5 +394,7 @@ class Writer:
         out = self._close(complete=whole or last.finish_reason != "length")
         status = "incomplete" if last.finish_reason == "length" else "completed"
         self.final = self.response(status, last)
+        if self.store is not None:
+            self.store.keep(self.items)
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
                                response=self.final)]

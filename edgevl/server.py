@@ -1704,7 +1704,7 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, "the Responses API gives one answer (n is a chat completion's field); send n "
                             "requests, which decode together", "n")
         try:
-            w = responses.Writer(req, self.server.model_id, kwargs.get("tools"))
+            w = responses.Writer(req, self.server.model_id, kwargs.get("tools"), self.server.items)
             if not stream:
                 answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs,
                                     cost=decode_cost(messages))
@@ -1714,8 +1714,6 @@ class Handler(BaseHTTPRequestHandler):
                 for ev in evs:
                     w.feed(ev)
                 w.finish(evs[-1])
-                if req.get("store") is not False:
-                    self.server.items.keep(w.items)
                 self._send(200, w.final)
                 return
 
@@ -1738,10 +1736,7 @@ class Handler(BaseHTTPRequestHandler):
                     self._typed_event({"type": "error", "sequence_number": w.seq, "code": err.get("code"),
                                        "message": err["message"], "param": err.get("param")})
                 else:
-                    ending = w.finish(ev)
-                    if req.get("store") is not False:
-                        self.server.items.keep(w.items)
-                    for e in ending:
+                    for e in w.finish(ev):
                         self._typed_event(e)
                 self._end_events(done=False)
 

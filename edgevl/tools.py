@@ -143,24 +143,21 @@ def _call_structure(model, chosen: dict, parallel: bool,
             return None, " ".join(str(e).split())
         return s, structured.problem(s)
 
-    def grammar(fns: dict, several: bool) -> str | None:
-        try:
-            return call_grammar(fns, several, tags)
-        except ValueError:         # a string format no regex is known for
-            return None
-
-    for f, params in chosen.items():   # what cannot be written at all, named before anything compiles
-        other = sorted(set(params) - TOP_LEVEL)
-        if other:   # the grammar writes the listed parameters: keywords about the object as a whole
+    for f, params in chosen.items():   # the grammar writes the listed parameters: keywords about the
+        other = sorted(set(params) - TOP_LEVEL)   # object as a whole cannot be held
+        if other:
             raise EdgevlError(f"tools: the parameters of function {f!r:.60} cannot be constrained (top-level "
                               f"keywords {', '.join(map(repr, other))[:200]} are not held by the call format); {fix}")
-        if grammar({f: params}, False) is None:
+    try:
+        whole = call_grammar(chosen, parallel, tags)
+    except ValueError:   # a string format no regex is known for: whose, each function alone
+        for f, params in chosen.items():
             try:
                 call_grammar({f: params}, False, tags)
             except ValueError as e:
                 raise EdgevlError(f"tools: the parameters of function {f!r:.60} cannot be constrained ({e}); "
                                   f"{fix}") from None
-    whole = call_grammar(chosen, parallel, tags)
+        raise
     # before any compiling: thousands of tools cost minutes
     structured.check_size(whole, f"tools: the grammar of calls to {len(chosen)} functions",
                           "send fewer tools (or smaller parameter schemas) with this tool_choice, or use tool_choice "
@@ -385,10 +382,9 @@ class CallStream:
         self.calls: list[dict] = []
         self._args: dict | None = None    # the current call's arguments so far
         # A call may never close: in "auto" a small model drops a tag or a stop string cuts it, and
-        # any call (forced ones too) may meet the token limit. Its events wait until it closes, so
-        # a client never gets half a call (which it would send back in its history); the text of
+        # any call (forced ones too) may meet the token limit. Its events are held until it closes,
+        # so a client never gets half a call (which it would send back in its history); the text of
         # one that never does is the answer's content in "auto", and nothing where calls are forced
-        self.hold = True
         self._held: list = []
         self._raw = ""
 
@@ -423,9 +419,6 @@ class CallStream:
             ev = self._step()
             if not ev:
                 break
-            if not self.hold:
-                out += ev
-                continue
             self._raw += before[:len(before) - len(self.buf)]
             self._held += ev
             if self._args is None:     # the call closed
@@ -434,7 +427,7 @@ class CallStream:
                 else:                  # one call at most (parallel_tool_calls false): later ones dropped
                     self.calls.pop()
                 self._held, self._raw = [], ""
-        if end and self.hold and self.open:   # a call that never closed: its text, not half a call
+        if end and self.open:   # a call that never closed: its text, not half a call
             self.calls.pop()
             self._args, self._held = None, []
             self.buf, self._raw = self._raw + self.buf, ""
