@@ -241,6 +241,9 @@ class Engine:
     def _round(self) -> bool:
         """One round of the scheduler: admit, drop the finished, run a prompt chunk or a decode
         round. False once the engine is closed."""
+        # the requests that ended leave first: a request that came as another ended finds its
+        # slot (and the prefix it holds) free
+        self._drop_finished()
         with self.cond:
             while not self.closed and not self.waiting and not self.active:
                 self.cond.wait()
