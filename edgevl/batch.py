@@ -1008,6 +1008,7 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
 
     queue = deque(todo)
     slots = [start() for _ in range(min(workers, len(todo)))]
+    loaded = False  # some worker of this job has loaded the model: it loads, a death was a one-off
     try:
         while queue or any(s["items"] for s in slots):
             for s in slots:
@@ -1027,10 +1028,11 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                     s["proc"].join(5)
                     why = _exit_text(s["proc"].exitcode)
                     if not s["ready"]:
-                        # Killed while loading: start it again if the model loads elsewhere (a
-                        # one-off kill), fail the job if loading itself keeps failing.
+                        # Killed while loading: start it again if the model has loaded in this job (a
+                        # one-off kill, even if every worker is a replacement still loading now),
+                        # fail the job if loading itself keeps failing.
                         s["load_deaths"] = s.get("load_deaths", 0) + 1
-                        if s["load_deaths"] > 2 or not any(o["ready"] for o in slots if o is not s):
+                        if s["load_deaths"] > 2 or not loaded:
                             raise EdgevlError(f"a batch worker process died while loading the model ({why})") from None
                         conn.close()
                         s.update(start())
@@ -1046,7 +1048,7 @@ def _run_pool(settings: dict, todo: list[dict], workers: int) -> Iterator[dict]:
                 if kind == "fatal":
                     raise EdgevlError(payload)
                 if kind == "ready":
-                    s["ready"] = True
+                    s["ready"] = loaded = True
                 else:
                     s["items"].popleft()
                     yield payload

@@ -656,9 +656,49 @@ def test_workers_that_died_between_rows_are_replaced(pkg, scenes, reference, tmp
         _killed(pid)
     rows += list(gen)
     assert len(rows) == N and len({r["id"] for r in rows}) == N
-    died = [r for r in rows if r["error"]]
-    assert 1 <= len(died) <= 2 and all("worker process died on this row (killed by signal 9)" in r["error"]
-                                       for r in died)
+    died = [r for r in rows if r["error"]]  # none if both had answered all they were sent
+    assert len(died) <= 2 and all("worker process died on this row (killed by signal 9)" in r["error"]
+                                  for r in died)
+    assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
+
+
+def test_workers_killed_while_loading_are_replaced_once_the_model_has_loaded(pkg, scenes, reference, tmp_path):
+    """After a row shows the model loads, both workers die and so do both their replacements while
+    loading (no worker is ready then): a one-off kill, so the job starts them again and finishes."""
+    import threading
+
+    folder, _ = scenes
+    gen = edgevl.batch(pkg, folder, PROMPT, output=tmp_path / "out.jsonl", workers=2, threads=1)
+    rows = [next(gen)]
+
+    def spawned():
+        return {p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()}
+
+    first = spawned()
+    assert len(first) == 2
+    killed, stop = [], threading.Event()
+
+    def kill_replacements():  # each new worker as it appears, still loading, until two are gone
+        while len(killed) < 2 and not stop.is_set():
+            for pid in sorted(spawned() - first - set(killed))[:2 - len(killed)]:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.005)
+
+    for pid in first:
+        _killed(pid)
+    watcher = threading.Thread(target=kill_replacements, daemon=True)
+    watcher.start()
+    try:
+        rows += list(gen)
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(killed) == 2
+    assert len(rows) == N and len({r["id"] for r in rows}) == N
+    died = [r for r in rows if r["error"]]  # none if both had answered all they were sent
+    assert len(died) <= 2 and all("worker process died on this row (killed by signal 9)" in r["error"]
+                                  for r in died)
     assert all(r["answer"] == reference[r["id"]] for r in rows if not r["error"])
 
 
