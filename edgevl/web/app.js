@@ -17,6 +17,9 @@
   let current = null;        // the conversation shown
   let pending = [];          // files attached to the next message: {kind, name, mime, url}
   let busy = null;           // {controller} while an answer streams
+  let seen = 0;              // the \`updated\` of the shown conversation as this tab last read or wrote it
+  let editing = null;        // {m, text, files}: the question being edited, as the edit has it
+  let leaving = false;       // the page is closing: a failed read then is no unreachable server
   const unsaved = new Set(); // conversations the browser's storage could not hold (their ids)
 
   function load(key, fallback) {
@@ -139,7 +142,13 @@
   function save() {
     // Only the conversation shown is written; the others are taken as the storage has them, so
     // two tabs never write over each other's conversations.
-    current.updated = Date.now();
+    const theirs = stored().find((c) => c.id === current.id);
+    if (theirs && theirs.updated > seen) {
+      // another tab wrote this conversation since this one read it (both asked at once): this
+      // tab's turns are kept as a conversation of their own, not written over the other's
+      current.id = newConversation().id;
+    }
+    current.updated = Math.max(Date.now(), seen + 1);
     const first = current.messages.find((m) => m.role === "user");
     current.title = first ? (first.text.trim().split("\n")[0] || first.files.map((f) => f.name).join(", ")).slice(0, 60) : "";
     const all = stored();
@@ -159,6 +168,7 @@
       }
       for (const c of candidates) if (write([...kept, c])) kept.push(c);
     }
+    seen = current.updated;
     conversations = [...mine, ...kept.filter((c) => c.id !== current.id)];
     renderList();
   }
@@ -173,7 +183,16 @@
   // conversation as this tab has it)
   window.addEventListener("storage", (e) => {
     if (e.key !== null && e.key !== STORE) return;
-    const others = stored().filter((c) => c.id !== current.id);
+    const all = stored();
+    const theirs = all.find((c) => c.id === current.id);
+    if (theirs && theirs.updated > seen && !busy && !editing) {
+      // the other tab went on with the conversation shown here: show its turns (this tab's
+      // next question then follows them instead of writing over them)
+      current = theirs;
+      seen = theirs.updated;
+      renderMessages();
+    }
+    const others = all.filter((c) => c.id !== current.id);
     conversations = [...(current.messages.length ? [current] : []), ...others]
       .sort((a, b) => b.updated - a.updated);
     renderList();
@@ -207,6 +226,8 @@
 
   function show(conv) {
     current = conv;
+    seen = conv.updated || 0;
+    editing = null;
     renderMessages();
     renderList();
   }
@@ -222,13 +243,23 @@
 
   // on a narrow screen the list of conversations opens over the page
   $("chats-button").addEventListener("click", () => document.body.classList.toggle("show-chats"));
+  // ... and Escape, or a tap beside it, closes it again (it covers the button)
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") document.body.classList.remove("show-chats");
+  });
+  document.addEventListener("click", (e) => {
+    if (document.body.classList.contains("show-chats") && !$("sidebar").contains(e.target)
+        && e.target !== $("chats-button")) document.body.classList.remove("show-chats");
+  });
 
   // -- messages ------------------------------------------------------------------------------------
   function imagesBefore(index) {
     // the request's images in order: a box's `image` is an index into them
+    // (as requestBody sent them: a turn the server refused was left out, with its files)
     const out = [];
-    current.messages.slice(0, index).forEach((m) => {
-      if (m.role === "user") m.files.forEach((f) => { if (f.kind === "image") out.push(f); });
+    current.messages.slice(0, index).forEach((m, k) => {
+      const next = current.messages[k + 1];
+      if (m.role === "user" && !(next && next.refused)) m.files.forEach((f) => { if (f.kind === "image") out.push(f); });
     });
     return out;
   }
@@ -244,6 +275,8 @@
       fig.append(v);
     } else {
       const im = el("img");
+      // a TIFF goes to the server, which reads it; this browser cannot show it
+      im.addEventListener("error", () => im.replaceWith(el("div", "no-preview", "no preview")), { once: true });
       im.src = f.url;
       im.alt = f.name;
       fig.append(im);
@@ -286,8 +319,12 @@
         frame.append(d);
       });
     }, { once: true });
+    im.addEventListener("error", () => {   // a TIFF: the boxes as text, the browser cannot draw its pixels
+      frame.replaceChildren(...boxes.map(({ b, n }) => el("div", "box-text",
+        (b.label || "box " + (n + 1)) + ": x " + b.box[0] + "-" + b.box[2] + ", y " + b.box[1] + "-" + b.box[3])));
+    }, { once: true });
     im.src = file.url;
-    fig.append(frame, el("figcaption", "", file.name));
+    fig.append(frame, el("figcaption", "", file.name + (file.mime === "image/tiff" ? " (this browser cannot show it)" : "")));
     return fig;
   }
   const COLORS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45"];
@@ -297,7 +334,7 @@
     div.dataset.index = index;
     const last = index === current.messages.length - 1;
     if (m.role === "user") {
-      if (m.editing) return renderEditor(m, index, div);
+      if (editing && editing.m === m) return renderEditor(m, index, div);
       if (m.files.length) {
         const files = el("div", "files");
         m.files.forEach((f) => files.append(thumb(f)));
@@ -307,7 +344,9 @@
       const actions = el("div", "actions");
       const edit = el("button", "edit", "Edit");
       edit.type = "button";
-      edit.addEventListener("click", () => { if (!busy) { m.editing = true; renderMessages(); } });
+      edit.addEventListener("click", () => {
+        if (!busy) { editing = { m, text: m.text, files: [...m.files] }; renderMessages(); }
+      });
       actions.append(edit);
       div.append(actions);
       return div;
@@ -342,6 +381,7 @@
       div.append(el("div", "note", "The answer reached the token limit (max tokens in the settings, or the context's end)."));
     }
     if (m.error) div.append(el("div", "error", m.error));
+    if (m.hint) div.append(el("div", "note hint", m.hint));
     if (m.refused && !last) div.append(el("div", "note", "This turn is left out of the next requests."));
     if (m.stats) div.append(el("div", "stats", statsText(m.stats)));
     if (last && !m.streaming) {
@@ -356,21 +396,24 @@
   }
 
   function renderEditor(m, index, div) {
+    // the edit works on a draft (editing): Cancel leaves the question as it was
     const box = el("textarea", "edit-text");
-    box.value = m.text;
+    box.value = editing.text;
     const resend = el("button", "resend", "Send");
     resend.type = "button";
     const cancel = el("button", "cancel", "Cancel");
     cancel.type = "button";
     resend.addEventListener("click", () => {
-      delete m.editing;
       if (busy) return;
+      if (!box.value.trim() && !editing.files.length) return;   // as the input box, no empty question
       // the turn is sent again as edited: what followed it is dropped
       current.messages = current.messages.slice(0, index + 1);
       m.text = box.value;
+      m.files = editing.files;
+      editing = null;
       answer();
     });
-    cancel.addEventListener("click", () => { delete m.editing; renderMessages(); });
+    cancel.addEventListener("click", () => { editing = null; renderMessages(); });
     box.addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
         e.preventDefault();
@@ -379,12 +422,12 @@
     });
     const actions = el("div", "actions");
     actions.append(resend, cancel);
-    if (m.files.length) {
+    if (editing.files.length) {
       // a file the server refused can be taken out here (the edit keeps what is left)
       const files = el("div", "files");
-      m.files.forEach((f, k) => files.append(removable(f, () => {
-        m.files = m.files.filter((_, j) => j !== k);
-        m.text = box.value;
+      editing.files.forEach((f, k) => files.append(removable(f, () => {
+        editing.files = editing.files.filter((_, j) => j !== k);
+        editing.text = box.value;
         renderMessages();
       })));
       div.append(files);
@@ -483,6 +526,7 @@
         // the request's own fault (a file, the length, a setting): not sent again with later turns
         m.refused = resp.status === 400 || resp.status === 413 || resp.status === 415 || resp.status === 422;
         if (resp.status === 401) askKey("The server refused the key; enter the right one.");
+        if (m.refused) m.hint = earlierCause(body, why);
       } else {
         const reader = resp.body.getReader();
         const decoder = new TextDecoder();
@@ -521,10 +565,11 @@
           }
         }
         end = performance.now();
-        if (!done && !m.error) m.error = "The answer was cut off: the connection to the server closed.";
+        if (!done && !m.error && leaving) m.stopped = true;
+        else if (!done && !m.error) m.error = "The answer was cut off: the connection to the server closed.";
       }
     } catch (e) {
-      if (e.name === "AbortError") m.stopped = true;
+      if (e.name === "AbortError" || leaving) m.stopped = true;   // Stop, or the page closing
       else m.error = "The server cannot be reached (" + e.message + "); is `edgevl serve` still running?";
     }
     end = end ?? performance.now();
@@ -542,6 +587,22 @@
     setBusy(false);
     save();
     renderMessages();
+  }
+
+  function earlierCause(body, why) {
+    // a refusal the earlier turns cause would meet every later question too: say so
+    const turns = body.messages.filter((x) => x.role !== "system");
+    if (turns.length < 2) return undefined;
+    const asked = turns[turns.length - 1];
+    const filesNow = Array.isArray(asked.content) && asked.content.some((p) => p.type !== "text");
+    const filesBefore = turns.slice(0, -1).some((x) => Array.isArray(x.content) && x.content.some((p) => p.type !== "text"));
+    if (/maximum context length/.test(why)) {
+      return "The conversation so far fills this model's context: start a New chat (or Edit an earlier question).";
+    }
+    if (!filesNow && filesBefore && /image|video|frame|clip/i.test(why)) {
+      return "A file of an earlier turn is the cause: start a New chat (or Edit that question and remove the file).";
+    }
+    return undefined;
   }
 
   function setBusy(on) {
@@ -582,12 +643,15 @@
 
   // the page closes or reloads while an answer streams: what came so far is kept, as stopped
   window.addEventListener("pagehide", () => {
+    leaving = true;
     if (!busy) return;
     const m = current.messages[current.messages.length - 1];
     delete m.streaming;
     m.stopped = true;
     save();
   });
+
+  window.addEventListener("pageshow", () => { leaving = false; });   // back from the browser's page cache
 
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
@@ -658,6 +722,29 @@
     return "";
   }
 
+  function pixelSize(bytes) {
+    // [width, height] from an image file's header (PNG, GIF, BMP, JPEG, WebP), else null: to say
+    // why the browser could not show a valid but huge image
+    const u16 = (i, le) => (le ? bytes[i] | bytes[i + 1] << 8 : bytes[i] << 8 | bytes[i + 1]);
+    const u32 = (i, le) => (le ? u16(i, true) + u16(i + 2, true) * 65536 : u16(i) * 65536 + u16(i + 2));
+    const type = sniff(bytes);
+    const ihdr = bytes[12] === 0x49 && bytes[13] === 0x48 && bytes[14] === 0x44 && bytes[15] === 0x52;
+    if (type === "image/png" && bytes.length >= 24 && ihdr) return [u32(16), u32(20)];
+    if (type === "image/gif" && bytes.length >= 10) return [u16(6, true), u16(8, true)];
+    if (type === "image/bmp" && bytes.length >= 26) return [u32(18, true), Math.abs(u32(22, true) | 0)];
+    if (type === "image/webp" && bytes.length >= 30 && bytes[15] === 0x58) {   // VP8X: 24-bit sizes less one
+      return [1 + bytes[24] + (bytes[25] << 8) + (bytes[26] << 16), 1 + bytes[27] + (bytes[28] << 8) + (bytes[29] << 16)];
+    }
+    if (type === "image/jpeg") {
+      for (let i = 2; i + 9 < bytes.length && bytes[i] === 0xff;) {
+        const marker = bytes[i + 1];
+        if (marker >= 0xc0 && marker <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(marker)) return [u16(i + 7), u16(i + 5)];
+        i += 2 + u16(i + 2);
+      }
+    }
+    return null;
+  }
+
   function sentBytes() {
     // the files this conversation sends with every request, as base64 in the body
     let n = 0;
@@ -720,8 +807,15 @@
         continue;
       }
       // TIFF: the server reads it, the browser cannot show it (it is checked there)
+      const size = kind === "image" ? pixelSize(new Uint8Array(await f.slice(0, 1 << 16).arrayBuffer())) : null;
+      if (size && size[0] * size[1] > props.max_image_pixels) {   // the server would refuse it
+        notes.push(name + " is " + size[0] + "x" + size[1] + " pixels; the server takes at most "
+                   + props.max_image_pixels + " pixels per request: choose a smaller image.");
+        continue;
+      }
       if (kind === "image" && type !== "image/tiff" && !(await decodes(url, kind))) {
-        notes.push(name + " could not be read as an image (damaged, or not the " + IMAGE_TYPES + " it claims to be).");
+        notes.push(name + " could not be read as an image (damaged, or not the " + IMAGE_TYPES + " it claims to be"
+                   + (size ? ", or too large for this browser at " + size[0] + "x" + size[1] + " pixels" : "") + ").");
         continue;
       }
       pending.push({ kind, name, mime: type, url });
