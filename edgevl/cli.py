@@ -283,12 +283,16 @@ def check_media(a) -> None:
     video = getattr(a, "video", None)
     videos = video if isinstance(video, list) else [video] if video else []
     for im in images:
+        if not im.strip():
+            raise EdgevlError("--image is empty; give an image file's path")
         p = Path(file_url_path(im) if im.startswith("file://") else im)
         if not is_demo_image(im) and not p.is_file():
             raise EdgevlError(f"--image {im} is a folder; give an image file" if p.is_dir() else
                               f"--image {im} is not a regular file (a FIFO or a device); give an image file"
                               if p.exists() else f"image not found: {im} (--image); check the path")
     for v in videos:
+        if not v.strip():
+            raise EdgevlError("--video is empty; give a video file's (or a folder of frames') path")
         if not Path(v).exists():
             raise EdgevlError(f"video not found: {v} (--video); check the path")
 
@@ -396,6 +400,9 @@ def cmd_run(a) -> int:
     model = load_for(a, model_path)
     if not images and not a.video and (note := no_image_note(model, "--image")):
         print(note, file=sys.stderr)
+    if not a.raw and not model.tokenizer.chat_template:
+        print("note: this model has no chat template, so the prompt goes to it as plain text (as --raw sends it); "
+              "if the checkpoint has one, add it to its folder and convert again", file=sys.stderr)
     kwargs = sampling_kwargs(a)
     if a.verbose:
         settings = resolve(model.generation_config, a.temperature, a.top_k, a.top_p, a.repetition_penalty, a.min_p)

@@ -8,6 +8,7 @@ handling, progress, source hashes, tokenizer files and the manifest.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from . import models
@@ -84,6 +85,10 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     # the tokenizer and chat template must work now, not first at run time
     tokenizer = Tokenizer(ckpt.folder, fallback_template=arch.chat_template)
     tokenizer.compile_template()
+    if not tokenizer.chat_template and progress:   # a base model has none; a partial download lacks it
+        print(f"note: {ckpt.folder} has no chat template (chat_template.jinja, or one in tokenizer_config.json): "
+              "prompts will go to the model as plain text and chat cannot be rendered; if the model has one, "
+              "add it to the folder and convert again", file=sys.stderr)
     check_image_token(ckpt.config, tokenizer)
     out_dir = Path(out_path)
     # never replace anything but an old package, nor a folder holding (or inside) the checkpoint

@@ -225,10 +225,13 @@ class Checkpoint:
         if not isinstance(self.config, dict):
             raise EdgevlError(f"{cfg} must be a JSON object (the model's settings), got a "
                               f"{type(self.config).__name__}; fix or re-download it")
+        self.weight_map: dict = {}   # the index's tensor -> shard file, when sharded
         self.files = self._shard_files()
         self._tensors: dict[str, LazyTensor] = {}
         for path in self.files:
             for name, (dt, shape, s, e) in _read_header(str(path)).items():
+                if self.weight_map.get(name, path.name) != path.name:
+                    continue   # a stale copy in a shard the index does not name for it: the index decides
                 if dt in _KNOWN_UNSUPPORTED or dt not in _STORAGE:
                     # defer the error until the tensor is actually needed
                     self._tensors[name] = _Unsupported(name, str(path), dt, shape)
@@ -251,6 +254,7 @@ class Checkpoint:
             if missing:
                 raise EdgevlError(f"checkpoint shard {missing[0]} listed in model.safetensors.index.json "
                                   f"is missing from {self.folder}; download all {len(names)} shards")
+            self.weight_map = wm
             return [self.folder / n for n in names]
         single = self.folder / "model.safetensors"
         if single.is_file():
@@ -273,6 +277,9 @@ class Checkpoint:
 
     def get(self, name: str, shape=None) -> LazyTensor:
         t = self._tensors.get(name)
+        if t is None and name in self.weight_map:
+            raise EdgevlError(f"model.safetensors.index.json puts tensor {name} in {_show(self.weight_map[name])}, "
+                              f"which does not hold it; re-download the checkpoint (its index and shards)")
         if t is None:
             raise EdgevlError(f"tensor {name} is missing from the checkpoint in {self.folder}; "
                               "the weights do not match config.json (or a shard is incomplete)")

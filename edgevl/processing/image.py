@@ -71,6 +71,10 @@ def load_image(image) -> Image.Image:
         return _to_rgb(image, "the image")
     if isinstance(image, str) and image.startswith("file://"):   # as a browser or a file manager copies it
         image = file_url_path(image)
+    if isinstance(image, str) and image.startswith("data:"):     # as the server's image_url parts take it
+        image = data_url_bytes(image)
+    if isinstance(image, str) and not image.strip():
+        raise EdgevlError("The image path is empty; pass an image file's path.")
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -109,8 +113,13 @@ def file_url_path(url: str) -> str:
 
 
 def _open_path(path: Path) -> Image.Image:
-    if not path.exists():
-        raise EdgevlError(f"Image file not found: {path}; check the path.")
+    try:
+        found = path.exists()
+    except OSError:   # a name too long to be a file's, say
+        found = False
+    if not found:
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
+        raise EdgevlError(f"Image file not found: {shown}; check the path.")
     if path.is_dir():
         raise EdgevlError(f"Image path is a directory, not a file: {path}; pass an image file.")
     try:

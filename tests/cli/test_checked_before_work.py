@@ -107,6 +107,8 @@ def test_image_paths_as_file_urls_and_fifos(workdir, tmp_path, monkeypatch, caps
     one_line_error(*cli(capsys, "run", "--image", "pipe.png", "--prompt", "hi")[::2], "is not a regular file")
     one_line_error(*cli(capsys, "run", "--image", (workdir / "gone.png").as_uri(), "--prompt", "hi")[::2],
                    "image not found")
+    one_line_error(*cli(capsys, "run", "--image", "", "--prompt", "hi")[::2], "--image is empty")
+    one_line_error(*cli(capsys, "run", "--video", " ", "--prompt", "hi")[::2], "--video is empty")
     make_scene(1).image.save(workdir / "a b.png")
     with pytest.raises(AssertionError, match="a model was loaded"):     # checked, and taken: the model loads
         cli(capsys, "run", "--image", (workdir / "a b.png").as_uri(), "--prompt", "hi")

@@ -187,3 +187,19 @@ def test_weights_linked_to_a_deleted_blob(tmp_path, capsys):
             shutil.copy(f, ck / f.name)
     (ck / "model.safetensors").symlink_to(tmp_path / "blobs" / "deleted")
     refused_before_writing(capsys, ck, tmp_path, "which is gone", "download the checkpoint again")
+
+
+def test_a_checkpoint_without_a_chat_template_is_said_at_convert_and_run(tiny, tmp_path, capsys):
+    """A base model has no chat template, a partial download may lack it: conversion goes on and
+    says so, and `run` says its prompt goes as plain text."""
+    ck = copy_ck(tiny[0], tmp_path / "ck")
+    (ck / "chat_template.jinja").unlink(missing_ok=True)
+    edit_json(ck / "tokenizer_config.json", lambda t: t.pop("chat_template", None))
+    code, _, err = cli(capsys, "convert", ck, tmp_path / "out")
+    assert code == 0 and "has no chat template" in err and "add it to the folder and convert again" in err, err
+    code, _, err = cli(capsys, "run", tmp_path / "out", "--prompt", "Hello", "--max-new-tokens", "2")
+    assert code == 0 and "no chat template, so the prompt goes to it as plain text" in err, err
+    code, _, err = cli(capsys, "run", tmp_path / "out", "--prompt", "Hello", "--max-new-tokens", "2", "--raw")
+    assert code == 0 and "chat template" not in err, err
+    code, _, err = cli(capsys, "run", tiny[1], "--prompt", "Hello", "--max-new-tokens", "2")
+    assert code == 0 and "chat template" not in err, err

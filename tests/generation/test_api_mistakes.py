@@ -115,8 +115,14 @@ def test_image_parts_in_openai_and_hugging_face_shapes(demo, tmp_path):
     for part in ({"type": "image_url", "image_url": {"url": url}},
                  {"type": "image_url", "image_url": {"url": str(path)}},
                  {"type": "image_url", "image_url": str(path)}, {"type": "image", "url": url},
-                 {"type": "image", "path": str(path)}, {"type": "image", "url": path.as_uri()}):
+                 {"type": "image", "path": str(path)}, {"type": "image", "url": path.as_uri()},
+                 {"type": "image", "image": url}):
         assert ask(part) == want, part
+    assert edgevl.generate(demo, "Describe it.", image=url, max_new_tokens=6) == \
+        edgevl.generate(demo, "Describe it.", image=im, max_new_tokens=6)
+    for given, message in (("", "The image path is empty"), ("x" * 5000, "Image file not found: x{200}\\.\\.\\.; ")):
+        with pytest.raises(EdgevlError, match=message):
+            edgevl.generate(demo, "Describe it.", image=given, max_new_tokens=6)
     for part, message in (({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
                            "image URLs are not fetched"),
                           ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),

@@ -51,6 +51,25 @@ def test_missing_shard(tmp_path):
         Checkpoint(tmp_path / "m")
 
 
+def test_the_index_decides_which_shard_a_tensor_is_read_from(tmp_path):
+    """A stale copy of a tensor in another shard (the index names the first) is not read; a tensor
+    the index puts in a shard that does not hold it is named with that shard."""
+    ts = {"a": torch.ones(2), "b": torch.full((3,), 2.0)}
+    write(tmp_path / "m", ts, shards=2)
+    stale = {"b": ts["b"], "a": torch.zeros(2)}   # shard 2 holds b and a zeroed copy of a
+    save_file(stale, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
+    ck = Checkpoint(tmp_path / "m")
+    np.testing.assert_array_equal(ck.numpy("a"), np.ones(2, np.float32))
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    moved = json.loads(index.read_text())
+    moved["weight_map"]["a"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(moved))
+    save_file({"b": ts["b"]}, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
+    with pytest.raises(EdgevlError, match="index.json puts tensor a in model-00002-of-00002.safetensors, which does "
+                                          "not hold it; re-download"):
+        Checkpoint(tmp_path / "m").get("a")
+
+
 def test_wrong_shape_and_missing_tensor(tmp_path):
     write(tmp_path / "m", {"a": torch.zeros(2, 3)})
     ck = Checkpoint(tmp_path / "m")
