@@ -76,7 +76,7 @@ import traceback
 import uuid
 import warnings
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
 from pathlib import Path
@@ -101,6 +101,8 @@ DECODE_BYTES = {"WEBP": 16, None: 8}
 DECODE_BUDGET = 1 << 30
 MAX_VIDEO_DECODE_GPX = 64.0   # one request's video decoding, in gigapixels of frames (~a minute of FFmpeg on a core)
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
+STALLED_STREAM = 30             # seconds a stream's client may read nothing: then it is taken as gone
+CUT_ANSWER_SECONDS = 3.0        # at a stop, for requests cut short to be told so (503) before exiting
 PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
 NO_TOOLS = "tools go in the request's tools field, not in chat_template_kwargs; send them there"
 
@@ -1214,7 +1216,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str):
         self._sent = False  # headers out: errors can no longer get a status
-        self._chunked = False  # a stream's headers are out: what is written goes in chunks
+        self._chunked = False  # a stream's headers are out: what is written goes in events
+        self._framed = True    # ... each in a chunk (HTTP/1.1); HTTP/1.0 has no chunks: raw, then close
         self._probed = -math.inf  # when _probe last wrote
         self._arrived = time.monotonic()  # for the latencies in /metrics
         self._status = None  # the status sent, if any
@@ -1228,6 +1231,7 @@ class Handler(BaseHTTPRequestHandler):
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
         # body bytes not read yet; -1 = unknown (chunked, or a bad header): the connection must close
         self._unread = int(length) if length.isdigit() and len(lengths) <= 1 and not chunked else -1
+        self.server.dispatching(+1)
         try:
             if len(lengths) > 1:  # which one frames the body? (request smuggling): refuse and close
                 raise HTTPError(400, f"conflicting Content-Length headers {sorted(lengths)}; send one")
@@ -1245,6 +1249,10 @@ class Handler(BaseHTTPRequestHandler):
             traceback.print_exc()
             self._fail(HTTPError(500, "internal server error; see the server log", code="internal_error"))
         finally:
+            if self._chunked:
+                with suppress(OSError):
+                    self.connection.settimeout(self.timeout)   # the next request on this connection
+            self.server.dispatching(-1)
             if self._status is not None:
                 self.server.metrics.inc("edgevl_http_requests_total", route=_route_label(self.path),
                                         status=self._status)
@@ -1393,7 +1401,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self._chunked:
             with self._writing:
-                self.wfile.write(b"4\r\n: \n\n\r\n")
+                self.wfile.write(self._frame(b": \n\n"))
         elif not self._sent and self.request_version not in ("HTTP/0.9", "HTTP/1.0"):
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._probed = now
@@ -1574,14 +1582,25 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self.request_version in ("HTTP/0.9", "HTTP/1.0"):   # no chunks there: the close ends the stream
+            self._framed, self.close_connection = False, True
+            self.send_header("Connection", "close")
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self._sent = self._chunked = True
+        # a client that stops reading would hold its slot until the idle timeout: once the socket's
+        # buffers are full, a write waiting this long ends the answer as a hang-up does
+        self.connection.settimeout(STALLED_STREAM)
+
+    def _frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if self._framed else data
 
     def _end_events(self, done: bool = True):
         if done:     # the chat and completion streams' end marker (the Responses stream has none)
             self._event(b"[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
+        if self._framed:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _answers_stream(self, head: dict, choices, include_usage: bool, one, usage=None):
         """A chat or text completion stream: each answer's chunks (``one(index, events)`` sends
@@ -1816,7 +1835,7 @@ class Handler(BaseHTTPRequestHandler):
         data = (b"event: %s\n" % kind.encode() if kind else b"") + b"data: " + (
             obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
         with self._writing:     # answers streamed side by side write from their own threads
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(self._frame(data))
 
 
 def _one_malloc_arena() -> None:
@@ -1879,6 +1898,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.metrics = server_metrics(self)
         self.draining = False
         self.drained = None     # after a drain: whether every request ended within the grace
+        self._active, self._active_changed = 0, threading.Condition()   # requests being answered
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             super().__init__((host, int(port)), Handler)
@@ -1905,6 +1925,17 @@ class EdgevlServer(ThreadingHTTPServer):
     def stop(self):
         self.shutdown()
         self.server_close()
+
+    def dispatching(self, step: int) -> None:
+        with self._active_changed:
+            self._active += step
+            self._active_changed.notify_all()
+
+    def wait_answered(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the requests being answered to end (after ``server_close``,
+        those the stop cut write their 503 or error event); True when none is left."""
+        with self._active_changed:
+            return self._active_changed.wait_for(lambda: self._active <= 0, seconds)
 
     def drain(self, grace: float) -> bool:
         """Stop gracefully (SIGTERM): new generation requests get 503 and /health 503 at once;
@@ -2057,4 +2088,7 @@ def serve(model_path, host: str = "127.0.0.1", port: int = 8080, api_key=None,
         if installed:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         server.server_close()
+        # the requests the stop cut end now with a 503 (an error event in a stream): let their
+        # threads write it before the process exits and takes them with it
+        server.wait_answered(CUT_ANSWER_SECONDS)
     return 0

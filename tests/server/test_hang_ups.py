@@ -129,6 +129,49 @@ def test_half_closed_http10_client_gets_its_answer(endless):
     assert json.loads(final_response(reply)[1])["usage"]["completion_tokens"] == 5
 
 
+def test_an_http10_stream_has_no_chunks_and_ends_with_the_connection(endless):
+    """HTTP/1.0 has no chunked encoding: the events come as they are and the close ends them."""
+    body = json.dumps({"messages": MSGS, "max_tokens": 5, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", endless.server_address[1]), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = b""
+        while chunk := s.recv(65536):   # until the server closes
+            reply += chunk
+    head, _, events = reply.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head and b"Connection: close" in head, head
+    events = [e for e in events.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: {") for e in events[:-1]), events[:3]
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stream_nobody_reads_frees_its_slot(monkeypatch):
+    """A client that stops reading its stream (its buffers full) is taken as gone after
+    STALLED_STREAM seconds, so the next request gets the slot instead of waiting minutes."""
+    from edgevl import server as server_module
+
+    monkeypatch.setattr(server_module, "STALLED_STREAM", 1)
+    model = edgevl.load(demo_package())
+    model.eos_ids = set()   # the answer runs on
+    srv, _ = make_server(model, parallel=1)
+    port = srv.server_address[1]
+    try:
+        body = json.dumps({"messages": MSGS, "max_tokens": 100000, "stream": True, "logprobs": True,
+                           "top_logprobs": 20}).encode()
+        staller = socket.socket()
+        staller.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        staller.connect(("127.0.0.1", port))
+        staller.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))   # and never reads
+        assert wait_for(srv.gate.locked, 10) is not None
+        t0 = time.monotonic()
+        status, reply, _ = post(port, {"messages": MSGS, "max_tokens": 2}, timeout=60)
+        assert status == 200 and time.monotonic() - t0 < 30, (status, time.monotonic() - t0)
+        staller.close()
+    finally:
+        srv.stop()
+
+
 def test_half_closed_client_keeps_its_place_in_the_queue(endless):
     port = endless.server_address[1]
     first = send_raw(port, {"messages": MSGS})

@@ -123,6 +123,40 @@ def test_past_the_grace_it_stops_and_a_second_sigterm_stops_at_once(pkg, grace, 
         p.wait()
 
 
+def test_the_process_tells_the_answers_it_cut_before_it_exits(pkg):
+    """`edgevl serve` past its grace: the cut answers' 503 and error event reach the clients
+    before the process exits (its request threads die with it)."""
+    p, port = start(pkg, "--shutdown-grace", 1, "--parallel", 2)
+    long = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 100000, **NO_THINKING}
+    got = {}
+
+    def plain():
+        try:
+            got["plain"] = post(port, long, timeout=120)
+        except (OSError, http.client.HTTPException) as e:
+            got["plain"] = e
+
+    try:
+        out = {}
+        threads = [threading.Thread(target=stream, args=(port, 100000, out)), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: "first" in out, 60) is not None
+        assert wait_for(lambda: health(port)[1] == "ok" and running(port), 30) is not None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        for t in threads:
+            t.join(30)
+        assert not isinstance(got["plain"], Exception), got["plain"]
+        status, reply, _ = got["plain"]
+        assert status == 503 and reply["error"]["code"] == "shutting_down", reply
+        last = json.loads([e for e in out["events"] if e != b"[DONE]"][-1])
+        assert last["error"]["code"] == "shutting_down", out["events"][-3:]
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_answers_cut_by_the_stop_are_503s_not_the_requests_fault():
     """Past the grace, the answers still under way end with 503 shutting_down (a plain answer) or
     a server_error event (a stream): the OpenAI clients retry those elsewhere, never a 400, and
