@@ -1326,6 +1326,7 @@ class BatchJob:
         self.seconds = 0.0
         self.torn_bytes = self.recovered = self.repaired = 0
         self.asked_otherwise = 0
+        self.foreign = 0   # rows in the output whose id this job's input has not (another job's)
 
     def oversubscribed(self) -> bool:
         return self.ray is None and self.workers * self.threads > _physical_cores()
@@ -1344,6 +1345,8 @@ class BatchJob:
             # rows resumed by id whose answer was to another prompt (the job was changed): said, not redone
             self.asked_otherwise = sum(1 for it in self.items if it["id"] in sink.rows
                                        and sink.rows[it["id"]].get("prompt") not in (None, it["prompt"]))
+            ids = {it["id"] for it in self.items}
+            self.foreign = sum(1 for i in sink.rows if i not in ids)
             if not todo:
                 return
             bar = Progress(len(todo), desc="batch", unit="rows", enabled=self.progress)
@@ -1440,6 +1443,9 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     if job.asked_otherwise:
         print(f"batch: warning: {job.asked_otherwise} row(s) already done were asked another prompt than this run's; "
               "they are kept as they are (--overwrite asks every row again)", file=sys.stderr)
+    if job.foreign:
+        print(f"batch: warning: {job.foreign} row(s) in {a.output} are not rows of this input (another job's?); "
+              "they are kept as they are (--overwrite starts the file again)", file=sys.stderr)
     if job.recovered:
         print(f"batch: merged {job.recovered} rows that Ray actors had finished before the last stop",
               file=sys.stderr)

@@ -318,6 +318,29 @@ def check_image_out(path: str | None, flag: str) -> None:
         raise EdgevlError(f"{flag} {path} has no image extension Pillow knows (.png, .jpg, ...); add one")
 
 
+def check_not_inputs(images: list, draw_boxes, demo_out) -> None:
+    """--draw-boxes and --demo-out never write over an --image they read (by any spelling)."""
+    from .boxes import box_image_paths
+    from .demo.scene_file import is_demo_image
+    from .processing.image import file_url_path
+
+    inputs = [Path(file_url_path(im) if im.startswith("file://") else im) for im in images if not is_demo_image(im)]
+    outputs = [("--draw-boxes", p) for p in (box_image_paths(draw_boxes, len(images)) if draw_boxes else [])]
+    if demo_out:   # one scene goes to OUT, several to OUT-1, OUT-2 ...
+        out = Path(demo_out)
+        outputs += [("--demo-out", p) for p in [out, *(out.with_name(f"{out.stem}-{k + 1}{out.suffix or '.png'}")
+                                                      for k in range(len(images)))]]
+    for flag, out in outputs:
+        for src in inputs:
+            try:
+                same = os.path.samefile(out, src)
+            except OSError:   # not there yet
+                same = os.path.realpath(out) == os.path.realpath(src)
+            if same:
+                raise EdgevlError(f"{flag} {out} is the input image {src}: writing it would replace that image; "
+                                  f"choose another {flag}")
+
+
 def check_file_out(path, flag: str, example: str) -> None:
     """An output file name in a folder that exists (checked before the work that fills it)."""
     if path is None:
@@ -391,6 +414,7 @@ def cmd_run(a) -> int:
     if a.draw_boxes and not images:
         raise EdgevlError("--draw-boxes needs --image")
     check_media(a)
+    check_not_inputs(images, a.draw_boxes, a.demo_out)
     from .structured import cli_format, parse
 
     response_format = parse(cli_format(a.json_schema, a.json))   # a bad schema fails before the model loads
@@ -577,6 +601,17 @@ def cmd_batch(a) -> int:
     check_model_args(a)  # as in run: before the demo model is converted or anything is read
     if a.prompt is not None and not a.prompt.strip():
         raise EdgevlError("--prompt is empty; pass some text")
+    import signal
+    import threading
+
+    termed = []
+
+    def on_term(signum, frame):   # `timeout`, `kill` and schedulers stop a job as Ctrl-C does
+        termed.append(signum)
+        raise KeyboardInterrupt
+
+    installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
+    previous = signal.signal(signal.SIGTERM, on_term) if installed else None
     try:
         path = resolve_model(a.model)
         check_package(path, a)   # before the output is opened
@@ -587,9 +622,13 @@ def cmd_batch(a) -> int:
     except KeyboardInterrupt:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)
         out = " ".join(str(a.output).splitlines())
-        print(f"\ninterrupted; rerun the same command{' without --overwrite' if a.overwrite else ''} to resume "
-              f"(the rows already in {out} are kept)", file=sys.stderr)
-        return 130
+        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; rerun the same command"
+              f"{' without --overwrite' if a.overwrite else ''} to resume (the rows already in {out} are kept)",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM if termed else 130
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def build_parser() -> argparse.ArgumentParser:

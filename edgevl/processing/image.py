@@ -75,6 +75,8 @@ def load_image(image) -> Image.Image:
         image = data_url_bytes(image)
     if isinstance(image, str) and not image.strip():
         raise EdgevlError("The image path is empty; pass an image file's path.")
+    if isinstance(image, str) and (url := re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", image)):
+        raise EdgevlError(f"{url.group(1)}:// URLs are not read here; download the image and give its path.")
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
     if isinstance(image, (bytes, bytearray, memoryview)):

@@ -21,13 +21,13 @@ def _job(pkg, folder, out, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _interrupt_after_a_row(proc, out):
+def _interrupt_after_a_row(proc, out, sig=signal.SIGINT):
     t0 = time.monotonic()
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() - t0 < 120, "no row written"
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
     return proc.returncode, [line for line in err.splitlines() if line.strip()]
 
@@ -65,3 +65,16 @@ def test_after_overwrite_the_hint_says_to_leave_it_out(pkg, tmp_path):
     assert code == 130, err
     assert err[-1] == ("interrupted; rerun the same command without --overwrite to resume (the rows already in "
                        f"{out} are kept)"), err
+
+
+def test_sigterm_stops_the_job_as_ctrl_c_does(pkg, tmp_path):
+    """`timeout` and schedulers send SIGTERM: the same line, the Parquet output assembled from the
+    rows done, no lock left; exit 143."""
+    folder = _scenes(tmp_path, 900)
+    out = tmp_path / "out.parquet"
+    partial = tmp_path / "out.parquet.partial.jsonl"
+    code, err = _interrupt_after_a_row(_job(pkg, folder, out), partial, signal.SIGTERM)
+    assert code == 143, err
+    assert err[-1] == f"stopped (SIGTERM); rerun the same command to resume (the rows already in {out} are kept)", err
+    assert out.exists() and not partial.exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".lock")]

@@ -433,3 +433,16 @@ def test_a_rerun_with_another_prompt_says_the_done_rows_were_asked_otherwise(pkg
                        "--input", folder, "--output", out, "--max-new-tokens", 2)
     assert code == 0 and "warning: 3 row(s) already done were asked another prompt" in err, err
     assert out.read_bytes() == before
+
+
+def test_rows_of_another_input_in_the_output_are_said(pkg, folder, tmp_path, capsys):
+    """An output file reused for another input keeps that input's rows: said, so a script does
+    not ship a mixed file unknowingly."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.png").write_bytes((folder / "s0.png").read_bytes())
+    out = tmp_path / "o.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", other, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "not rows of this input" not in err, err
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and f"warning: 1 row(s) in {out} are not rows of this input" in err, err

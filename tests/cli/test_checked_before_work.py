@@ -114,6 +114,26 @@ def test_image_paths_as_file_urls_and_fifos(workdir, tmp_path, monkeypatch, caps
         cli(capsys, "run", "--image", (workdir / "a b.png").as_uri(), "--prompt", "hi")
 
 
+def test_run_never_draws_over_its_input_image(workdir, tmp_path, monkeypatch, capsys):
+    """--draw-boxes (and --demo-out) naming an --image, by any spelling, is refused before the
+    model loads: the user's picture is not replaced."""
+    import hashlib
+    import os
+
+    fresh_cache(tmp_path, monkeypatch)
+    make_scene(1).image.save(workdir / "photo.png")
+    (workdir / "sub").mkdir()
+    os.symlink(workdir / "photo.png", workdir / "link.png")
+    before = hashlib.sha256((workdir / "photo.png").read_bytes()).hexdigest()
+    for image, out in (("photo.png", "photo.png"), ("photo.png", "sub/../photo.png"), ("link.png", "photo.png"),
+                       ((workdir / "photo.png").as_uri(), str(workdir / "photo.png"))):
+        one_line_error(*cli(capsys, "run", "--image", image, "--prompt", "hi", "--draw-boxes", out)[::2],
+                       f"--draw-boxes {out} is the input image", "choose another --draw-boxes")
+    one_line_error(*cli(capsys, "run", "--image", "photo.png", "--image", "demo", "--prompt", "hi",
+                        "--demo-out", "photo.png")[::2], "--demo-out photo.png is the input image")
+    assert hashlib.sha256((workdir / "photo.png").read_bytes()).hexdigest() == before
+
+
 def test_serve_values_are_one_line(workdir, capsys):
     for args, needle in ((("--port", "http"), "--port must be an integer"), (("--port", "-1"), "--port must be >= 0"),
                          (("--parallel", "x"), "--parallel must be an integer"),

@@ -120,7 +120,8 @@ def test_image_parts_in_openai_and_hugging_face_shapes(demo, tmp_path):
         assert ask(part) == want, part
     assert edgevl.generate(demo, "Describe it.", image=url, max_new_tokens=6) == \
         edgevl.generate(demo, "Describe it.", image=im, max_new_tokens=6)
-    for given, message in (("", "The image path is empty"), ("x" * 5000, "Image file not found: x{200}\\.\\.\\.; ")):
+    for given, message in (("", "The image path is empty"), ("x" * 5000, "Image file not found: x{200}\\.\\.\\.; "),
+                           ("ftp://host/a.png", "ftp:// URLs are not read here")):
         with pytest.raises(EdgevlError, match=message):
             edgevl.generate(demo, "Describe it.", image=given, max_new_tokens=6)
     for part, message in (({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
