@@ -671,19 +671,24 @@ class Sink:
     ``OUT.rejected`` instead of refusing the file.
     """
 
-    def __init__(self, path, overwrite: bool = False, retry_errors: bool = False, repair: bool = False):
+    @staticmethod
+    def check_name(path) -> None:
+        """What the output's name alone refuses (checked again when the job opens it)."""
         given = Path(path).expanduser()
-        self.shown = str(path)
-        ext = given.suffix.lower()
-        if ext not in OUTPUT_EXTS:
+        if given.suffix.lower() not in OUTPUT_EXTS:
             raise EdgevlError(f"--output {path}: the name must end in .jsonl or .parquet (that picks the format)")
-        self.parquet = ext == ".parquet"
-        if self.parquet:
+        if given.suffix.lower() == ".parquet":
             _pyarrow()
         if given.is_dir():
             raise EdgevlError(f"--output {path} is a folder; give a .jsonl or .parquet file name")
         if given.exists() and not given.is_file():
             raise EdgevlError(f"--output {path} is not a regular file; give a .jsonl or .parquet file name")
+
+    def __init__(self, path, overwrite: bool = False, retry_errors: bool = False, repair: bool = False):
+        given = Path(path).expanduser()
+        self.shown = str(path)
+        self.check_name(path)
+        self.parquet = given.suffix.lower() == ".parquet"
         # Written through symlinks (a link stays a link) and named after the real file, so that
         # every spelling of one output shares its lock, journal and shards.
         self.path = Path(os.path.realpath(given))
@@ -1306,7 +1311,8 @@ class BatchJob:
                                          thinking=thinking, allow_special_in_content=allow_special_in_content,
                                          response_format=response_format),
                          "model_options": dict(model_options or {})}   # the architecture's load-time options
-        if output is not None:
+        if output is not None:   # before the job's first line: a usage error is all it prints
+            Sink.check_name(output)
             _refuse_output_is_input(rows, output)
         notes: dict = {}
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column, notes)

@@ -551,8 +551,10 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
     base = ["batch", str(pkg), "--prompt", PROMPT]
     _one_line_error(capsys, base + ["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o.jsonl")],
                     "does not exist")
-    _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.txt")],
-                    ".jsonl or .parquet")
+    for out in ("o.txt", "."):   # the output's name: refused before the job's first line
+        assert cli.main(base + ["--input", str(folder), "--output", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --output") and (".jsonl or .parquet" in err[0]), err
     _one_line_error(capsys, ["batch", str(pkg), "--input", str(folder), "--output", str(tmp_path / "o.jsonl")],
                     "--prompt is required")
     _one_line_error(capsys, base + ["--input", str(folder), "--output", str(tmp_path / "o.jsonl"), "--workers", "0"],
