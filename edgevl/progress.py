@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 
@@ -46,11 +47,15 @@ class Progress:
         if self.tty:
             if now - self._last < 0.1 and self.n < self.total:
                 return
-            width = 28
+            # one line however narrow the terminal: a redraw that wraps leaves a line per update
+            cols = shutil.get_terminal_size((100, 24)).columns - 1
+            tail = (f"{pct:3d}% {self._fmt(self.n)}/{self._fmt(self.total)} {self._rate(rate)} eta {eta:4.0f}s")
+            width = max(0, min(28, cols - len(self.desc) - len(tail) - 4))
             fill = int(width * pct / 100)
-            msg = (f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {pct:3d}% "
-                   f"{self._fmt(self.n)}/{self._fmt(self.total)} {self._rate(rate)} eta {eta:4.0f}s {note[:40]:<40}")
-            self.stream.write(msg)
+            line = f"{self.desc} [{'#' * fill}{'.' * (width - fill)}] {tail}" if width else f"{self.desc} {tail}"
+            room = cols - len(line) - 1
+            line = line + " " + note[:min(40, room - 1)] if room > 1 else line
+            self.stream.write("\r" + line[:cols].ljust(cols))   # spaces over a longer line before
         elif pct // 10 != self._last_pct // 10 or self.n >= self.total:
             self.stream.write(f"{self.desc}: {pct}% ({self._fmt(self.n)}/{self._fmt(self.total)}) "
                               f"{self._rate(rate)} eta {eta:.0f}s\n")
