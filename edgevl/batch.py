@@ -516,8 +516,10 @@ def _table_rows(records, base: Path | None, name: str, where: str, prompt, image
         if p is None and err is None:
             err = f"no prompt: fill the {prompt_column!r} column or give --prompt"
         if rid in seen:
+            fix = (f"make the {id_column!r} values unique (an id is its text: 1 and \"1\" are one id)"
+                   if r.get(id_column) not in (None, "") else f"add an {id_column!r} column")
             raise EdgevlError(f"id {rid!r} appears twice in {name} ({where}s {seen[rid]} and {n}); ids must be "
-                              f"unique — add an {id_column!r} column")
+                              f"unique — {fix}")
         seen[rid] = n
         rows.append({"id": rid, "image": shown, "source": source, "prompt": p, "error": err}
                     | ({"video": video, "video_source": vsource} if with_video else {}))

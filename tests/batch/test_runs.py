@@ -563,6 +563,10 @@ def test_user_errors_are_one_line(pkg, scenes, tmp_path, capsys, monkeypatch):
     _write_csv(src, [{"id": "", "image": "a.png", "prompt": "x"}, {"id": "", "image": "a.png", "prompt": "y"}])
     _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl")],
                     "appears twice", "add an 'id' column")
+    same = tmp_path / "same.jsonl"   # an id is its text: 1 and "1" are one id, and the table has the column
+    same.write_text('{"id": 1, "image": "a.png"}\n{"id": "1", "image": "b.png"}\n')
+    _one_line_error(capsys, base + ["--input", str(same), "--output", str(tmp_path / "o.jsonl")],
+                    "appears twice", "make the 'id' values unique")
     _one_line_error(capsys, base + ["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
                                     "--image-column", "path"], "no 'path' column")
     # a column asked for by name that the table lacks (a typo) is refused, not read as empty
