@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--package", default=None, help="another package than the demo model's")
     ap.add_argument("--max-new-tokens", default=None, help="passed to edgevl batch")
     a = ap.parse_args(argv)
+    if a.n < 20:   # the steady rate is read between rows 10 % and 90 % of N: fewer rows come in bursts
+        ap.error(f"--n must be at least 20 (rows per run), got {a.n}")
     configs = {k: v for k, v in CONFIGS.items() if a.only in k and not (a.skip and a.skip in k)}
 
     from edgevl.demo import demo_package

@@ -194,6 +194,8 @@ def main(argv=None) -> int:
         ap.error("FAMILY and OUT are required (or --list)")
     if a.family not in SHAPES:
         raise SystemExit(f"make_random: no shapes for {a.family} yet: add them to SHAPES in {__file__}")
+    if a.mtp and a.family not in ("qwen3_5", "qwen3_5_moe"):
+        raise SystemExit(f"make_random: --mtp is for the Qwen3.5 families; {a.family} has no MTP block")
     shape = a.shape or next(iter(SHAPES[a.family]))
     over = overrides(a.family, shape, a.layers, a.experts)
 

@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     pkg = Path(a.package).resolve()
+    if not (pkg / "experts.bin").is_file():
+        raise SystemExit(f"moe_memory: {pkg} is not an MoE package (no experts.bin); give a Qwen3.5-MoE or Youtu MoE "
+                         "package")
     dense = non_expert_bytes(pkg)
     experts = (pkg / "experts.bin").stat().st_size
     mb = 1 << 20

@@ -45,10 +45,12 @@ def main() -> None:
 
     modes = {"plain": (ncnn_own, padded), "tiles": (fitted, padded), "edgevl": (fitted, tail_nets)}
 
+    vocab = model.embedding.rows
+
     def work():
         dec, rng, rows = model.decoder, np.random.default_rng(0), []
         for n in a.lengths:
-            ids = rng.integers(100, 1000, n).tolist()
+            ids = rng.integers(min(100, vocab // 2), min(1000, vocab), n).tolist()   # tiny vocabularies too
             emb, times, first = model.embedding(ids), {m: [] for m in modes}, None
             for _ in range(a.rounds):
                 for mode, (rule, tails) in modes.items():

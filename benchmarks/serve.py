@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -152,6 +153,16 @@ def http_round(url: str, bodies: list, path: str) -> dict:
     return together(run, n, t0, marks, counts)
 
 
+def check_llama(ap, server, gguf) -> None:
+    """llama-server's arguments, refused in one line before any work (the scripts share it)."""
+    if bool(server) != bool(gguf):
+        ap.error("--llama-server and --gguf go together (the binary and the checkpoint as GGUF)")
+    if server and not shutil.which(server):
+        ap.error(f"--llama-server {server}: no such program (build llama.cpp's llama-server first)")
+    if gguf and not os.path.isfile(gguf):
+        ap.error(f"--gguf {gguf}: no such file")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("package")
@@ -173,6 +184,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
+    check_llama(ap, a.llama_server, a.gguf)
     if a.forced is not None and (a.http or a.llama_server):
         ap.error("--forced changes the verifier in this process only; it cannot apply to --http or --llama-server")
     if a.forced is not None:

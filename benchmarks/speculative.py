@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,6 +149,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     a = ap.parse_args(argv)
+    if a.llama_server and not a.hf:
+        ap.error("--llama-server needs --hf (the checkpoint its GGUF is converted from)")
+    if a.llama_server and not shutil.which(a.llama_server):
+        ap.error(f"--llama-server {a.llama_server}: no such program (build llama.cpp's llama-server first)")
 
     from edgevl.progress import Progress
 
@@ -156,9 +161,11 @@ def main(argv=None) -> int:
     accepts = [float(x) for x in a.accept.split(",") if x]
     types = a.gguf_types.split(",")
     base = {"threads": a.threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens}
+    dtypes = [json.loads((Path(pkg) / "manifest.json").read_text())["dtype"] for pkg in a.packages]
     for i, pkg in enumerate(a.packages):
-        dtype = json.loads((Path(pkg) / "manifest.json").read_text())["dtype"]
-        tag = f"edgevl {dtype}"
+        dtype = dtypes[i]
+        # two packages of one precision are told apart by their folder (one key each, none dropped)
+        tag = f"edgevl {dtype}" + (f" ({Path(pkg).resolve().name})" if dtypes.count(dtype) > 1 else "")
         systems[f"{tag}"] = ("edgevl", dict(base, model=pkg, options={"speculative": "none"}))
         for k in ks:
             systems[f"{tag} MTP {_k(k)}"] = ("edgevl", dict(base, model=pkg, options=_k_options(k)))

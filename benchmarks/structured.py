@@ -227,6 +227,9 @@ def main() -> None:
     p.add_argument("--skip-mask", action="store_true", help="only the decode speeds")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    from serve import check_llama
+
+    check_llama(p, a.llama_server, a.gguf)
     res = {} if a.skip_mask else {"mask": mask_cost(a.vocab)}
     if a.package:
         res["decode"] = decode_speed(a.package, a.threads, a.rounds, a.tokens, a.llama_server, a.gguf, a.forced,

@@ -453,9 +453,11 @@ def plot(results: dict, path, title: str = "") -> None:
     from PIL import Image, ImageDraw
 
     names = list(results)
-    row, label_w, pad = 22, 190, 16
+    row, pad = 22, 16
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    label_w = max(190, pad + 8 + max(int(probe.textlength(n)) for n in names))   # long labels are not cut
     panel_h = 24 + row * len(names)
-    W, H = 900, 40 + 2 * (panel_h + pad)
+    W, H = label_w + 710, 40 + 2 * (panel_h + pad)
     im = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(im)
     d.text((pad, 10), title, fill="black")
@@ -495,6 +497,8 @@ def check_args(a) -> None:
     """The values of ``edgevl bench`` that need no model, checked before any work (a checkpoint
     given here is converted first, and the runs take minutes)."""
     check_counts(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, repeats=a.repeats)
+    if getattr(a, "images", None) and getattr(a, "plot", None):
+        raise EdgevlError("--plot draws the text runs' tokens/s; with --images give --json or --markdown")
     for c in (c.strip() for c in (a.compare or "").split(",")):
         if c and c not in COMPARE and not c.startswith("llamacpp"):
             raise EdgevlError(f"unknown --compare system {c!r}; choose {' and/or '.join(COMPARE)}")
@@ -530,7 +534,8 @@ def bench_cli(a) -> int:
             if getattr(a, "low_memory", False) and p == target:   # its low-memory row, refused before any run
                 check_load_options(p, low_memory=True, options=opts)
     main_dtype = "bf16"   # the first package's, which the torch row matches
-    tag = "".join(f" {k.replace('_', '-')} {v:g}" for k, v in opts.items())
+    tag = "".join(f" {k.replace('_', '-')} {v:g}" if isinstance(v, (int, float)) else f" {k.replace('_', '-')} {v}"
+                  for k, v in opts.items())
     if (target / "manifest.json").is_file():
         m = read_manifest(target)
         ref = Path(a.reference or m["source"]["path"])

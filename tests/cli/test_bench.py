@@ -98,6 +98,31 @@ def test_bench_images_json_and_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "640by480"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --images takes sizes like")
+    bad = subprocess.run([sys.executable, "-m", "edgevl", "bench", tmp_path / "pk", "--images", "96x64", "--plot",
+                          tmp_path / "r.png"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --plot draws the text runs"), bad.stderr
+
+
+def test_bench_speculative_and_long_labels(tmp_path, capsys):
+    """A load option that is a word (--speculative none) names its row like a number does, and
+    the plot keeps long row names whole."""
+    from PIL import Image
+
+    from edgevl.bench import plot
+
+    code, out, err = cli(capsys, "bench", "--speculative", "none", "--prompt-tokens", "8", "--gen-tokens", "2",
+                         "--repeats", "1", "--threads", "1", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    (name,) = json.loads((tmp_path / "r.json").read_text())["variants"]
+    assert name.endswith(" speculative none"), name
+    long = "edgevl q8 auto experts auto dense keep mtp expert-cache-mb 0.1"
+    plot({long: {"prefill_tok_s": 10.0, "decode_tok_s": 5.0}, "short": {"prefill_tok_s": 1.0, "decode_tok_s": 1.0}},
+         tmp_path / "p.png")
+    im = Image.open(tmp_path / "p.png").convert("L")
+    # the bars start right of the longest name: the row's pixels left of its bar hold only its name
+    from PIL import ImageDraw
+    width = int(ImageDraw.Draw(im).textlength(long))
+    assert im.width > width + 16 + 700
 
 
 def test_table_states_the_ratio_to_llamacpp_at_the_same_precision():
