@@ -127,8 +127,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=_integer("--max-image-patches"), default=None,
                    help="patch budget per image; bigger images are downscaled to fit (default: the model's "
-                        "own, from its preprocessor_config.json max_image_patches, else the processor's "
-                        "36864; at most 65536; run --verbose shows it)")
+                        "own: Youtu-VL's preprocessor_config.json max_image_patches, else its processor's 36864; "
+                        "Qwen3.5's max_pixels, capped at 4096 patches; at most 65536; run --verbose shows it)")
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
@@ -531,8 +531,9 @@ def cmd_serve(a) -> int:
 def cmd_check(a) -> int:
     from .package import check_package
 
-    n, size = check_package(a.model)
-    print(f"ok: all {n} files of {a.model} ({size} bytes) match manifest.json")
+    path = resolve_model(a.model)   # `check` alone or `check demo`: the demo package in the cache
+    n, size = check_package(path)
+    print(f"ok: all {n} files of {path} ({size} bytes) match manifest.json")
     return 0
 
 
@@ -640,8 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"edgevl {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
+    p.commands = {}
+
     def command(name, help):
-        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
+        p.commands[name] = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                                          formatter_class=_Help)
+        return p.commands[name]
 
     c = command("convert", "convert a Hugging Face checkpoint folder to an edgevl package")
     c.add_argument("hf_dir", help="the checkpoint folder (config.json, *.safetensors, tokenizer.json)")
@@ -649,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"],
                    help="weight format: fp32 (exact parity), bf16, fp16, or q8: int8 weights (one scale per "
                         "output row) with activations quantized per row at run time (ncnn's int8 Gemm): the "
-                        "fastest; the architecture keeps some layers (e.g. the vision tower) in bf16")
+                        "fastest; some layers stay bf16 (most Youtu attention projections, the patch embedding); "
+                        "the vision tower is int8 too unless --vision float")
     for name, (opt, archs) in _convert_options().items():  # the architectures' own options
         if opt.flag:
             c.add_argument("--" + opt.flag, dest=name, default=None, action="store_const", const=opt.flag_value,
@@ -769,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     kc = command("check", "re-hash every file of a package against its manifest (ignores the verified-stamp "
                           "cache: finds bit rot that kept the file time)")
-    kc.add_argument("model", help="the package folder")
+    kc.add_argument("model", nargs="?", default=None, help="the package folder (default: the demo model)")
     kc.set_defaults(fn=cmd_check)
 
     k = command("cache", "list or clear what edgevl keeps in its cache folder")
@@ -826,7 +832,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     try:
-        a = parser.parse_args(argv)  # value types raise EdgevlError (one line) as the commands do
+        a, extra = parser.parse_known_args(argv)  # value types raise EdgevlError (one line) as the commands do
+        if extra:   # the command's own usage, not the top level's, names what it takes
+            parser.commands[a.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
         return a.fn(a)
     except EdgevlError as e:
         msg = " ".join(str(e).splitlines())  # one line, whatever text a hostile input put in it

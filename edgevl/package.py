@@ -86,7 +86,8 @@ def check_output(out_dir: Path, overwrite: bool, protected=()) -> None:
     if not (out_dir.exists() or out_dir.is_symlink()):
         return
     if not overwrite:
-        raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force")
+        raise EdgevlError(f"{out_dir} already exists; choose another output folder or pass --force "
+                          "(overwrite=True in convert()) to replace the package there")
     if out_dir.is_symlink() or not out_dir.is_dir():
         raise EdgevlError(f"{out_dir} is not a package folder (a file or a symlink); --force replaces only an "
                           "edgevl package folder — choose another output folder")

@@ -1202,8 +1202,8 @@ class Handler(BaseHTTPRequestHandler):
             routes[path] = ("GET", lambda: self._page(path[len("/web/"):]))
         if path not in routes:
             raise HTTPError(404, f"no route {path}; this server has POST /v1/chat/completions, POST /v1/responses, "
-                            "POST /v1/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health, "
-                            "GET /metrics and the chat page at /", code="unknown_route")
+                            "POST /v1/completions, POST /tokenize, POST /detokenize, GET /v1/models[/ID], GET /health, "
+                            "GET /metrics, GET /props and the chat page at /", code="unknown_route")
         allowed, fn = routes[path]
         if method != allowed:
             raise HTTPError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",

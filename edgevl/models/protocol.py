@@ -148,7 +148,8 @@ class Architecture:
             opt = known.get(k)
             if opt is None:
                 flag = "--" + k.replace("_", "-")
-                raise EdgevlError(f"{self.name} models have no option {k!r} ({flag}); they have: {', '.join(known)}")
+                every = [*known, "speculative", "draft_tokens", "draft_vocab"]   # load() takes these beside
+                raise EdgevlError(f"{self.name} models have no option {k!r} ({flag}); they have: {', '.join(every)}")
             try:
                 if isinstance(v, bool) or (opt.type is int and isinstance(v, float) and not v.is_integer()):
                     raise ValueError

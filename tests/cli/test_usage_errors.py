@@ -46,6 +46,16 @@ def test_threads_zero_or_negative_is_a_usage_error_in_every_command(no_cache, ca
     assert nothing_written(no_cache)
 
 
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_an_unknown_option_shows_the_commands_own_usage(no_cache, capsys, command):
+    with pytest.raises(SystemExit) as e:
+        edgevl_cli.main([*COMMANDS[command], "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: edgevl {command} "), err
+    assert err.rstrip().endswith(f"edgevl {command}: error: unrecognized arguments: --bogus"), err
+    assert nothing_written(no_cache)
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 @pytest.mark.parametrize("command", ["run", "bench"])
 def test_edgevl_threads_zero_or_negative_is_refused_before_any_work(no_cache, capsys, monkeypatch, command, value):

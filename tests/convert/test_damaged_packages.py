@@ -168,6 +168,14 @@ def test_check_finds_bit_rot_that_keeps_the_mtime(pkg, tmp_path, capsys):
     one_line_error(*cli(capsys, "check", p)[::2], "decoder.bin does not match its sha256")
 
 
+def test_check_takes_the_demo_as_every_model_command_does(capsys):
+    from edgevl.demo import demo_package
+
+    for args in ((), ("demo",)):
+        code, out, err = cli(capsys, "check", *args)
+        assert code == 0 and out.startswith("ok: all ") and str(demo_package()) in out, (out, err)
+
+
 @pytest.mark.parametrize("edit", [
     lambda m: m["embedding"].update(dtype="fp16"),                      # read as another type: garbage
     lambda m: m["graphs"]["decoder"]["extra"].update(rope_theta=12345.0),  # other positions, same files
