@@ -626,9 +626,14 @@ class ExpertStore:
     def summary(self) -> str:
         """One line for users: hit rate and resident memory against the budget."""
         s = self.stats()
-        budget = "no limit" if self.budget is None else f"{self.budget / 2**20:.0f} MB budget"
+        def mb(n):   # budgets under 1 MB are not "0 MB"
+            return f"{n / 2**20:.0f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2g}"
+
+        budget = "no limit" if self.budget is None else f"{mb(self.budget)} MB budget"
+        over = ("; the expert being computed stays resident over a smaller budget"
+                if self.budget is not None and s["peak_resident_bytes"] > self.budget else "")
         return (f"experts: {s['hits']} hits, {s['misses']} loads ({100 * s['hit_rate']:.1f} % hit rate), "
-                f"{s['peak_resident_bytes'] / 2**20:.0f} MB resident at most ({budget})")
+                f"{mb(s['peak_resident_bytes'])} MB resident at most ({budget}{over})")
 
 
 class _SpanReader(ncnn.DataReader):

@@ -92,11 +92,14 @@ class Report:
 def _require_torch():
     try:
         import torch  # noqa: F401
-        import transformers  # noqa: F401
     except ImportError:
         raise EdgevlError("verify needs PyTorch and transformers: pip install 'edgevl[verify]' "
                           "(install the CPU torch first: pip install torch --index-url "
                           "https://download.pytorch.org/whl/cpu)") from None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:   # torch is there: installing the extra adds transformers
+        raise EdgevlError("verify needs transformers beside PyTorch: pip install 'edgevl[verify]'") from None
 
 
 def source_of(package) -> Path:
@@ -170,6 +173,8 @@ def source_changed(package, reference_dir) -> str | None:
 def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int = 32,
             max_image_patches=None, threads=None, log=None, options=None) -> Report:
     """``log`` (a callable taking one line) hears what is being compared and each step."""
+    if not prompt.strip():   # before torch and both models load
+        raise EdgevlError("the prompt is empty; pass some text")
     _require_torch()
     from ..generate import prepare
     from ..model import Model
@@ -180,15 +185,17 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
         from ..runtime import check_threads
 
         check_threads(threads)
-    if not reference_dir:   # the folder converted from, which may hold another checkpoint since
+    given = bool(reference_dir)
+    if not given:   # the folder converted from, which may hold another checkpoint since
         reference_dir = source_of(package)
-        changed = source_changed(package, reference_dir)
-        if changed:
-            log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a "
-                "FAIL may be that difference, not the package: convert it again or pass the original with "
-                "--reference")
     else:
         check_reference(package, reference_dir)
+    changed = source_changed(package, reference_dir)   # given or not: the weights the manifest recorded
+    if changed:
+        log(f"warning: {reference_dir} is not the checkpoint this package was converted from ({changed}); a "
+            "FAIL may be that difference, not the package: " + ("pass the original as --reference" if given else
+                                                                 "convert it again or pass the original with "
+                                                                 "--reference"))
     reference_dir = Path(reference_dir)
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     steps = 5 if images else 4
@@ -197,8 +204,12 @@ def compare(package, reference_dir, prompt: str, image=None, max_new_tokens: int
     model = Model(package, threads=threads, light_mode=False, options=options)
     if images and model.vision is None:
         raise EdgevlError("--image given but this is a text-only model")
-    rep = Report(dtype=model.dtype)
-    log(f"verify: {model.arch.name} package ({model.dtype}) against {reference_dir} (PyTorch fp32); "
+    # parts stored in int8 beside an fp32 package (--experts q8, --dense q8, --vision q8) round: the
+    # reduced-precision rule applies, not token-exactness
+    int8 = sorted(k for k, v in (model.manifest.get("options") or {}).items() if v == "q8")
+    stored = model.dtype + "".join(f", {k} q8" for k in int8) if model.dtype != "q8" else model.dtype
+    rep = Report(dtype=model.dtype if not int8 else f"{model.dtype} with q8 parts")
+    log(f"verify: {model.arch.name} package ({stored}) against {reference_dir} (PyTorch fp32); "
         f"prompt {prompt!r}" + (f", image {', '.join(str(i) for i in images)}" if images else ", no image")
         + f", {max_new_tokens} greedy tokens; pass if {rep.threshold()} (layer cosines are shown, not judged)")
     log(f"[{next(step)}/{steps}] loading the PyTorch reference")

@@ -51,6 +51,15 @@ def test_verify_warns_when_the_source_folder_holds_another_checkpoint(tmp_path):
     compare(pkg, None, PROMPTS[1], max_new_tokens=2, log=lines.append)
     warned = f"warning: {ck} is not the checkpoint this package was converted from"
     assert any(line.startswith(warned) for line in lines)
+    lines = []   # named with --reference: the same warning
+    compare(pkg, ck, PROMPTS[1], max_new_tokens=2, log=lines.append)
+    assert any(line.startswith(warned) and "pass the original as --reference" in line for line in lines), lines
+    from edgevl.errors import EdgevlError
+
+    lines = []   # an empty prompt: refused before either model loads
+    with pytest.raises(EdgevlError, match="the prompt is empty"):
+        compare(pkg, None, " ", log=lines.append)
+    assert not any("loading" in line for line in lines), lines
 
 
 def test_verify_compares_what_the_context_holds_and_says_so_in_one_line(tmp_path, monkeypatch):

@@ -264,3 +264,18 @@ def test_fields_left_out_take_the_converters_defaults_in_the_reference(built, tm
     (ck / "config.json").write_text(json.dumps(cfg))
     pkg = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
     assert compare(pkg, ck, "Hi.", max_new_tokens=4).identical
+
+
+def test_verify_judges_an_fp32_package_with_int8_experts_by_the_reduced_rule(built, tmp_path):
+    """--experts q8 in an fp32 package rounds the experts: verify names them and applies the
+    reduced-precision rule (first token, logits cosine), not token-exactness."""
+    from edgevl.verification.verify import compare
+
+    ck = built[CONFIGS[0]][0]
+    pkg = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", experts="q8", progress=False)
+    lines = []
+    rep = compare(pkg, ck, "Hi.", max_new_tokens=2, log=lines.append)
+    assert rep.threshold().startswith("reduced precision"), rep.threshold()
+    assert any("package (fp32, experts q8)" in line for line in lines), lines
+    exact = compare(built[CONFIGS[0]][1], ck, "Hi.", max_new_tokens=2)
+    assert exact.threshold().startswith("fp32"), exact.threshold()

@@ -207,6 +207,12 @@ def test_small_expert_cache_gives_identical_outputs_and_bounded_memory(tmp_path)
     none = moe.ExpertStore(tmp_path, spec, cache_mb=0)
     assert all(np.array_equal(a, b) for a, b in zip(workload(none, layers, H, E, k, 5, seed=5), want))
     assert none.stats()["hits"] == 0 and none.stats()["peak_resident_bytes"] == none.cost
+    # the summary says a budget under one expert is exceeded by the one being computed, not "0 MB"
+    assert "(0 MB budget; the expert being computed stays resident over a smaller budget)" in none.summary()
+    half = moe.ExpertStore(tmp_path, spec, cache_mb=0.5 * none.cost / 2**20)
+    workload(half, layers, H, E, k, 2, seed=5)
+    assert f"({0.5 * none.cost / 2**20:.2g} MB budget; the expert being computed" in half.summary(), half.summary()
+    half.close()
     with pytest.raises(EdgevlError, match="expert cache size must be >= 0"):
         moe.ExpertStore(tmp_path, spec, cache_mb=-1)
 
