@@ -127,8 +127,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=_integer("--max-image-patches"), default=None,
                    help="patch budget per image; bigger images are downscaled to fit (default: the model's "
-                        "own: Youtu-VL's preprocessor_config.json max_image_patches, else its processor's 36864; "
-                        "Qwen3.5's max_pixels, capped at 4096 patches; at most 65536; run --verbose shows it)")
+                        "own, from its preprocessor_config.json as its processor reads it, capped where "
+                        "docs/models says; at most 65536; run --verbose shows it)")
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
@@ -654,8 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16", "q8"],
                    help="weight format: fp32 (exact parity), bf16, fp16, or q8: int8 weights (one scale per "
                         "output row) with activations quantized per row at run time (ncnn's int8 Gemm): the "
-                        "fastest; some layers stay bf16 (most Youtu attention projections, the patch embedding); "
-                        "the vision tower is int8 too unless --vision float")
+                        "fastest; the architecture keeps some layers in bf16 (README lists them); the vision tower "
+                        "is int8 too unless --vision float")
     for name, (opt, archs) in _convert_options().items():  # the architectures' own options
         if opt.flag:
             c.add_argument("--" + opt.flag, dest=name, default=None, action="store_const", const=opt.flag_value,

@@ -748,8 +748,8 @@ def _check_load_options(m: dict, low_memory: bool, options: dict | None, video: 
     arch.resolve_runtime_options(options)
     decoder = m["graphs"]["decoder"]
     if low_memory and decoder.get("passes") and (decoder.get("extra") or {}).get("sections"):
-        raise EdgevlError(f"low-memory mode does not support {arch.name}'s decoder yet (it supports the decoders "
-                          "without recurrent layers: Youtu-LLM's and Youtu-VL's); run without --low-memory")
+        raise EdgevlError(f"low-memory mode does not support {arch.name}'s decoder yet (only decoders without "
+                          "recurrent layers; README's known limits name them); run without --low-memory")
     has_mtp = "mtp" in m["graphs"] and not low_memory
     speculative.check_options(spec["speculative"], spec["draft_tokens"], spec["draft_vocab"], has_mtp,
                               1 << 30 if has_mtp else 0, speculative.missing_block(m, low_memory))

@@ -1876,6 +1876,7 @@ class EdgevlServer(ThreadingHTTPServer):
         self.model, self.image_dir = model, image_dir
         self.allow_origins = _origins(allow_origins)
         self.max_body, self.access_log = int(max_body), access_log
+        self.max_image_pixels = MAX_IMAGE_PIXELS   # the chat page's /props says it
         self.allow_special_in_content = allow_special_in_content
         self.max_image_patches = max_image_patches  # None: the model's own budget
         # defaults (--no-thinking: the model's own switch); a request's chat_template_kwargs override

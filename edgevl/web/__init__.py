@@ -32,7 +32,6 @@ def props(server) -> dict:
     """What the model takes and its defaults, for the page's controls (llama-server's ``/props``
     plays this part for its page)."""
     from ..sample import resolve
-    from ..server import MAX_IMAGE_PIXELS
     from ..tools import call_format
 
     model = server.model
@@ -55,7 +54,7 @@ def props(server) -> dict:
                      "default": default, "on": on, "off": off},
         "speculative": model.speculative,
         "max_body": server.max_body,
-        "max_image_pixels": MAX_IMAGE_PIXELS,   # per request, all images together
+        "max_image_pixels": server.max_image_pixels,   # per request, all images together
         # sampling as the server applies it when a request leaves a value out
         "defaults": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_tokens": None,
                      "seed": None},

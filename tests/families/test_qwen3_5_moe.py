@@ -110,7 +110,7 @@ def test_cli_reports_the_hit_rate(models, tmp_path):
            "--threads", "1"]
     r = subprocess.run(run + ["--verbose", "--expert-cache-mb", "0.05"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "% hit rate" in r.stderr and "(0 MB budget)" in r.stderr
+    assert "% hit rate" in r.stderr and "(0.05 MB budget" in r.stderr   # not "0 MB"
     r = subprocess.run(run + ["--expert-cache-mb", "-1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: expert_cache_mb must be >= 0, got -1"]
     r = subprocess.run([sys.executable, "-m", "edgevl", "bench", str(pk), "--prompt-tokens", "8", "--gen-tokens", "2",
