@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -127,8 +128,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: physical cores, or EDGEVL_THREADS; at most 4 x the CPU count)")
     p.add_argument("--max-image-patches", type=_integer("--max-image-patches"), default=None,
                    help="patch budget per image; bigger images are downscaled to fit (default: the model's "
-                        "own, from its preprocessor_config.json as its processor reads it, capped where "
-                        "docs/models says; at most 65536; run --verbose shows it)")
+                        "own, from its preprocessor_config.json (max_image_patches, or max_pixels) as its "
+                        "processor reads it, capped where docs/models says; at most 65536; run --verbose shows it)")
     p.add_argument("--low-memory", action="store_true",
                    help="keep no weights resident: load each layer while it runs (slow; for models "
                         "that do not fit in RAM)")
@@ -285,11 +286,21 @@ def check_media(a) -> None:
     for im in images:
         if not im.strip():
             raise EdgevlError("--image is empty; give an image file's path")
+        if im[:5].lower() == "data:":   # an image inline, as the API takes it
+            continue
+        shown = im if len(im) <= 200 else im[:200] + "..."
+        if (url := re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", im)) and url.group(1).lower() != "file":
+            raise EdgevlError(f"--image {shown}: {url.group(1)}:// URLs are not read; download the image and give "
+                              "its path")
         p = Path(file_url_path(im) if im.startswith("file://") else im)
-        if not is_demo_image(im) and not p.is_file():
-            raise EdgevlError(f"--image {im} is a folder; give an image file" if p.is_dir() else
-                              f"--image {im} is not a regular file (a FIFO or a device); give an image file"
-                              if p.exists() else f"image not found: {im} (--image); check the path")
+        try:
+            there, folder, exists = p.is_file(), p.is_dir(), p.exists()
+        except OSError:   # a name too long to be a file's
+            there = folder = exists = False
+        if not is_demo_image(im) and not there:
+            raise EdgevlError(f"--image {shown} is a folder; give an image file" if folder else
+                              f"--image {shown} is not a regular file (a FIFO or a device); give an image file"
+                              if exists else f"image not found: {shown} (--image); check the path")
     for v in videos:
         if not v.strip():
             raise EdgevlError("--video is empty; give a video file's (or a folder of frames') path")
@@ -321,15 +332,13 @@ def check_image_out(path: str | None, flag: str) -> None:
 def check_not_inputs(images: list, draw_boxes, demo_out) -> None:
     """--draw-boxes and --demo-out never write over an --image they read (by any spelling)."""
     from .boxes import box_image_paths
-    from .demo.scene_file import is_demo_image
+    from .demo.scene_file import demo_paths, is_demo_image
     from .processing.image import file_url_path
 
-    inputs = [Path(file_url_path(im) if im.startswith("file://") else im) for im in images if not is_demo_image(im)]
+    inputs = [Path(file_url_path(im) if im.startswith("file://") else im) for im in images
+              if not is_demo_image(im) and not im.startswith("data:")]
     outputs = [("--draw-boxes", p) for p in (box_image_paths(draw_boxes, len(images)) if draw_boxes else [])]
-    if demo_out:   # one scene goes to OUT, several to OUT-1, OUT-2 ...
-        out = Path(demo_out)
-        outputs += [("--demo-out", p) for p in [out, *(out.with_name(f"{out.stem}-{k + 1}{out.suffix or '.png'}")
-                                                      for k in range(len(images)))]]
+    outputs += [("--demo-out", p) for p in demo_paths(images, demo_out).values()]   # its default too
     for flag, out in outputs:
         for src in inputs:
             try:
@@ -490,6 +499,7 @@ def cmd_verify(a) -> int:
     check_model_args(a)
     check_image_out(a.demo_out, "--demo-out")
     check_media(a)
+    check_not_inputs(list(a.image or []), None, a.demo_out)
     model_path = resolve_model(a.model)
     check_package(model_path, a)
     ok = verify(model_path, a.reference, prompt=a.prompt, image=resolve_images(a) or None,

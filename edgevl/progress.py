@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -48,7 +49,7 @@ class Progress:
             if now - self._last < 0.1 and self.n < self.total:
                 return
             # one line however narrow the terminal: a redraw that wraps leaves a line per update
-            cols = shutil.get_terminal_size((100, 24)).columns - 1
+            cols = self._columns() - 1
             tail = (f"{pct:3d}% {self._fmt(self.n)}/{self._fmt(self.total)} {self._rate(rate)} eta {eta:4.0f}s")
             width = max(0, min(28, cols - len(self.desc) - len(tail) - 4))
             fill = int(width * pct / 100)
@@ -62,6 +63,16 @@ class Progress:
             self._last_pct = pct
         self.stream.flush()
         self._last = now
+
+    def _columns(self) -> int:
+        """The width of the terminal the bar is drawn on (its own stream's, not stdout's: a job's
+        output may go to a file); COLUMNS wins, as for shutil."""
+        if os.environ.get("COLUMNS", "").isdigit() and int(os.environ["COLUMNS"]) > 0:
+            return int(os.environ["COLUMNS"])
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return shutil.get_terminal_size((100, 24)).columns
 
     def close(self) -> None:
         if self.enabled and self.tty:

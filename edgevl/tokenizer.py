@@ -161,8 +161,9 @@ class Tokenizer:
     # -- chat ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
-            raise EdgevlError("this checkpoint has no chat template; pass a plain prompt with raw=True "
-                              "(or add chat_template.jinja to the model folder)")
+            raise EdgevlError("this checkpoint has no chat template, so chat messages cannot be rendered: send a "
+                              "plain prompt (raw=True in the API, run --raw, POST /v1/completions), or add the "
+                              "checkpoint's chat_template.jinja to its folder and convert again")
         self.compile_template()
         messages = one_system(messages)
         try:

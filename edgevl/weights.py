@@ -270,10 +270,11 @@ class Checkpoint:
                           "checkpoints (save the model with save_pretrained(safe_serialization=True))")
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        # a tensor the index names is there as far as the model is concerned: get() says where it is not
+        return name in self._tensors or name in self.weight_map
 
     def keys(self):
-        return self._tensors.keys()
+        return list(dict.fromkeys([*self._tensors, *self.weight_map]))   # in the files' order
 
     def get(self, name: str, shape=None) -> LazyTensor:
         t = self._tensors.get(name)

@@ -28,13 +28,18 @@ def demo_images(images, seed: int | None = None, out=None, first: int = 0) -> tu
     ``seed + first + k``, a random one without a seed. Scenes are saved to ``out`` (default
     demo_scene.png), or OUT-1.png, OUT-2.png ... (by image position) when there are several."""
     images = list(images)
-    out = Path(out or "demo_scene.png")
-    several = sum(map(is_demo_image, images)) > 1
     saved = []
-    for k, im in enumerate(images):
-        if is_demo_image(im):
-            path = out.with_name(f"{out.stem}-{first + k + 1}{out.suffix or '.png'}") if several else out
-            _, path = save_demo_scene(path, None if seed is None else seed + first + k)
-            images[k] = str(path)
-            saved.append(path)
+    for k, path in demo_paths(images, out, first).items():
+        _, path = save_demo_scene(path, None if seed is None else seed + first + k)
+        images[k] = str(path)
+        saved.append(path)
     return images, saved
+
+
+def demo_paths(images, out=None, first: int = 0) -> dict:
+    """Where ``demo_images`` saves each ``demo`` of ``images`` (by position)."""
+    out = Path(out or "demo_scene.png")
+    demos = [k for k, im in enumerate(images) if is_demo_image(im)]
+    if len(demos) == 1:
+        return {demos[0]: out}
+    return {k: out.with_name(f"{out.stem}-{first + k + 1}{out.suffix or '.png'}") for k in demos}

@@ -71,7 +71,7 @@ def load_image(image) -> Image.Image:
         return _to_rgb(image, "the image")
     if isinstance(image, str) and image.startswith("file://"):   # as a browser or a file manager copies it
         image = file_url_path(image)
-    if isinstance(image, str) and image.startswith("data:"):     # as the server's image_url parts take it
+    if isinstance(image, str) and image[:5].lower() == "data:":   # as the server's image_url parts take it
         image = data_url_bytes(image)
     if isinstance(image, str) and not image.strip():
         raise EdgevlError("The image path is empty; pass an image file's path.")

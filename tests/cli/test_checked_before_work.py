@@ -108,6 +108,11 @@ def test_image_paths_as_file_urls_and_fifos(workdir, tmp_path, monkeypatch, caps
     one_line_error(*cli(capsys, "run", "--image", (workdir / "gone.png").as_uri(), "--prompt", "hi")[::2],
                    "image not found")
     one_line_error(*cli(capsys, "run", "--image", "", "--prompt", "hi")[::2], "--image is empty")
+    one_line_error(*cli(capsys, "run", "--image", "https://example.com/a.png", "--prompt", "hi")[::2],
+                   "https:// URLs are not read")
+    code, err = cli(capsys, "run", "--image", "y" * 5000, "--prompt", "hi")[::2]
+    one_line_error(code, err, "image not found: " + "y" * 200 + "...")
+    assert len(err) < 400, len(err)
     one_line_error(*cli(capsys, "run", "--video", " ", "--prompt", "hi")[::2], "--video is empty")
     make_scene(1).image.save(workdir / "a b.png")
     with pytest.raises(AssertionError, match="a model was loaded"):     # checked, and taken: the model loads
@@ -132,6 +137,18 @@ def test_run_never_draws_over_its_input_image(workdir, tmp_path, monkeypatch, ca
     one_line_error(*cli(capsys, "run", "--image", "photo.png", "--image", "demo", "--prompt", "hi",
                         "--demo-out", "photo.png")[::2], "--demo-out photo.png is the input image")
     assert hashlib.sha256((workdir / "photo.png").read_bytes()).hexdigest() == before
+    # the scene's default name too, in run and verify
+    make_scene(2).image.save(workdir / "demo_scene.png")
+    for command in ("run", "verify"):
+        one_line_error(*cli(capsys, command, "--image", "demo_scene.png", "--image", "demo", "--prompt", "hi")[::2],
+                       "--demo-out demo_scene.png is the input image")
+    # OUT-1 is written only when there are several scenes: one scene beside an input named so is fine
+    from edgevl.cli import check_not_inputs
+    from edgevl.errors import EdgevlError
+
+    check_not_inputs(["demo", "scene-1.png"], None, "scene.png")
+    with pytest.raises(EdgevlError, match="--demo-out scene-2.png is the input image"):
+        check_not_inputs(["demo", "demo", "scene-2.png"], None, "scene.png")   # scene 2 (the second demo) goes there
 
 
 def test_serve_values_are_one_line(workdir, capsys):
