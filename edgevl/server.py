@@ -101,7 +101,7 @@ DECODE_BYTES = {"WEBP": 16, None: 8}
 DECODE_BUDGET = 1 << 30
 MAX_VIDEO_DECODE_GPX = 64.0   # one request's video decoding, in gigapixels of frames (~a minute of FFmpeg on a core)
 IDLE_TIMEOUT = 120              # seconds a silent client may hold its connection thread
-STALLED_STREAM = 30             # seconds a stream's client may read nothing: then it is taken as gone
+STALLED_STREAM = 60             # seconds a stream's write may wait (nginx's send_timeout): then the client is gone
 CUT_ANSWER_SECONDS = 3.0        # at a stop, for requests cut short to be told so (503) before exiting
 PIECE = 1 << 15                 # characters tokenized at a time to count a prompt: bounds the memory it takes
 NO_TOOLS = "tools go in the request's tools field, not in chat_template_kwargs; send them there"
@@ -1590,7 +1590,9 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._sent = self._chunked = True
         # a client that stops reading would hold its slot until the idle timeout: once the socket's
-        # buffers are full, a write waiting this long ends the answer as a hang-up does
+        # buffers are full, a write waiting this long ends the answer as a hang-up does. Not much
+        # shorter: a client reading slowly sees its window reopen only after it has read half its
+        # buffer (over 30 s at a few KB/s on loopback), and that must not count as a stall
         self.connection.settimeout(STALLED_STREAM)
 
     def _frame(self, data: bytes) -> bytes:

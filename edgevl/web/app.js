@@ -21,6 +21,8 @@
   let editing = null;        // {m, text, files}: the question being edited, as the edit has it
   let leaving = false;       // the page is closing: a failed read then is no unreachable server
   const unsaved = new Set(); // conversations the browser's storage could not hold (their ids)
+  const written = new Set(conversations.map((c) => c.id)); // conversations known to be in the storage
+  const deleted = new Set(); // ... that another tab deleted since: not written back
 
   function load(key, fallback) {
     try {
@@ -143,6 +145,12 @@
     // Only the conversation shown is written; the others are taken as the storage has them, so
     // two tabs never write over each other's conversations.
     const theirs = stored().find((c) => c.id === current.id);
+    if (!theirs && written.has(current.id)) {
+      // another tab deleted it (while this one was answering): the deletion stands
+      deleted.add(current.id);
+      renderMessages();
+      return;
+    }
     if (theirs && theirs.updated > seen) {
       // another tab wrote this conversation since this one read it (both asked at once): this
       // tab's turns are kept as a conversation of their own, not written over the other's
@@ -169,6 +177,7 @@
       for (const c of candidates) if (write([...kept, c])) kept.push(c);
     }
     seen = current.updated;
+    if (mine.length && kept.includes(current)) written.add(current.id);
     conversations = [...mine, ...kept.filter((c) => c.id !== current.id)];
     renderList();
   }
@@ -184,8 +193,12 @@
   window.addEventListener("storage", (e) => {
     if (e.key !== null && e.key !== STORE) return;
     const all = stored();
+    all.forEach((c) => written.add(c.id));
     const theirs = all.find((c) => c.id === current.id);
-    if (theirs && theirs.updated > seen && !busy && !editing) {
+    const last = theirs && theirs.messages[theirs.messages.length - 1];
+    // not while the other tab's question waits for its answer: asking here then would send that
+    // question too; this tab's turns then go to a conversation of their own (save)
+    if (theirs && theirs.updated > seen && !busy && !editing && !(last && last.role === "user")) {
       // the other tab went on with the conversation shown here: show its turns (this tab's
       // next question then follows them instead of writing over them)
       current = theirs;
@@ -248,6 +261,7 @@
     if (e.key === "Escape") document.body.classList.remove("show-chats");
   });
   document.addEventListener("click", (e) => {
+    if (!document.contains(e.target)) return;   // a button the click redrew away (a list entry's ×): inside
     if (document.body.classList.contains("show-chats") && !$("sidebar").contains(e.target)
         && e.target !== $("chats-button")) document.body.classList.remove("show-chats");
   });
@@ -459,6 +473,7 @@
     }
     current.messages.forEach((m, i) => box.append(renderMessage(m, i)));
     if (unsaved.has(current.id)) box.append(el("div", "note", "This conversation is too large for the browser's storage (its images): it will not be kept after a reload."));
+    if (deleted.has(current.id)) box.append(el("div", "note", "This conversation was deleted in another tab: it will not be kept after a reload."));
     if (atEnd || busy) box.scrollTop = box.scrollHeight;
   }
 
@@ -597,7 +612,8 @@
     const filesNow = Array.isArray(asked.content) && asked.content.some((p) => p.type !== "text");
     const filesBefore = turns.slice(0, -1).some((x) => Array.isArray(x.content) && x.content.some((p) => p.type !== "text"));
     if (/maximum context length/.test(why)) {
-      return "The conversation so far fills this model's context: start a New chat (or Edit an earlier question).";
+      return "If the earlier turns fill the context, start a New chat (or Edit an earlier question); if this "
+        + "question alone is too long, shorten it.";
     }
     if (!filesNow && filesBefore && /image|video|frame|clip/i.test(why)) {
       return "A file of an earlier turn is the cause: start a New chat (or Edit that question and remove the file).";
@@ -732,8 +748,16 @@
     if (type === "image/png" && bytes.length >= 24 && ihdr) return [u32(16), u32(20)];
     if (type === "image/gif" && bytes.length >= 10) return [u16(6, true), u16(8, true)];
     if (type === "image/bmp" && bytes.length >= 26) return [u32(18, true), Math.abs(u32(22, true) | 0)];
-    if (type === "image/webp" && bytes.length >= 30 && bytes[15] === 0x58) {   // VP8X: 24-bit sizes less one
-      return [1 + bytes[24] + (bytes[25] << 8) + (bytes[26] << 16), 1 + bytes[27] + (bytes[28] << 8) + (bytes[29] << 16)];
+    if (type === "image/webp" && bytes.length >= 25) {
+      const chunk = String.fromCharCode(bytes[12], bytes[13], bytes[14], bytes[15]);
+      if (chunk === "VP8X" && bytes.length >= 30) {   // 24-bit sizes less one
+        return [1 + bytes[24] + (bytes[25] << 8) + (bytes[26] << 16), 1 + bytes[27] + (bytes[28] << 8) + (bytes[29] << 16)];
+      }
+      if (chunk === "VP8L" && bytes[20] === 0x2f) {   // lossless: 14-bit sizes less one, packed
+        const b = bytes[21] | bytes[22] << 8 | bytes[23] << 16 | bytes[24] << 24;
+        return [1 + (b & 0x3fff), 1 + ((b >>> 14) & 0x3fff)];
+      }
+      if (chunk === "VP8 " && bytes.length >= 30) return [u16(26, true) & 0x3fff, u16(28, true) & 0x3fff];   // lossy
     }
     if (type === "image/jpeg") {
       for (let i = 2; i + 9 < bytes.length && bytes[i] === 0xff;) {

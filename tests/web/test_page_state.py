@@ -202,3 +202,68 @@ def test_escape_or_a_tap_beside_closes_the_narrow_screens_list(driver, demo):
         assert not sidebar.is_displayed()
     finally:
         driver.set_window_size(size["width"], size["height"])
+
+
+HANG = """
+const real = window.fetch;
+window.fetch = function (url, opts) {   // the answer never comes, until window.finish() ends the stream
+  if (!String(url).includes('chat/completions')) return real.apply(this, arguments);
+  return new Promise((_, reject) => { window.finish = () => reject(new TypeError('network error')); });
+};
+"""
+
+
+def test_a_second_tab_neither_takes_a_waiting_question_nor_undoes_a_delete(driver, demo):
+    open_page(driver, demo.url, demo.model_id)
+    set_settings(driver, max_tokens=3)
+    ask(driver, "Q1")
+    wait_answer(driver, 1)
+    first = driver.current_window_handle
+    driver.switch_to.new_window("tab")
+    try:
+        open_page(driver, demo.url, demo.model_id, keep_storage=True)
+        second = driver.current_window_handle
+        driver.switch_to.window(first)
+        driver.execute_script(HANG)
+        ask(driver, "Waiting in the first tab")   # saved at once, its answer still to come
+        wait(lambda: driver.find_elements("css selector", ".msg.assistant[data-state='streaming']"), 10, "the answer")
+        driver.switch_to.window(second)
+        driver.execute_script(RECORD)
+        ask(driver, "Asked in the second tab")
+        wait_answer(driver, 2)
+        body = driver.execute_script("return window.sent")[-1]
+        asked = [m["content"] for m in body["messages"] if m["role"] == "user"]
+        assert asked == ["Q1", "Asked in the second tab"], asked   # not the other tab's waiting question
+        # the second tab deletes the first tab's conversation while it waits for its answer
+        mine = driver.execute_script("return localStorage.getItem('edgevl.conversations')")
+        theirs = [c for c in json.loads(mine) if "Waiting in the first tab" in questions(c)]
+        assert len(theirs) == 1
+        driver.execute_script("""
+            const l = JSON.parse(localStorage.getItem('edgevl.conversations'));
+            localStorage.setItem('edgevl.conversations', JSON.stringify(l.filter((c) => c.id !== arguments[0])));""",
+                              theirs[0]["id"])
+        driver.switch_to.window(first)
+        driver.execute_script("window.finish()")
+        wait(lambda: driver.find_elements("css selector", ".msg.assistant[data-state='done']"), 10, "the end")
+        assert not [c for c in stored(driver) if "Waiting in the first tab" in questions(c)]   # stays deleted
+        notes = [text_of(n) for n in driver.find_elements("css selector", "#messages > .note")]
+        assert any("deleted in another tab" in n for n in notes), notes
+    finally:
+        driver.switch_to.window(first)
+        for h in driver.window_handles:
+            if h != first:
+                driver.switch_to.window(h)
+                driver.close()
+        driver.switch_to.window(first)
+
+
+def test_a_lossless_webp_past_the_servers_pixels_is_named_by_its_size(driver, demo, tmp_path):
+    # a VP8L header claiming 16000x16000 (the size sits in its first bytes; no pixels follow)
+    bits = (16000 - 1) | (16000 - 1) << 14
+    body = b"VP8L" + (5).to_bytes(4, "little") + bytes([0x2F]) + bits.to_bytes(4, "little")
+    webp = tmp_path / "big.webp"
+    webp.write_bytes(b"RIFF" + (4 + len(body)).to_bytes(4, "little") + b"WEBP" + body)
+    open_page(driver, demo.url, demo.model_id)
+    attach(driver, webp)
+    note = wait(lambda: text_of(driver.find_element("id", "file-note")), 20, "the note")
+    assert "16000x16000 pixels" in note, note
