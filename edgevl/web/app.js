@@ -144,7 +144,8 @@
   function save() {
     // Only the conversation shown is written; the others are taken as the storage has them, so
     // two tabs never write over each other's conversations.
-    const theirs = stored().find((c) => c.id === current.id);
+    const all = stored();   // read once: with its images it may be megabytes of JSON
+    const theirs = all.find((c) => c.id === current.id);
     if (!theirs && written.has(current.id)) {
       // another tab deleted it (while this one was answering): the deletion stands
       deleted.add(current.id);
@@ -159,7 +160,6 @@
     current.updated = Math.max(Date.now(), seen + 1);
     const first = current.messages.find((m) => m.role === "user");
     current.title = first ? (first.text.trim().split("\n")[0] || first.files.map((f) => f.name).join(", ")).slice(0, 60) : "";
-    const all = stored();
     const before = all.find((c) => c.id === current.id);
     const others = all.filter((c) => c.id !== current.id).sort((a, b) => b.updated - a.updated);
     const mine = current.messages.length ? [current] : [];
@@ -272,8 +272,7 @@
     // (as requestBody sent them: a turn the server refused was left out, with its files)
     const out = [];
     current.messages.slice(0, index).forEach((m, k) => {
-      const next = current.messages[k + 1];
-      if (m.role === "user" && !(next && next.refused)) m.files.forEach((f) => { if (f.kind === "image") out.push(f); });
+      if (m.role === "user" && !leftOut(current.messages, k)) m.files.forEach((f) => { if (f.kind === "image") out.push(f); });
     });
     return out;
   }
@@ -489,14 +488,18 @@
   }
 
   // -- sending -------------------------------------------------------------------------------------
+  function leftOut(messages, k) {
+    // a question the server refused (its files, its length) would be refused again: it is left
+    // out of the requests after it, with its error (not the one being asked now: no answer yet)
+    const next = messages[k + 1];
+    return messages[k].role === "user" && !!next && !!next.refused;
+  }
+
   function requestBody(messages) {
     const out = [];
     if ((settings.system || "").trim()) out.push({ role: "system", content: settings.system });
     messages.forEach((m, k) => {
-      const next = messages[k + 1];
-      // a turn the server refused (its files, its length) would be refused again: it is left out
-      // with its error, unless it is the one being asked now
-      if (m.role === "user" && next && next.refused) return;
+      if (leftOut(messages, k)) return;
       if (m.role === "user") {
         const parts = m.files.map((f) => f.kind === "video"
           ? { type: "video_url", video_url: { url: f.url } }
@@ -608,9 +611,9 @@
     // a refusal the earlier turns cause would meet every later question too: say so
     const turns = body.messages.filter((x) => x.role !== "system");
     if (turns.length < 2) return undefined;
-    const asked = turns[turns.length - 1];
-    const filesNow = Array.isArray(asked.content) && asked.content.some((p) => p.type !== "text");
-    const filesBefore = turns.slice(0, -1).some((x) => Array.isArray(x.content) && x.content.some((p) => p.type !== "text"));
+    const hasFiles = (x) => Array.isArray(x.content) && x.content.some((p) => p.type !== "text");
+    const filesNow = hasFiles(turns[turns.length - 1]);
+    const filesBefore = turns.slice(0, -1).some(hasFiles);
     if (/maximum context length/.test(why)) {
       return "If the earlier turns fill the context, start a New chat (or Edit an earlier question); if this "
         + "question alone is too long, shorten it.";
