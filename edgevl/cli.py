@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -278,7 +277,7 @@ def check_media(a) -> None:
     """--image and --video name files that are there (``demo`` draws a scene; a video may also be a
     folder of frames)."""
     from .demo.scene_file import is_demo_image
-    from .processing.image import file_url_path
+    from .processing.image import local_path, shorten, url_scheme
 
     images = a.image if isinstance(a.image, list) else [a.image] if a.image else []
     video = getattr(a, "video", None)
@@ -288,11 +287,10 @@ def check_media(a) -> None:
             raise EdgevlError("--image is empty; give an image file's path")
         if im[:5].lower() == "data:":   # an image inline, as the API takes it
             continue
-        shown = im if len(im) <= 200 else im[:200] + "..."
-        if (url := re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", im)) and url.group(1).lower() != "file":
-            raise EdgevlError(f"--image {shown}: {url.group(1)}:// URLs are not read; download the image and give "
-                              "its path")
-        p = Path(file_url_path(im) if im.startswith("file://") else im)
+        shown = shorten(im)
+        if (scheme := url_scheme(im)) and scheme.lower() != "file":
+            raise EdgevlError(f"--image {shown}: {scheme}:// URLs are not read; download the image and give its path")
+        p = Path(local_path(im))
         try:
             there, folder, exists = p.is_file(), p.is_dir(), p.exists()
         except OSError:   # a name too long to be a file's
@@ -333,9 +331,9 @@ def check_not_inputs(images: list, draw_boxes, demo_out) -> None:
     """--draw-boxes and --demo-out never write over an --image they read (by any spelling)."""
     from .boxes import box_image_paths
     from .demo.scene_file import demo_paths, is_demo_image
-    from .processing.image import file_url_path
+    from .processing.image import local_path
 
-    inputs = [Path(file_url_path(im) if im.startswith("file://") else im) for im in images
+    inputs = [Path(local_path(im)) for im in images
               if not is_demo_image(im) and not im.startswith("data:")]
     outputs = [("--draw-boxes", p) for p in (box_image_paths(draw_boxes, len(images)) if draw_boxes else [])]
     outputs += [("--demo-out", p) for p in demo_paths(images, demo_out).values()]   # its default too

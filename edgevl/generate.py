@@ -178,13 +178,13 @@ def _payload(part: dict, kind: str):
         return url
     if url.startswith(("http://", "https://")):
         raise EdgevlError(f"{kind} URLs are not fetched; download the file and give its path or bytes")
-    from .processing.image import data_url_bytes, file_url_path
+    from .processing.image import data_url_bytes, local_path
 
     if url.startswith("data:"):
         if kind != "image":
             raise EdgevlError("a video is given by its file's path, not a data: URL")
         return data_url_bytes(url)
-    return file_url_path(url) if url.startswith("file://") else url
+    return local_path(url)
 
 
 def _video_groups(tok, model, infos):

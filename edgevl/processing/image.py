@@ -69,14 +69,14 @@ def load_image(image) -> Image.Image:
                 f"Could not decode the image ({type(e).__name__}: {e}); re-save it as PNG or JPEG."
             ) from None
         return _to_rgb(image, "the image")
-    if isinstance(image, str) and image.startswith("file://"):   # as a browser or a file manager copies it
-        image = file_url_path(image)
-    if isinstance(image, str) and image[:5].lower() == "data:":   # as the server's image_url parts take it
-        image = data_url_bytes(image)
-    if isinstance(image, str) and not image.strip():
-        raise EdgevlError("The image path is empty; pass an image file's path.")
-    if isinstance(image, str) and (url := re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", image)):
-        raise EdgevlError(f"{url.group(1)}:// URLs are not read here; download the image and give its path.")
+    if isinstance(image, str):
+        image = local_path(image)   # a file:// URL, as a browser or a file manager copies it
+        if image[:5].lower() == "data:":   # as the server's image_url parts take it
+            image = data_url_bytes(image)
+        elif not image.strip():
+            raise EdgevlError("The image path is empty; pass an image file's path.")
+        elif scheme := url_scheme(image):
+            raise EdgevlError(f"{scheme}:// URLs are not read here; download the image and give its path.")
     if isinstance(image, (str, os.PathLike)):
         return _open_path(Path(image))
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -114,14 +114,30 @@ def file_url_path(url: str) -> str:
     return unquote(u.path)
 
 
+def local_path(text: str) -> str:
+    """``text`` as a local path: a ``file://`` URL's path, anything else as it is."""
+    return file_url_path(text) if text.startswith("file://") else text
+
+
+def url_scheme(text: str) -> str | None:
+    """The scheme of a URL (``https`` of ``https://...``); None for a path."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]+)://", text)
+    return m.group(1) if m else None
+
+
+def shorten(text, n: int = 200) -> str:
+    """A user's string fit for a one-line message (a path may be a whole pasted data URL)."""
+    text = str(text)
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def _open_path(path: Path) -> Image.Image:
     try:
         found = path.exists()
     except OSError:   # a name too long to be a file's, say
         found = False
     if not found:
-        shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
-        raise EdgevlError(f"Image file not found: {shown}; check the path.")
+        raise EdgevlError(f"Image file not found: {shorten(path)}; check the path.")
     if path.is_dir():
         raise EdgevlError(f"Image path is a directory, not a file: {path}; pass an image file.")
     try:
