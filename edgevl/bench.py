@@ -534,7 +534,7 @@ def bench_cli(a) -> int:
             if getattr(a, "low_memory", False) and p == target:   # its low-memory row, refused before any run
                 check_load_options(p, low_memory=True, options=opts)
     main_dtype = "bf16"   # the first package's, which the torch row matches
-    tag = "".join(f" {k.replace('_', '-')} {v:g}" if isinstance(v, (int, float)) else f" {k.replace('_', '-')} {v}"
+    tag = "".join(f" {k.replace('_', '-')} {format(v, 'g') if isinstance(v, (int, float)) else v}"
                   for k, v in opts.items())
     if (target / "manifest.json").is_file():
         m = read_manifest(target)

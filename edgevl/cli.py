@@ -195,7 +195,7 @@ def load_for(a, path):
 
 def runtime_option_values(a) -> dict:
     """The load-time options given on the command line (for ``load(..., options=)``)."""
-    from .model import SPECULATIVE_OPTIONS
+    from .blocks.vocabulary import SPECULATIVE_OPTIONS
 
     names = [*SPECULATIVE_OPTIONS, *_runtime_options()]
     return {name: getattr(a, name) for name in names if getattr(a, name, None) is not None}

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import models, speculative
+from .blocks.vocabulary import SPECULATIVE_OPTIONS
 from .errors import EdgevlError
 from .models.protocol import PackageView
 from .owner import Lease
@@ -41,8 +42,6 @@ from .tokenizer import Tokenizer
 # hybrid delta-rule model's 1000-token prefill: 0.24 GB of activations against 0.40-0.50 GB;
 # docs/benchmarks.md, section 6).
 PREFILL_CHUNK = 512
-# load options of the runtime itself (not of an architecture): speculative decoding
-SPECULATIVE_OPTIONS = ("speculative", "draft_tokens", "draft_vocab")
 RELEASE_TRIM_BYTES = 64 << 20
 # encoded images (and video files) kept for the next request that sends the same one again (a chat
 # client resends the whole conversation, its image included, every turn), ``image_cache_mb`` load

@@ -40,6 +40,10 @@ class RuntimeOption:
     minimum: float | None = None
 
 
+# load options of the runtime itself, beside every architecture's own: speculative decoding
+SPECULATIVE_OPTIONS = ("speculative", "draft_tokens", "draft_vocab")
+
+
 # llama.cpp's GGUF type for each package dtype (q8: per-row int8 against q8_0's 32-blocks)
 GGUF_OF_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "q8": "q8_0"}
 

@@ -37,7 +37,7 @@ import numpy as np
 
 # the vocabulary blocks share lives below them; its users keep importing it from here
 from ..blocks.vocabulary import GGUF_OF_DTYPE as GGUF_OF_DTYPE
-from ..blocks.vocabulary import BenchProfile, Option, RuntimeOption
+from ..blocks.vocabulary import SPECULATIVE_OPTIONS, BenchProfile, Option, RuntimeOption
 from ..errors import EdgevlError
 
 # the vision tower's precision, a conversion option of every architecture with a tower
@@ -148,7 +148,7 @@ class Architecture:
             opt = known.get(k)
             if opt is None:
                 flag = "--" + k.replace("_", "-")
-                every = [*known, "speculative", "draft_tokens", "draft_vocab"]   # load() takes these beside
+                every = [*known, *SPECULATIVE_OPTIONS]   # load() takes these beside
                 raise EdgevlError(f"{self.name} models have no option {k!r} ({flag}); they have: {', '.join(every)}")
             try:
                 if isinstance(v, bool) or (opt.type is int and isinstance(v, float) and not v.is_integer()):
