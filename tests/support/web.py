@@ -135,3 +135,19 @@ def set_settings(driver, **values):
         field.send_keys(str(v))
     driver.find_element("id", "settings-close").click()
     wait(lambda: not driver.find_element("id", "settings").get_attribute("open"), 5, "the settings to close")
+
+
+# every request body the page sends, kept in the page (window.sent)
+RECORD = """
+window.sent = [];
+const real = window.fetch;
+window.fetch = function (url, opts) {
+  if (String(url).includes('chat/completions')) window.sent.push(JSON.parse(opts.body));
+  return real.apply(this, arguments);
+};
+"""
+
+
+def stored(driver) -> list:
+    """The conversations the page keeps in the browser's local storage."""
+    return json.loads(driver.execute_script("return localStorage.getItem('edgevl.conversations')") or "[]")

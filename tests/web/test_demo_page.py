@@ -5,7 +5,6 @@ API key; model text and file names never become HTML; nothing is fetched from ou
 
 import base64
 import dataclasses
-import json
 
 import pytest
 
@@ -13,7 +12,18 @@ from edgevl import server as server_module
 from edgevl.demo.scenes import make_scene
 from support.clips import save_animation, small_frames
 from support.server import post
-from support.web import answers, ask, attach, open_page, requested_urls, set_settings, text_of, wait, wait_answer
+from support.web import (
+    answers,
+    ask,
+    attach,
+    open_page,
+    requested_urls,
+    set_settings,
+    stored,
+    text_of,
+    wait,
+    wait_answer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +53,6 @@ def user(text, *images):
         return {"role": "user", "content": text}
     return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": data_url(p)}} for p in images),
                                         {"type": "text", "text": text}]}
-
-
-def stored(driver):
-    """The conversations the page keeps in the browser's local storage."""
-    return json.loads(driver.execute_script("return localStorage.getItem('edgevl.conversations')") or "[]")
 
 
 def test_image_question_answers_as_the_api_turn_after_turn(driver, demo, scenes):

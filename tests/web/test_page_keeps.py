@@ -10,21 +10,7 @@ import json
 from PIL import Image
 
 from edgevl.demo.scenes import make_scene
-from support.web import ask, attach, open_page, set_settings, text_of, wait, wait_answer
-
-# every request body the page sends, kept in the page (window.sent)
-RECORD = """
-window.sent = [];
-const real = window.fetch;
-window.fetch = function (url, opts) {
-  if (String(url).includes('chat/completions')) window.sent.push(JSON.parse(opts.body));
-  return real.apply(this, arguments);
-};
-"""
-
-
-def stored(driver):
-    return json.loads(driver.execute_script("return localStorage.getItem('edgevl.conversations')") or "[]")
+from support.web import RECORD, ask, attach, open_page, set_settings, stored, text_of, wait, wait_answer
 
 
 def texts(body):

@@ -4,24 +4,12 @@ answer streams, a history that fills the context, files the browser cannot show 
 refuse, and the narrow screen's list of conversations."""
 
 import json
+from contextlib import contextmanager
 
 from PIL import Image
 
 from edgevl.demo.scenes import make_scene
-from support.web import answers, ask, attach, open_page, set_settings, text_of, wait, wait_answer
-
-RECORD = """
-window.sent = [];
-const real = window.fetch;
-window.fetch = function (url, opts) {
-  if (String(url).includes('chat/completions')) window.sent.push(JSON.parse(opts.body));
-  return real.apply(this, arguments);
-};
-"""
-
-
-def stored(driver):
-    return json.loads(driver.execute_script("return localStorage.getItem('edgevl.conversations')") or "[]")
+from support.web import RECORD, answers, ask, attach, open_page, set_settings, stored, text_of, wait, wait_answer
 
 
 def questions(conv):
@@ -34,16 +22,29 @@ def scene(tmp_path, seed=37, suffix=".png"):
     return path
 
 
-def test_a_second_tab_goes_on_from_the_first_tabs_turns(driver, demo):
+@contextmanager
+def two_tabs(driver, demo, question):
+    """``question`` asked and answered in this tab, then a second tab opened, which shows the most
+    recent conversation: the same one. Yields both tabs' handles; the second is closed after."""
     open_page(driver, demo.url, demo.model_id)
     set_settings(driver, max_tokens=3)
-    ask(driver, "Q1 from the first tab")
+    ask(driver, question)
     wait_answer(driver, 1)
     first = driver.current_window_handle
-    driver.switch_to.new_window("tab")   # opens on the most recent conversation: the same one
+    driver.switch_to.new_window("tab")
     try:
         open_page(driver, demo.url, demo.model_id, keep_storage=True)
-        second = driver.current_window_handle
+        yield first, driver.current_window_handle
+    finally:
+        for h in driver.window_handles:
+            if h != first:
+                driver.switch_to.window(h)
+                driver.close()
+        driver.switch_to.window(first)
+
+
+def test_a_second_tab_goes_on_from_the_first_tabs_turns(driver, demo):
+    with two_tabs(driver, demo, "Q1 from the first tab") as (first, second):
         driver.switch_to.window(first)
         ask(driver, "Q2 from the first tab")
         wait_answer(driver, 2)
@@ -53,10 +54,6 @@ def test_a_second_tab_goes_on_from_the_first_tabs_turns(driver, demo):
         wait_answer(driver, 3)
         (conv,) = stored(driver)
         assert questions(conv) == ["Q1 from the first tab", "Q2 from the first tab", "Q3 from the second tab"]
-    finally:
-        if driver.current_window_handle != first:
-            driver.close()
-        driver.switch_to.window(first)
 
 
 def test_turns_asked_in_two_tabs_at_once_are_both_kept(driver, demo):
@@ -214,15 +211,7 @@ window.fetch = function (url, opts) {   // the answer never comes, until window.
 
 
 def test_a_second_tab_neither_takes_a_waiting_question_nor_undoes_a_delete(driver, demo):
-    open_page(driver, demo.url, demo.model_id)
-    set_settings(driver, max_tokens=3)
-    ask(driver, "Q1")
-    wait_answer(driver, 1)
-    first = driver.current_window_handle
-    driver.switch_to.new_window("tab")
-    try:
-        open_page(driver, demo.url, demo.model_id, keep_storage=True)
-        second = driver.current_window_handle
+    with two_tabs(driver, demo, "Q1") as (first, second):
         driver.switch_to.window(first)
         driver.execute_script(HANG)
         ask(driver, "Waiting in the first tab")   # saved at once, its answer still to come
@@ -248,13 +237,6 @@ def test_a_second_tab_neither_takes_a_waiting_question_nor_undoes_a_delete(drive
         assert not [c for c in stored(driver) if "Waiting in the first tab" in questions(c)]   # stays deleted
         notes = [text_of(n) for n in driver.find_elements("css selector", "#messages > .note")]
         assert any("deleted in another tab" in n for n in notes), notes
-    finally:
-        driver.switch_to.window(first)
-        for h in driver.window_handles:
-            if h != first:
-                driver.switch_to.window(h)
-                driver.close()
-        driver.switch_to.window(first)
 
 
 def test_a_lossless_webp_past_the_servers_pixels_is_named_by_its_size(driver, demo, tmp_path):
