@@ -152,6 +152,16 @@ def _children(pid):
     return kids
 
 
+def _workers():
+    """This process's live worker processes (multiprocessing's spawned children)."""
+    out = []
+    for p in _children(os.getpid()):
+        with contextlib.suppress(OSError):   # a child may be gone between the listing and this read
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                out.append(p)
+    return out
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigkill_half_way_then_rerun_gives_exactly_30_rows(pkg, scenes, reference, tmp_path, workers):
     """A real SIGKILL of the job half-way; the rerun skips what is done. With 2 workers the worker
@@ -629,7 +639,7 @@ def test_a_crashed_worker_fails_only_its_row(pkg, scenes, reference, tmp_path):
     out = tmp_path / "out.jsonl"
     gen = edgevl.batch(pkg, folder, PROMPT, output=out, workers=2, threads=1)
     rows = [next(gen)]
-    spawned = [p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    spawned = _workers()
     assert len(spawned) == 2
     os.kill(spawned[0], signal.SIGKILL)
     rows += list(gen)  # the job goes on with a replacement worker
@@ -656,7 +666,7 @@ def test_workers_that_died_between_rows_are_replaced(pkg, scenes, reference, tmp
     folder, _ = scenes
     gen = edgevl.batch(pkg, folder, PROMPT, output=tmp_path / "out.jsonl", workers=2, threads=1)
     rows = [next(gen)]
-    spawned = [p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    spawned = _workers()
     assert len(spawned) == 2
     for pid in spawned:
         _killed(pid)
@@ -677,17 +687,17 @@ def test_workers_killed_while_loading_are_replaced_once_the_model_has_loaded(pkg
     gen = edgevl.batch(pkg, folder, PROMPT, output=tmp_path / "out.jsonl", workers=2, threads=1)
     rows = [next(gen)]
 
-    def spawned():
-        return {p for p in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()}
-
-    first = spawned()
+    first = set(_workers())
     assert len(first) == 2
     killed, stop = [], threading.Event()
 
     def kill_replacements():  # each new worker as it appears, still loading, until two are gone
         while len(killed) < 2 and not stop.is_set():
-            for pid in sorted(spawned() - first - set(killed))[:2 - len(killed)]:
-                os.kill(pid, signal.SIGKILL)
+            for pid in sorted(set(_workers()) - first - set(killed))[:2 - len(killed)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
                 killed.append(pid)
             time.sleep(0.005)
 
