@@ -841,8 +841,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         a, extra = parser.parse_known_args(argv)  # value types raise EdgevlError (one line) as the commands do
-        if extra:   # the command's own usage, not the top level's, names what it takes
-            parser.commands[a.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:   # the usage of the part they were given to: the command's, or the top level's before it
+            args = sys.argv[1:] if argv is None else list(argv)
+            before = args[:args.index(a.cmd)] if a.cmd in args else []
+            (parser if set(extra) & set(before) else parser.commands[a.cmd]).error(
+                f"unrecognized arguments: {' '.join(extra)}")
         return a.fn(a)
     except EdgevlError as e:
         msg = " ".join(str(e).splitlines())  # one line, whatever text a hostile input put in it

@@ -56,6 +56,16 @@ def test_an_unknown_option_shows_the_commands_own_usage(no_cache, capsys, comman
     assert nothing_written(no_cache)
 
 
+def test_an_unknown_option_before_the_command_shows_the_top_level_usage(no_cache, capsys):
+    """``edgevl --bogus run ...``: the option was given to edgevl itself, not to run."""
+    with pytest.raises(SystemExit) as e:
+        edgevl_cli.main(["--bogus", *COMMANDS["run"]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: edgevl [-h]"), err
+    assert err.rstrip().endswith("edgevl: error: unrecognized arguments: --bogus"), err
+    assert nothing_written(no_cache)
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 @pytest.mark.parametrize("command", ["run", "bench"])
 def test_edgevl_threads_zero_or_negative_is_refused_before_any_work(no_cache, capsys, monkeypatch, command, value):
