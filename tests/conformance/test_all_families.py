@@ -193,11 +193,19 @@ def test_a_forward_interrupted_midway_leaves_a_whole_cache(built, name):
 TOLERANCE = {"bf16": (0.94, 0.96, 0.45), "q8": (0.90, 0.96, 0.80)}   # top-1, cosine, gap
 
 
+# Training steps: 250, but 150 for youtu_moe, whose steps take ~3x as long in transformers (its
+# 250 steps took 80 s, the suite's slowest test). Over seeds 11-15 (AVX2) it kept top-1 >= 0.990, cosine >= 0.992
+# and gaps <= 0.031 at 150 steps in bf16 and q8. 150 is not enough for qwen3_5_moe (one seed of
+# five fell to 0.93 top-1 and 0.94 cosine).
+TRAIN_STEPS = {"youtu_moe": 150}
+
+
 def trained_checkpoint(name: str, folder, seed: int = 11):
     """The briefly trained bf16 checkpoint of ``name``'s first tiny variant (real checkpoints
     ship bf16 weights, which a bf16 conversion keeps exactly)."""
     fam = verification.get(name)
-    return fam.make_tiny(folder, next(iter(fam.tiny_variants), None), seed=seed, dtype="bf16", train_steps=250)
+    return fam.make_tiny(folder, next(iter(fam.tiny_variants), None), seed=seed, dtype="bf16",
+                         train_steps=TRAIN_STEPS.get(name, 250))
 
 
 @pytest.fixture(scope="module")

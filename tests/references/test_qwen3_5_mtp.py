@@ -205,7 +205,7 @@ def _chat_prompts(ck):
 def trained_mtp(tmp_path_factory):
     """{family: (reference, [(prompt, greedy continuation)])}: a briefly trained main model and MTP block."""
     out = {}
-    for family, fam, ck in _tiny_checkpoints(tmp_path_factory, "mtp-trained", 31, 2, train_steps=100,
+    for family, fam, ck in _tiny_checkpoints(tmp_path_factory, "mtp-trained", 31, 2, train_steps=50,
                                              mtp_train_steps=MTP_TRAIN_STEPS):
         ref = fam.reference(ck)
         out[family] = (ref, [(p, ref.greedy(p, N_NEW)) for p in _chat_prompts(ck)])

@@ -116,7 +116,7 @@ def test_config_files(tmp_path):
 def test_only_sampled_frames_are_read_and_kept(tmp_path, monkeypatch):
     """A long clip: the reader is asked for the sampled frames only, and only they are kept."""
     asked = []
-    clip = vid.Clip(9000, 30.0, 1280, 720, lambda idx: ((asked.append(i), (i, Image.new("RGB", (1280, 720))))[1]
+    clip = vid.Clip(9000, 30.0, 320, 180, lambda idx: ((asked.append(i), (i, Image.new("RGB", (320, 180))))[1]
                                                          for i in idx))
     monkeypatch.setattr(vid, "open_clip", lambda v: clip)
     s = vid.load_video("x", vid.VideoConfig(max_pixels=600 * 32 * 32))
