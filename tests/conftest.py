@@ -30,3 +30,32 @@ torch.set_num_threads(1)
 import edgevl.blocks.base as _base  # noqa: E402
 
 _base.HEAD_SHARD_ROWS = 128
+
+
+# The suite runs on two pytest-xdist workers (README: `-n 2`), one core each. A test marked
+# ``alone`` asserts a speed ratio or a time bound that another test's work beside it would skew:
+# it takes an exclusive lock that every other test holds shared, from its fixtures' set-up to its
+# teardown, so it starts once the other worker's test ends and none starts until it is done.
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: runs while no other test runs (a timing or speed assertion)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not hasattr(item.config, "workerinput"):   # one process: nothing runs beside a test
+        yield
+        return
+    # xdist gives each worker a folder inside the run's own temporary folder, which pytest cleans
+    with open(os.path.join(os.path.dirname(item.config.option.basetemp), "alone.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(f, fcntl.LOCK_UN)

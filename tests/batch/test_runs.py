@@ -725,7 +725,7 @@ def test_ray_address_of_a_running_cluster(pkg, scenes, reference, tmp_path):
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # Ray's own switch for a loopback-only node
                RAY_AUTH_MODE="token")  # the head's token (~/.ray/auth_token) lets the driver in
     head = subprocess.Popen(
-        [sys.executable, "-c", "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, "
+        [sys.executable, "-c", "import ray, sys; ray.init(address='local', num_cpus=2, include_dashboard=False, "
          "_node_ip_address='127.0.0.1', logging_level='ERROR'); "
          "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

@@ -299,6 +299,7 @@ def decode_rate(model, n: int = 48) -> float:
     return got / (time.perf_counter() - t)
 
 
+@pytest.mark.alone
 def test_decoding_from_another_thread_is_as_fast_as_from_the_loading_thread(tmp_path):
     """A 512-wide bf16 model on 2 threads (small enough to build in seconds, wide enough for
     OpenMP to matter): the API decoding from a threading.Thread against the main thread, side

@@ -67,6 +67,7 @@ def long_generation(endless):
     assert wait_for(lambda: not endless.gate.locked(), 5) is not None
 
 
+@pytest.mark.alone
 def test_text_bomb_is_refused_fast_in_bounded_memory(tmp_path):
     """8 MB of text in one message (under the 20 MB body limit): was tokenized whole with the
     model held (8 M tokens: 2 GB more memory, seconds during which the tokenizer held the GIL and
@@ -105,6 +106,7 @@ def test_text_bomb_is_refused_fast_in_bounded_memory(tmp_path):
     assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 
+@pytest.mark.alone
 def test_prompt_over_the_context_is_refused_without_waiting_for_the_model(long_generation):
     """A prompt short enough to be counted but longer than the context: refused from its token
     count while another request holds the model (it used to queue behind it, to be refused by
