@@ -100,8 +100,15 @@ def check_output(out_dir: Path, overwrite: bool, protected=()) -> None:
                               "there — choose an output folder outside the checkpoint")
 
 
-# hidden work folders next to the output: .NAME.partial-PID (being written), .NAME.old-PID (replaced)
-_WORK_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>[0-9]{1,9})$")
+# hidden work folders next to the output: .NAME.partial-PID.N (being written), .NAME.old-PID.N
+# (replaced); N counts the process's conversions, so two threads converting into one folder never
+# share one (older versions wrote .NAME.partial-PID)
+_WORK_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>[0-9]{1,9})(?:\.[0-9]{1,9})?$")
+_WORK_SEQ = itertools.count(1)
+
+
+def _work_dir(out_dir: Path, kind: str) -> Path:
+    return out_dir.parent / f".{out_dir.name}.{kind}-{os.getpid()}.{next(_WORK_SEQ)}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -155,7 +162,7 @@ def clean_stale(parent: Path) -> list[Path]:
 def temp_dir_for(out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out_dir.parent)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    tmp = _work_dir(out_dir, "partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -215,10 +222,14 @@ def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False))
     if not (out_dir.exists() or out_dir.is_symlink()):
-        tmp.rename(out_dir)
-        return out_dir
+        try:
+            tmp.rename(out_dir)
+            return out_dir
+        except OSError as e:   # another conversion's package arrived there meanwhile: replace it as below
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
     check_output(out_dir, overwrite)  # again: the folder may have changed during the conversion
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    old = _work_dir(out_dir, "old")
     if _exchange(tmp, out_dir):
         tmp.rename(old)  # tmp now holds the old package
     else:
@@ -520,7 +531,7 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
         stamps[str(path)] = mine
         try:
             stamp_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = stamp_file.with_suffix(f".tmp{os.getpid()}")
+            tmp = stamp_file.with_suffix(f".tmp{os.getpid()}-{next(_WORK_SEQ)}")   # one per writer, threads too
             tmp.write_text(json.dumps(stamps))
             tmp.replace(stamp_file)
         except OSError:

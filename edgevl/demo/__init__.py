@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import threading
 from pathlib import Path
 
 from ..errors import EdgevlError
@@ -50,21 +53,44 @@ def demo_package(progress: bool = False) -> Path:
 
     ck = demo_checkpoint()
     out = demo_package_path()
-    if not (out / MANIFEST).is_file():
-        try:
-            # trained on images only (demo/train.py): the package says so, and run and chat note
-            # that an answer without an image means nothing
-            convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists(), needs_image=True)
-        except EdgevlError:
-            if not (out / MANIFEST).is_file():  # another process may have won the race
-                raise
-        except OSError as e:
-            # only an error about the cache folder is the cache folder's fault; any other (a file of
-            # the installed package that cannot be read) names its own path
-            where = Path(e.filename) if e.filename else None
-            if where is not None and not where.resolve().is_relative_to(out.parent.resolve()):
-                raise EdgevlError(f"the demo model cannot be converted: {where} cannot be read "
-                                  f"({e.strerror or e}); reinstall edgevl") from None
-            raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
-                              f"({e.strerror or e}); set EDGEVL_CACHE to a writable folder") from None
+    if (out / MANIFEST).is_file():
+        return out
+    try:
+        # one conversion at a time, in this process and across processes (an app's first requests,
+        # its workers starting together): the others wait for it and load what it wrote
+        with _CONVERTING, _folder_lock(out.parent):
+            if not (out / MANIFEST).is_file():
+                # trained on images only (demo/train.py): the package says so, and run and chat
+                # note that an answer without an image means nothing
+                convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists(), needs_image=True)
+    except OSError as e:
+        # only an error about the cache folder is the cache folder's fault; any other (a file of
+        # the installed package that cannot be read) names its own path
+        where = Path(e.filename) if e.filename else None
+        if where is not None and not where.resolve().is_relative_to(out.parent.resolve()):
+            raise EdgevlError(f"the demo model cannot be converted: {where} cannot be read "
+                              f"({e.strerror or e}); reinstall edgevl") from None
+        raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
+                          f"({e.strerror or e}); set EDGEVL_CACHE to a writable folder") from None
     return out
+
+
+_CONVERTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive lock on ``folder`` (flock on the folder itself: no lock file to leave behind),
+    held until the block ends; a no-op where the OS has no flock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -83,3 +83,34 @@ def test_the_api_loads_the_demo_as_the_cli_does(tmp_path, monkeypatch):
         assert edgevl.generate(model, "How many shapes are there?", image="scene.png", max_new_tokens=3)
     shutil.copytree(demo_package_path(), "demo")
     assert edgevl.load("demo").path == Path("demo")
+
+
+def test_first_loads_at_once_convert_the_demo_once(tmp_path, monkeypatch):
+    """An app's first requests (threads) and its workers (processes) all load the demo into an
+    empty cache at once: one converts, the others wait for it and load what it wrote (they used
+    to convert together, failed with misleading errors and left a corrupt package behind)."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import importlib
+
+    from edgevl.package import check_package
+    from support.common import smooth_image
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    convert_mod = importlib.import_module("edgevl.convert")   # the package exports a function of that name
+    calls = []
+    real = convert_mod.convert
+    monkeypatch.setattr(convert_mod, "convert", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    # a second process converting at the same time, waiting on the same cache folder
+    other = subprocess.Popen([sys.executable, "-c", "import edgevl.demo as d; print(d.demo_package())"],
+                             stdout=subprocess.PIPE, text=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: demo_package(), range(4)))
+    assert other.communicate(timeout=300)[0].strip() == str(got[0]) and other.returncode == 0
+    assert got == [demo_package_path()] * 4 and len(calls) <= 1
+    check_package(got[0])
+    left = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert [n for n in left if n.startswith(("demo-", "."))] == [got[0].name], left   # no work folders left
+    assert edgevl.generate(edgevl.load(), "Describe the image.", image=smooth_image(64, 64), max_new_tokens=4)

@@ -4,6 +4,7 @@ restores the old one)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,7 +143,8 @@ def killed_conversion(ck, out, stage) -> int:
 
 def test_sigkilled_conversion_is_cleaned_up_by_the_next_one(tiny, tmp_path):
     pid = killed_conversion(tiny[0], tmp_path / "a", "writing")
-    assert left_over(tmp_path, "a") == [f".a.partial-{pid}"] and not (tmp_path / "a").exists()
+    assert [re.sub(r"\.\d+$", "", n) for n in left_over(tmp_path, "a")] == [f".a.partial-{pid}"]
+    assert not (tmp_path / "a").exists()
     # another tool's folder of the same name pattern (a dead PID, files a conversion never writes) stays
     foreign = tmp_path / f".notes.partial-{pid}"
     foreign.mkdir()
@@ -165,7 +167,7 @@ def test_sigkilled_replacement_keeps_the_new_package_and_drops_the_old(tiny, tmp
     pkg = tmp_path / "pkg"
     edgevl.convert(tiny[0], pkg, dtype="fp16", progress=False)
     pid = killed_conversion(tiny[0], pkg, "swapped")
-    assert left_over(tmp_path, "pkg") == [f".pkg.old-{pid}"]
+    assert [re.sub(r"\.\d+$", "", n) for n in left_over(tmp_path, "pkg")] == [f".pkg.old-{pid}"]
     assert json.loads((pkg / MANIFEST).read_text())["dtype"] == "fp32"  # the new one is in place
     edgevl.convert(tiny[0], tmp_path / "other", dtype="fp32", progress=False)
     assert left_over(tmp_path, "pkg") == []
@@ -175,10 +177,25 @@ def test_sigkilled_replacement_keeps_the_new_package_and_drops_the_old(tiny, tmp
 
 
 def test_old_package_of_an_interrupted_swap_is_restored(tiny, tmp_path):
-    """Killed between the two renames of the fallback swap: the old package is put back."""
+    """Killed between the two renames of the fallback swap: the old package is put back (here
+    in the work folders' older name, without the conversion's number)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     shutil.copytree(tiny[1], tmp_path / f".pkg.old-{dead.pid}")
     before = tree_digest(tmp_path / f".pkg.old-{dead.pid}")
     edgevl.convert(tiny[0], tmp_path / "other", dtype="fp32", progress=False)
     assert tree_digest(tmp_path / "pkg") == before and left_over(tmp_path, "pkg") == []
+
+
+def test_threads_converting_into_one_folder_leave_a_whole_package(tiny, tmp_path):
+    """Each conversion writes its own work folder, threads of one process too: they used to share
+    one named by the process, and wrote a package whose files did not match its manifest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path / "pkg"
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda _: edgevl.convert(tiny[0], out, dtype="fp32", progress=False,
+                                                      overwrite=True), range(4)))
+    assert done == [out] * 4 and left_over(tmp_path, "pkg") == []
+    check_package(out)
+    assert package_digest(out) == package_digest(tiny[1])
