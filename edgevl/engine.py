@@ -27,6 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from contextlib import contextmanager
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from . import speculative
 from .errors import EdgevlError, ShuttingDown
-from .model import shared_prefix
+from .model import check_model, shared_prefix
 from .runtime import MAX_SNAPSHOTS, state_bytes
 from .sample import Sampler, sample
 
@@ -143,6 +144,7 @@ class Engine:
     ``parallel``: sequences decoding at once (slots); more requests wait in order."""
 
     def __init__(self, model, parallel: int = 4):
+        check_model(model)
         if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 256:
             raise EdgevlError(f"parallel (--parallel) must be between 1 and 256, got {parallel!r:.40}")
         if model.low_memory and parallel > 1:
@@ -167,6 +169,18 @@ class Engine:
         self.chunks = 0
         self.thread = threading.Thread(target=self._loop, name="edgevl-engine", daemon=True)
         self.thread.start()
+        # the model's close() closes its engines too: their thread holds it, so a model dropped
+        # with an engine still open is never collected
+        engines = getattr(model, "_engines", None)
+        if engines is None:
+            engines = model._engines = weakref.WeakSet()
+        engines.add(self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- clients ---------------------------------------------------------------------------------
     def generate_tokens(self, input_ids, max_new_tokens: int = 256, image=None, temperature: float = 0.0,
@@ -212,6 +226,9 @@ class Engine:
                 + MAX_SNAPSHOTS * state_bytes([s for s in specs if s["kind"] != "kv"], 0))
 
     def close(self) -> None:
+        """Stop: requests still waiting or decoding end with ``ShuttingDown``, and the engine's
+        thread ends (it holds the model until then). Also ``with Engine(model) as engine:``, and
+        the model's own ``close()``."""
         with self.cond:
             self.closed = True
             self.cond.notify()

@@ -36,6 +36,7 @@ import numpy as np
 from . import structured
 from . import tools as tool_calls
 from .errors import EdgevlError
+from .model import check_model
 from .sample import Logprobs, check_logit_bias, check_seed
 from .sample import resolve as resolve_sampling
 from .tokenizer import StreamDecoder
@@ -579,6 +580,10 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     tokens less likely than min_p times the likeliest (after top-p; None: the checkpoint's, else off).
     ``split_reasoning=False``: the reasoning stays in the text as written, markers included (a raw
     continuation), and a constraint applies from the first token."""
+    check_model(model)
+    if engine is not None and getattr(engine, "model", None) is not model:
+        raise EdgevlError("this engine decodes another model: pass the Engine made over this model "
+                          "(Engine(model)), or none")
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise EdgevlError(f"n (answers to the prompt) must be from 1 to {MAX_CHOICES}, got {n!r:.40}")
     if top_logprobs and not logprobs:

@@ -142,6 +142,13 @@ def _on_owner(fn):
     return call
 
 
+def check_model(model) -> None:
+    """The API's first argument is a loaded model (a path there is a common slip)."""
+    if not hasattr(model, "generate_tokens"):
+        raise EdgevlError(f"expected a model from edgevl.load(), got {type(model).__name__} {str(model)!r:.60}; "
+                          "load it first: model = edgevl.load(PATH)")
+
+
 def shared_prefix(a, b) -> int:
     """How many leading items ``a`` and ``b`` share."""
     n = 0
@@ -188,7 +195,9 @@ class Model:
     def close(self) -> None:
         """Let go of the ncnn thread once this model's queued calls have run (the thread ends
         with the last model holding it); the model refuses every later call that needs it.
-        Also ``with edgevl.load(...) as model:``."""
+        Also ``with edgevl.load(...) as model:``. Its engines (``edgevl.engine.Engine``) close first."""
+        for engine in list(getattr(self, "_engines", ())):
+            engine.close()
         self._owner.close()
 
     def __reduce__(self):
@@ -712,7 +721,7 @@ def load(path=None, threads: int | None = None, verify: bool = True, low_memory:
     only while it runs (much slower; for models that do not fit in RAM).
     ``options`` / keyword arguments: load-time options — ``speculative`` ("mtp": draft with the
     package's multi-token-prediction block, the default where it has one; "none"),
-    ``draft_tokens`` (per decoder pass, default 1), ``draft_vocab`` (draft among the first N
+    ``draft_tokens`` (drafts per decoder pass, 1 to 7; default: up to 3, as many as pay), ``draft_vocab`` (draft among the first N
     vocabulary entries only) — and the architecture's own, e.g. ``expert_cache_mb=512`` for
     mixture-of-experts models (``edgevl run --help`` lists them).
     """

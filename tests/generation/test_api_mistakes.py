@@ -45,11 +45,41 @@ def picture(seed: int = 0) -> Image.Image:
     ({"max_image_patches": 0}, "max_image_patches must be a whole number >= 1"),
     ({"json_schema": {"type": "number", "maximum": float("nan")}}, "json_schema is not JSON"),
     ({"json_schema": {"enum": {1, 2}}}, "json_schema is not JSON"),
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),   # were: float()'s ValueError
+    ({"top_p": "x"}, "top_p must be a number, got 'x'"),
+    ({"repetition_penalty": "x"}, "repetition_penalty must be a number, got 'x'"),
+    ({"top_k": "5"}, "top_k must be a number, got '5'"),                     # was: taken as 5
 ])
 def test_bad_arguments_fail_in_one_line(demo, kwargs, message):
     with pytest.raises(EdgevlError) as e:
         edgevl.generate(demo, "Describe the image.", image=picture(), **kwargs)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_path_for_the_model_or_another_models_engine_is_one_line(demo, qwen):
+    """A path where the loaded model goes (was an AttributeError), and an engine over another
+    model (was a wrong answer: one model's tokens decoded by the other)."""
+    from edgevl.engine import Engine
+
+    for call in (lambda: edgevl.generate("path/to/pkg", "hi"), lambda: Engine("path/to/pkg")):
+        with pytest.raises(EdgevlError, match=r"expected a model from edgevl.load\(\), got str 'path/to/pkg'"):
+            call()
+    with Engine(demo, parallel=1) as engine:
+        with pytest.raises(EdgevlError, match="this engine decodes another model"):
+            edgevl.generate(qwen, "hi", engine=engine, max_new_tokens=2)
+        assert edgevl.generate(demo, "Describe the image.", image=picture(), engine=engine, max_new_tokens=2)
+    assert not engine.thread.is_alive()
+
+
+def test_closing_a_model_closes_its_engines(tmp_path):
+    """An app that closes its model (or leaves its ``with`` block) and never its engine: the
+    engine's thread used to go on, holding the model, for the life of the process."""
+    from edgevl.engine import Engine
+
+    with edgevl.load(demo_package()) as model:
+        engine = Engine(model, parallel=2)
+        assert edgevl.generate(model, "Describe the image.", image=picture(), engine=engine, max_new_tokens=2)
+    assert engine.closed and not engine.thread.is_alive()
 
 
 def test_an_empty_stop_string_stops_nothing(demo):
