@@ -137,6 +137,7 @@ def test_calls_from_the_owner_thread_go_straight_through(packages):
     assert on_owner == list(model.generate_tokens(ids, 5, ignore_eos=True, reuse_cache=False))
 
 
+@pytest.mark.alone   # the hook waits (at most 10 s) for the main thread to take the signal
 def test_ctrl_c_while_waiting_stops_the_owner_with_a_whole_cache(packages):
     """SIGINT to the main thread while the owner runs a forward: the main thread asks the owner to
     stop, the owner raises KeyboardInterrupt at its next safe point (between the forward's host
