@@ -89,11 +89,10 @@ def test_first_loads_at_once_convert_the_demo_once(tmp_path, monkeypatch):
     """An app's first requests (threads) and its workers (processes) all load the demo into an
     empty cache at once: one converts, the others wait for it and load what it wrote (they used
     to convert together, failed with misleading errors and left a corrupt package behind)."""
+    import importlib
     import subprocess
     import sys
     from concurrent.futures import ThreadPoolExecutor
-
-    import importlib
 
     from edgevl.package import check_package
     from support.common import smooth_image
