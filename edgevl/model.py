@@ -722,8 +722,9 @@ def load(path=None, threads: int | None = None, verify: bool = True, low_memory:
     ``options`` / keyword arguments: load-time options — ``speculative`` ("mtp": draft with the
     package's multi-token-prediction block, the default where it has one; "none"),
     ``draft_tokens`` (drafts per decoder pass, 1 to 7; default: up to 3, as many as pay),
-    ``draft_vocab`` (draft among the first N vocabulary entries only) — and the architecture's own, e.g. ``expert_cache_mb=512`` for
-    mixture-of-experts models (``edgevl run --help`` lists them).
+    ``draft_vocab`` (draft among the first N vocabulary entries only) — and the architecture's
+    own, e.g. ``expert_cache_mb=512`` for mixture-of-experts models (``edgevl run --help`` lists
+    them).
     """
     from .demo import demo_package, names_demo
 
