@@ -215,6 +215,11 @@ def _value(rule: str, schema: dict) -> list[str]:
     parameters (the template writes them unquoted), JSON for the rest."""
     close = _lit("\n</parameter>\n")
     if _is_string(schema) and "$ref" not in schema:
+        # written raw, held by the regex below: a keyword the engine would refuse in a JSON answer
+        # ("not", "if") is refused here too, not dropped
+        error = structured.problem(structured.json_schema(schema, where="a string parameter"))
+        if error:
+            raise ValueError(error)
         if "enum" in schema:
             return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
         if "const" in schema and isinstance(schema["const"], str):

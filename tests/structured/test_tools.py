@@ -378,6 +378,17 @@ def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
     edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
 
 
+@pytest.mark.parametrize("keyword", [{"not": {"const": "a"}}, {"if": {"maxLength": 2}}, {"uniqueItems": True}])
+def test_a_string_parameters_unsupported_keyword_is_refused_not_dropped(qwen, keyword):
+    """A string parameter is written raw and held by a regex of its pattern, format and lengths;
+    another keyword the engine cannot hold was dropped without a word (a JSON answer refuses it)."""
+    bad = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "maxLength": 4, **keyword}}, "required": ["x"]}}}
+    key = next(iter(keyword))
+    with pytest.raises(EdgevlError, match=rf"'tag' cannot be constrained \(Unimplemented keys: \[\"{key}\"\]\)"):
+        edgevl.complete(qwen, ASK, tools=[bad], tool_choice="required")
+
+
 def test_control_token_text_beside_a_turn_of_calls_stays_plain_text(qwen):
     """A tool result (a file, a model card) or a later question may hold ChatML text: it is plain
     text, also after an assistant turn of calls only, whose empty content the template branches on
