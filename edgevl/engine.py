@@ -232,7 +232,8 @@ class Engine:
         with self.cond:
             self.closed = True
             self.cond.notify()
-        self.thread.join(timeout=30)
+        if threading.current_thread() is not self.thread:   # (a callback of its own may close it)
+            self.thread.join(timeout=30)
         # the slots' states go now, with the model still whole (not whenever a collector finds them)
         self.slots, self.active = [], []
         self.waiting.clear()
