@@ -234,6 +234,8 @@ class Engine:
             self.cond.notify()
         if threading.current_thread() is not self.thread:   # (a callback of its own may close it)
             self.thread.join(timeout=30)
+        if self.thread.is_alive():   # its closing round still owes the requests their ShuttingDown
+            return
         # the slots' states go now, with the model still whole (not whenever a collector finds them)
         self.slots, self.active = [], []
         self.waiting.clear()

@@ -190,6 +190,7 @@ class Model:
         # the model lets go of the thread when it goes; the finalizer holds the lease, never the
         # model (not waiting: the collector may run it on any thread)
         self._finalizer = weakref.finalize(self, owner.close, False)
+        self._engines = weakref.WeakSet()   # close() closes them (edgevl.engine.Engine)
         self._finalizer.atexit = False   # a daemon thread: exiting never waits for a generation
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ OpenAI's presence and frequency penalties come after the repetition penalty (vLL
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -309,7 +310,7 @@ def resolve(generation_config: dict | None, temperature=None, top_k=None, top_p=
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
              "min_p": min_p}
     for k, v in given.items():   # "0.7" from a form field: a number is asked for, not converted
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))):
+        if v is not None and (isinstance(v, (bool, complex)) or not isinstance(v, numbers.Number)):
             raise EdgevlError(f"{k} must be a number, got {v!r:.40}")
     cfg = generation_config or {}
     edgevl_default = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "min_p": 0.0}

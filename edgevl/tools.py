@@ -204,6 +204,11 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
+# a raw string parameter's keywords the regex holds, and annotations that hold nothing
+STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "format", "pattern", "title", "description",
+                   "default", "examples", "$comment"}
+
+
 def _is_string(schema: dict) -> bool:
     t = schema.get("type")
     return t == "string" or (isinstance(t, list) and t == ["string"]) or (
@@ -216,10 +221,11 @@ def _value(rule: str, schema: dict) -> list[str]:
     close = _lit("\n</parameter>\n")
     if _is_string(schema) and "$ref" not in schema:
         # written raw, held by the regex below: a keyword the engine would refuse in a JSON answer
-        # ("not", "if") is refused here too, not dropped
-        error = structured.problem(structured.json_schema(schema, where="a string parameter"))
-        if error:
-            raise ValueError(error)
+        # ("not", "if") is refused here too, not dropped (the engine is asked only past the usual ones)
+        if set(schema) - STRING_KEYWORDS:
+            error = structured.problem(structured.json_schema(schema, where="a string parameter"))
+            if error:
+                raise ValueError(error)
         if "enum" in schema:
             return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
         if "const" in schema and isinstance(schema["const"], str):

@@ -32,7 +32,7 @@ import edgevl.blocks.base as _base  # noqa: E402
 _base.HEAD_SHARD_ROWS = 128
 
 
-# The suite runs on two pytest-xdist workers (README: `-n 2`), one core each. A test marked
+# The suite runs on two pytest-xdist workers (README: `-n 2 --dist loadfile`), one core each. A test marked
 # ``alone`` asserts a speed ratio or a time bound that another test's work beside it would skew:
 # it takes an exclusive lock that every other test holds shared, from its fixtures' set-up to its
 # teardown, so it starts once the other worker's test ends and none starts until it is done.

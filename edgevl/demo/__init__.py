@@ -63,6 +63,9 @@ def demo_package(progress: bool = False) -> Path:
                 # trained on images only (demo/train.py): the package says so, and run and chat
                 # note that an answer without an image means nothing
                 convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists(), needs_image=True)
+    except EdgevlError:
+        if not (out / MANIFEST).is_file():  # another process won the race (where no lock could be taken)
+            raise
     except OSError as e:
         # only an error about the cache folder is the cache folder's fault; any other (a file of
         # the installed package that cannot be read) names its own path
@@ -81,7 +84,7 @@ _CONVERTING = threading.Lock()
 @contextlib.contextmanager
 def _folder_lock(folder: Path):
     """An exclusive lock on ``folder`` (flock on the folder itself: no lock file to leave behind),
-    held until the block ends; a no-op where the OS has no flock."""
+    held until the block ends; a no-op where the OS or the file system has no flock."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -90,7 +93,10 @@ def _folder_lock(folder: Path):
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:   # a file system that locks no folders (NFS, some FUSE): go on unlocked
+            pass
         yield
     finally:
         os.close(fd)

@@ -231,3 +231,31 @@ def test_each_generated_token_is_one_event_while_thinking(qwen):
         assert len(toks) == evs[-1].generation_tokens == 6, (thinking, toks)
         assert toks == list(qwen.generate_tokens(prepare(qwen, "Hello there", thinking=thinking).input_ids,
                                                  max_new_tokens=6))
+
+
+def test_an_engine_closed_from_its_own_thread_ends_its_requests(demo):
+    """close() from a callback on the engine's thread cannot wait for that thread; the requests it
+    cut must still get their ShuttingDown (they used to wait for ever)."""
+    from edgevl.engine import Engine
+    from edgevl.errors import ShuttingDown
+
+    engine = Engine(demo, parallel=2)
+    real, calls = engine._drop_finished, []
+
+    def drop_then_close(*a, **k):   # runs on the engine's thread, between rounds
+        r = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 4:
+            engine.close()
+        return r
+
+    engine._drop_finished = drop_then_close
+    streams = [engine.generate_tokens(list(range(5, 25)), max_new_tokens=200, ignore_eos=True) for _ in range(2)]
+    for s in streams:
+        while True:
+            item = s.out.get(timeout=30)   # queue.Empty: the request was left waiting
+            if isinstance(item, BaseException) or not isinstance(item, int):
+                break
+        assert isinstance(item, ShuttingDown), item
+    engine.thread.join(30)
+    assert not engine.thread.is_alive()
