@@ -277,7 +277,7 @@ def check_media(a) -> None:
     """--image and --video name files that are there (``demo`` draws a scene; a video may also be a
     folder of frames)."""
     from .demo.scene_file import is_demo_image
-    from .processing.image import local_path, shorten, url_scheme
+    from .processing.image import is_data_url, local_path, shorten, url_scheme
 
     images = a.image if isinstance(a.image, list) else [a.image] if a.image else []
     video = getattr(a, "video", None)
@@ -285,7 +285,7 @@ def check_media(a) -> None:
     for im in images:
         if not im.strip():
             raise EdgevlError("--image is empty; give an image file's path")
-        if im[:5].lower() == "data:":   # an image inline, as the API takes it
+        if is_data_url(im):   # an image inline, as the API takes it
             continue
         shown = shorten(im)
         if (scheme := url_scheme(im)) and scheme.lower() != "file":
@@ -331,10 +331,10 @@ def check_not_inputs(images: list, draw_boxes, demo_out) -> None:
     """--draw-boxes and --demo-out never write over an --image they read (by any spelling)."""
     from .boxes import box_image_paths
     from .demo.scene_file import demo_paths, is_demo_image
-    from .processing.image import local_path
+    from .processing.image import is_data_url, local_path
 
     inputs = [Path(local_path(im)) for im in images
-              if not is_demo_image(im) and not im.startswith("data:")]
+              if not is_demo_image(im) and not is_data_url(im)]
     outputs = [("--draw-boxes", p) for p in (box_image_paths(draw_boxes, len(images)) if draw_boxes else [])]
     outputs += [("--demo-out", p) for p in demo_paths(images, demo_out).values()]   # its default too
     for flag, out in outputs:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from contextlib import contextmanager
 
@@ -171,10 +170,7 @@ class Engine:
         self.thread.start()
         # the model's close() closes its engines too: their thread holds it, so a model dropped
         # with an engine still open is never collected
-        engines = getattr(model, "_engines", None)
-        if engines is None:
-            engines = model._engines = weakref.WeakSet()
-        engines.add(self)
+        model._engines.add(self)
 
     def __enter__(self) -> Engine:
         return self

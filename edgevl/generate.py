@@ -179,9 +179,9 @@ def _payload(part: dict, kind: str):
         return url
     if url.startswith(("http://", "https://")):
         raise EdgevlError(f"{kind} URLs are not fetched; download the file and give its path or bytes")
-    from .processing.image import data_url_bytes, local_path
+    from .processing.image import data_url_bytes, is_data_url, local_path
 
-    if url.startswith("data:"):
+    if is_data_url(url):
         if kind != "image":
             raise EdgevlError("a video is given by its file's path, not a data: URL")
         return data_url_bytes(url)

@@ -190,14 +190,14 @@ class Model:
         # the model lets go of the thread when it goes; the finalizer holds the lease, never the
         # model (not waiting: the collector may run it on any thread)
         self._finalizer = weakref.finalize(self, owner.close, False)
-        self._engines = weakref.WeakSet()   # close() closes them (edgevl.engine.Engine)
         self._finalizer.atexit = False   # a daemon thread: exiting never waits for a generation
+        self._engines = weakref.WeakSet()   # close() closes them (edgevl.engine.Engine)
 
     def close(self) -> None:
         """Let go of the ncnn thread once this model's queued calls have run (the thread ends
         with the last model holding it); the model refuses every later call that needs it.
         Also ``with edgevl.load(...) as model:``. Its engines (``edgevl.engine.Engine``) close first."""
-        for engine in list(getattr(self, "_engines", ())):
+        for engine in list(self._engines):
             engine.close()
         self._owner.close()
 

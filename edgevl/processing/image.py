@@ -71,7 +71,7 @@ def load_image(image) -> Image.Image:
         return _to_rgb(image, "the image")
     if isinstance(image, str):
         image = local_path(image)   # a file:// URL, as a browser or a file manager copies it
-        if image[:5].lower() == "data:":   # as the server's image_url parts take it
+        if is_data_url(image):   # as the server's image_url parts take it
             image = data_url_bytes(image)
         elif not image.strip():
             raise EdgevlError("The image path is empty; pass an image file's path.")
@@ -117,6 +117,11 @@ def file_url_path(url: str) -> str:
 def local_path(text: str) -> str:
     """``text`` as a local path: a ``file://`` URL's path, anything else as it is."""
     return file_url_path(text) if text.startswith("file://") else text
+
+
+def is_data_url(text: str) -> bool:
+    """Whether ``text`` is a ``data:`` URL (an image inline; the scheme in any case, as URLs allow)."""
+    return text[:5].lower() == "data:"
 
 
 def url_scheme(text: str) -> str | None:
