@@ -276,12 +276,36 @@ def tokenizer_for(model):
         tok = _tokenizers.get(key)
     if tok is None:
         try:
-            tok = llg.LLTokenizer(text.decode(), n_vocab=key[1], eos_token=list(key[2]) or None)
+            tok = llg.LLTokenizer(_unnormalized(text), n_vocab=key[1], eos_token=list(key[2]) or None)
         except (ValueError, RuntimeError) as e:
             raise EdgevlError(f"constrained output cannot use this tokenizer ({_one_line(e)})") from None
         with _lock:
             _tokenizers[key] = tok
     return key, tok
+
+
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def _unnormalized(text: bytes) -> str:
+    """tokenizer.json without its Unicode normalization, for llguidance: it tokenizes the bytes a
+    grammar forces, and an NFC normalizer turned a forced "u" + combining mark into "\u00fc"
+    (other bytes than the grammar allows: a valid NFD enum or pattern failed mid-answer). Other
+    normalizers (a space replaced by a marker) stay: they make the vocabulary's own spelling."""
+    spec = json.loads(text)
+    norm = spec.get("normalizer") if isinstance(spec, dict) else None
+    if not isinstance(norm, dict):
+        return text.decode()
+    if norm.get("type") in _UNICODE_FORMS:
+        spec["normalizer"] = None
+    elif norm.get("type") == "Sequence" and isinstance(norm.get("normalizers"), list):
+        rest = [n for n in norm["normalizers"] if not (isinstance(n, dict) and n.get("type") in _UNICODE_FORMS)]
+        if len(rest) == len(norm["normalizers"]):
+            return text.decode()
+        spec["normalizer"] = {**norm, "normalizers": rest} if rest else None
+    else:
+        return text.decode()
+    return json.dumps(spec)
 
 
 @dataclass

@@ -81,6 +81,22 @@ def test_regex_choice_and_grammars(qwen):
         assert re.fullmatch(r"[a-z]{1,5}( [a-z]{1,5}){0,2}", out), out
 
 
+def test_decomposed_text_the_grammar_forces_comes_out_as_written(qwen):
+    """An enum or pattern in NFD (a letter, then its combining mark) is written byte for byte: the
+    tokenizer's NFC normalizer must not fold the forced bytes into the precomposed letter."""
+    import json as _json
+    tok = _json.loads((qwen.path / "tokenizer.json").read_text())
+    assert "NFC" in _json.dumps(tok.get("normalizer"))        # what makes this test prove something
+    schema = {"type": "object", "properties": {"city": {"enum": ["Zu\u0308rich", "Malmo\u0308"]}},
+              "required": ["city"], "additionalProperties": False}
+    for seed in range(2):
+        c = edgevl.complete(qwen, PROMPT, json_schema=schema, thinking=False, temperature=1.0, seed=seed)
+        assert c.json["city"] in ("Zu\u0308rich", "Malmo\u0308"), ascii(c.text)
+    out = edgevl.generate(qwen, PROMPT, response_format={"type": "regex", "regex": "cafe\u0301 [0-9]"},
+                          thinking=False, temperature=0, max_new_tokens=20)
+    assert re.fullmatch("cafe\u0301 [0-9]", out), ascii(out)
+
+
 def test_drafting_gives_the_same_constrained_answer(qwen, qwen_plain):
     assert qwen.mtp is not None and qwen_plain.mtp is None
     for name in ("receipt", "camera_event", "pattern"):
