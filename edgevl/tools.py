@@ -536,6 +536,11 @@ def template_messages(messages: list) -> list:
                                           "the JSON object the call returned") from None
                 if not isinstance(args, dict):
                     raise EdgevlError("a tool call's arguments must be a JSON object")
+                try:    # an escaped lone surrogate ("\\ud83d") parses, and no tokenizer takes it
+                    json.dumps(args, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise EdgevlError("a tool call's arguments contain invalid Unicode (a lone surrogate such as "
+                                      "\\ud800); send valid UTF-8 text") from None
                 fixed.append({**c, "function": {**fn, "arguments": args}})
             m = {**m, "tool_calls": fixed}
             if m.get("content") is None:

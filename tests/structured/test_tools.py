@@ -264,6 +264,10 @@ def test_a_forced_call_the_token_limit_cuts_is_never_half_a_call_in_the_content(
     ({"chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs.tools", "tools field"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
      "messages[1].tool_calls", "not JSON"),
+    # an escaped lone surrogate is valid JSON text and no tokenizer takes it
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                            "arguments": '{"v": "\\ud83d"}'}}]}]},
+     "messages[1].tool_calls", "invalid Unicode"),
 ])
 def test_bad_tool_requests_are_400s(server, body, param, needle):
     code, reply, _ = post(server.server_address[1], {"messages": ASK, **body})
