@@ -204,6 +204,7 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
+CLOSE_TAG = "</parameter>"
 # a raw string parameter's keywords the regex holds, and annotations that hold nothing
 STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "format", "pattern", "title", "description",
                    "default", "examples", "$comment"}
@@ -226,6 +227,12 @@ def _value(rule: str, schema: dict) -> list[str]:
             error = structured.problem(structured.json_schema(schema, where="a string parameter"))
             if error:
                 raise ValueError(error)
+        fixed = schema["enum"] if "enum" in schema else (
+            [schema["const"]] if isinstance(schema.get("const"), str) else [])
+        for v in fixed:
+            if isinstance(v, str) and CLOSE_TAG in v:
+                raise ValueError(f"the value {v!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
+                                 "format; the call could not be read back")
         if "enum" in schema:
             return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
         if "const" in schema and isinstance(schema["const"], str):
@@ -240,10 +247,14 @@ def _value(rule: str, schema: dict) -> list[str]:
             term = rule.upper()
             # the lengths too: the value is in both languages (a terminal's & in the engine's Lark)
             length = f" & /(.|\\n){{{lo},{'' if hi is None else int(hi)}}}/" if lo or hi is not None else ""
-            return [f"{term}: /{_regex_escape(body)}/{length}", f"{rule}: {term} {close}"]
-        # lazy: the value ends at the first closing tag; any characters, newlines included
+            return [f"{term}: /{_regex_escape(body)}/{length} & ~/(.|\\n)*<\\/parameter>(.|\\n)*/",
+                    f"{rule}: {term} {close}"]
+        # lazy: the value ends at the first closing tag; any characters, newlines included, but
+        # never the closing tag itself (the call's reader ends the value at the first one)
         reps = f"{{{lo},{int(hi)}}}" if hi is not None else ("+" if lo else "*")
-        return [f"{rule}[lazy]: /(.|\\n){reps}\\n<\\/parameter>\\n/"]
+        term = rule.upper()
+        return [f"{term}: /(.|\\n){reps}\\n<\\/parameter>\\n/ & ~/(.|\\n)*<\\/parameter>(.|\\n){{2,}}/",
+                f"{rule}[lazy]: {term}"]
     # compact JSON, as the answers constrained by a schema (bounded whitespace)
     return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': structured.JSON_OPTIONS})} {close}"]
 

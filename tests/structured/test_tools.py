@@ -296,6 +296,33 @@ def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp
     assert c.valid_prefix(tok.encode("<tool_", special=False)) == 0   # not spelled out from text
 
 
+def test_a_value_never_holds_the_tag_that_ends_it(qwen, server):
+    """The call's reader ends a value at the first </parameter>: the grammar lets no value hold
+    one (a free string, a pattern), and an enum or const that does is refused up front; a forced
+    call holding one was written, then read as no call at all (an empty answer, "stop")."""
+    from edgevl import structured
+
+    tok = qwen.tokenizer
+    for params in ({"city": {"type": "string"}}, {"city": {"type": "string", "pattern": "^[a-z<>/]+$"}}):
+        fn = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": params, "required": ["city"]}}}
+        spec = tools.prepare(qwen, [fn], "required", False)
+        c = structured.compiled(qwen, spec.structure)
+
+        def whole(value):
+            call = f"<tool_call>\n<function=f>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>"
+            ids = tok.encode(call)
+            return c.constraint().valid_prefix(ids) == len(ids)
+        assert whole("rome"), params                       # what makes the next line prove something
+        assert not whole("ro</parameter>me"), params
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string", "enum": ["ok", "x </parameter> y"]}}, "required": ["text"]}}}
+    code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": [bad], "tool_choice": "required"})
+    assert code == 400 and "</parameter>" in reply["error"]["message"], reply
+    with pytest.raises(EdgevlError, match="</parameter>"):
+        edgevl.complete(qwen, ASK, tools=[bad], tool_choice="required", max_new_tokens=8)
+
+
 def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tmp_path):
     """Decoding skips special tokens: were a checkpoint to mark <tool_call> special, its calls
     would vanish from the text the parser reads. The answer keeps them; other specials still go."""
