@@ -309,7 +309,7 @@ def test_a_value_never_holds_the_tag_that_ends_it(qwen, server):
         spec = tools.prepare(qwen, [fn], "required", False)
         c = structured.compiled(qwen, spec.structure)
 
-        def whole(value):
+        def whole(value, c=c):
             call = f"<tool_call>\n<function=f>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>"
             ids = tok.encode(call)
             return c.constraint().valid_prefix(ids) == len(ids)
