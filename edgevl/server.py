@@ -959,13 +959,19 @@ def tokenize_request(req: dict, server: EdgevlServer) -> list[int]:
 def _legacy_logprobs(entries: list, offset: int) -> dict:
     """``Event.logprobs`` entries in the legacy completion's shape (each token's alternatives as
     {token: logprob}, the token taken among them; ``text_offset``: where each token starts)."""
+    import codecs
+
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    # characters, not tokens' display strings: a token holding part of a character shows it as
+    # U+FFFD but adds to the text only once the character is whole (as the stream's pieces do)
+    text = codecs.getincrementaldecoder("utf-8")("replace")
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
         out["top_logprobs"].append({**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]})
         out["text_offset"].append(offset)
-        offset += len(e["token"])
+        raw = e.get("bytes")
+        offset += len(text.decode(bytes(raw))) if raw is not None else len(e["token"])
     return out
 
 

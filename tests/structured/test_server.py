@@ -109,3 +109,20 @@ def test_thinking_stays_free_and_apart_the_answer_follows_the_schema(server):
     with pytest.raises(ValueError):
         json.loads(msg["reasoning_content"])
     jsonschema.validate(json.loads(msg["content"]), schema)
+
+
+def test_legacy_text_offsets_count_characters_as_the_stream_does(server):
+    """/v1/completions' text_offset: where each token's text starts, in characters. Tokens that
+    hold part of a character (byte-level BPE) add nothing until it is whole, unstreamed as streamed."""
+    port = server.server_address[1]
+    body = {"prompt": "p", "max_tokens": 20, "logprobs": 0, "response_format": {"type": "regex", "regex": "你好 ok"}}
+    code, reply, _ = post(port, body, path="/v1/completions")
+    assert code == 200, reply
+    text, offsets = reply["choices"][0]["text"], reply["choices"][0]["logprobs"]["text_offset"]
+    assert text == "你好 ok" and len(offsets) > len(text)     # bytes of a character in tokens of their own
+    code, raw, _ = post(port, {**body, "stream": True}, path="/v1/completions")
+    chunks = [json.loads(line[6:])["choices"][0] for line in raw.decode().split("\n")
+              if line.startswith("data: {") and json.loads(line[6:]).get("choices")]
+    streamed = [o for c in chunks if c.get("logprobs") for o in c["logprobs"]["text_offset"]]
+    assert offsets == streamed
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
