@@ -903,13 +903,18 @@ def read_parquet_rows(path, shown=None) -> list[dict]:
 
 
 def _physical_cores() -> int:
+    """The physical cores this process may use (its affinity and CPU quota too)."""
     import ncnn
+
+    from .runtime import usable_cpus
 
     try:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # noqa: BLE001 - very old wheels
         n = 0
-    return max(1, n or os.cpu_count() or 1)
+    n = n or os.cpu_count() or 1
+    usable = usable_cpus()
+    return max(1, min(n, usable) if usable else n)
 
 
 AHEAD = 4

@@ -21,9 +21,12 @@ import platform
 import ncnn
 import numpy as np
 
+from . import team
 from .errors import EdgevlError
 from .ncnn_graph import bf16_bits_to_f32
 from .owner import checkpoint
+
+TIMED_ROWS = 16     # forwards of up to this many rows are decode steps whose times choose the team
 
 
 def max_threads() -> int:
@@ -52,7 +55,45 @@ def default_threads() -> int:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # noqa: BLE001 - very old wheels
         n = 0
-    return max(1, n or (os.cpu_count() or 1))
+    n = n or (os.cpu_count() or 1)
+    usable = usable_cpus()
+    return max(1, min(n, usable) if usable else n)
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this process may run on, where it is told: its affinity (``taskset``, a
+    container's cpuset) and a CPU quota (``docker --cpus``, cgroup v2 or v1). ncnn counts the
+    machine's cores, and a team of more threads than that waits for the scheduler at every layer."""
+    n = None
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    quota = cpu_quota()
+    if quota:
+        n = min(n, quota) if n else quota
+    return n
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """CPUs a cgroup quota allows (rounded up), or None without one."""
+    import math
+
+    for path, period_path in ((f"{root}/cpu.max", None),
+                              (f"{root}/cpu/cpu.cfs_quota_us", f"{root}/cpu/cpu.cfs_period_us")):
+        try:
+            with open(path) as f:
+                words = f.read().split()
+            if period_path:
+                with open(period_path) as f:
+                    words += f.read().split()
+            quota, period = words[0], float(words[1])
+            if quota in ("max", "-1") or period <= 0:
+                return None
+            return max(1, math.ceil(float(quota) / period))
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def to_mat(a: np.ndarray) -> ncnn.Mat:
@@ -1035,7 +1076,7 @@ class Decoder:
         hidden = self.info["outputs"]["hidden"]
         wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
         self.net.fit_rows(seq)
-        res = self.net.execute(feeds, wanted, passes, kv_hint=kv_hint)
+        res = self._run(seq, lambda: self.net.execute(feeds, wanted, passes, kv_hint=kv_hint))
         extra = {n: from_mat(res[n]) for n in extract}
         cache.update(res, positions.max(axis=0) + 1)
         return from_mat(res[hidden]), extra
@@ -1166,10 +1207,17 @@ class Decoder:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
         self.net.fit_rows(total)
-        res = self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin}, [(hidden, 0)], passes)
+        res = self._run(total, lambda: self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin},
+                                                        [(hidden, 0)], passes))
         for b, ((cache, _), out) in enumerate(zip(parts, new)):
             cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
         return from_mat(res[hidden])
+
+    def _run(self, rows: int, fn):
+        """A forward; decode-sized ones are timed for the OpenMP team's size (``team``)."""
+        if rows > TIMED_ROWS:
+            return fn()
+        return team.timed((id(self), rows), fn, getattr(self.net, "threads", 1))
 
     def row_plan(self) -> list:
         """The steps :meth:`forward_rows` takes, in graph order (from the graph's param file and
