@@ -837,7 +837,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tolerant_stdio() -> None:
+    """Text the terminal's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 console) is
+    escaped on output and replaced on input, never a UnicodeError after the work is done."""
+    for stream, errors in ((sys.stdout, "backslashreplace"), (sys.stderr, "backslashreplace"), (sys.stdin, "replace")):
+        enc = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if enc not in ("utf8", "utf8sig") and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors=errors)
+            except (ValueError, OSError):   # a stream already closed or detached
+                pass
+
+
 def main(argv=None) -> int:
+    _tolerant_stdio()
     parser = build_parser()
     try:
         a, extra = parser.parse_known_args(argv)  # value types raise EdgevlError (one line) as the commands do
@@ -860,13 +873,29 @@ def main(argv=None) -> int:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         fix = {errno.ENOSPC: "; free some space on that disk (or write elsewhere) and run it again",
                errno.EDQUOT: "; free some space within your quota (or write elsewhere) and run it again",
-               errno.EACCES: "; check the permissions, or choose a folder you can write to",
+               errno.EACCES: "; check the permissions (read access to what it reads, write access to where it "
+                             "writes)",
                errno.EROFS: "; the file system is read-only: choose another folder",
                errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
         if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
             fix = "; that is a file, not a folder: choose another path"
+        if not where and e.errno == errno.ENOENT and not _cwd_exists():
+            fix = " (the current folder was deleted); cd to a folder that exists and run it again"
+        if not where and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            import tempfile
+
+            fix = (f"; free some space on the disk of the output folder or of the temporary folder "
+                   f"({tempfile.gettempdir()}; TMPDIR moves it) and run it again")
         print(f"error: {e.strerror or e}{where}{fix}", file=sys.stderr)
         return 2
+
+
+def _cwd_exists() -> bool:
+    try:
+        os.getcwd()
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

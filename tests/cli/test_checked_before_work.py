@@ -288,3 +288,45 @@ def test_bench_refuses_what_its_workers_would_fail_on(text_package, workdir, cap
                    "has no vision tower")
     one_line_error(*cli(capsys, "bench", text_package, "--prompt-tokens", "100000", "--repeats", "1")[::2],
                    "do not fit", "context of")
+
+
+def test_a_full_temporary_disk_and_a_deleted_folder_are_named(tmp_path, capsys, monkeypatch):
+    """OSErrors that carry no path: a full disk is said to be the output's or the temporary
+    folder's (named), and a working folder deleted under the command is said to be gone."""
+    import errno
+    import sys
+    import tempfile
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    one_line_error(*cli(capsys, "convert", DEMO_CHECKPOINT, "relative-out", "--quiet")[::2],
+                   "current folder was deleted")
+    monkeypatch.chdir(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["edgevl.convert"], "convert", full)
+    one_line_error(*cli(capsys, "convert", DEMO_CHECKPOINT, tmp_path / "out", "--quiet")[::2],
+                   "No space left on device", tempfile.gettempdir(), "TMPDIR")
+
+
+def test_text_the_terminal_cannot_hold_is_escaped_not_a_traceback(tmp_path):
+    """PYTHONIOENCODING=ascii (or a Latin-1 console): the answer and messages print escaped."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "EDGEVL_CACHE": str(tmp_path / "cache")}
+    pkg = tmp_path / "pk 包"
+    r = subprocess.run([sys.executable, "-m", "edgevl", "convert", str(DEMO_CHECKPOINT), str(pkg), "--quiet"],
+                       capture_output=True, env=env, timeout=600)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()[-800:]
+    assert b"\\u5305" in r.stdout + r.stderr                  # the folder's name, escaped
+    (tmp_path / "s.json").write_text('{"enum": ["caf\\u00e9"]}')       # an answer that is not ASCII
+    r = subprocess.run([sys.executable, "-m", "edgevl", "run", str(pkg), "--prompt", "你好", "--json-schema",
+                        str(tmp_path / "s.json")], capture_output=True, env=env, timeout=600)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()[-800:]
+    assert b'"caf\\xe9"' in r.stdout, r.stdout
