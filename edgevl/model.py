@@ -727,12 +727,19 @@ def load(path=None, threads: int | None = None, verify: bool = True, low_memory:
     own, e.g. ``expert_cache_mb=512`` for mixture-of-experts models (``edgevl run --help`` lists
     them).
     """
-    from .demo import demo_package, names_demo
+    from .demo import demo_package, is_demo_package, names_demo
 
     if names_demo(path):
         path = demo_package()
-    return Model(path, threads=threads, verify=verify, low_memory=low_memory,
-                 options={**(options or {}), **runtime_options})
+    try:
+        return Model(path, threads=threads, verify=verify, low_memory=low_memory,
+                     options={**(options or {}), **runtime_options})
+    except EdgevlError as e:
+        # the demo's cached package: nobody can convert it by hand; clearing the cache does
+        if "convert the model again" in str(e) and is_demo_package(path):
+            raise EdgevlError(str(e).replace("convert the model again", "run `edgevl cache clear` (the demo is "
+                                             "converted again at its next use)")) from None
+        raise
 
 
 def check_load_options(path, low_memory: bool = False, options: dict | None = None, video: bool = False,

@@ -60,6 +60,7 @@ def demo_package(progress: bool = False) -> Path:
         # its workers starting together): the others wait for it and load what it wrote
         with _CONVERTING, _folder_lock(out.parent):
             if not (out / MANIFEST).is_file():
+                _clear_damaged(out)
                 # trained on images only (demo/train.py): the package says so, and run and chat
                 # note that an answer without an image means nothing
                 convert(ck, out, dtype="fp32", progress=progress, overwrite=out.exists(), needs_image=True)
@@ -70,7 +71,7 @@ def demo_package(progress: bool = False) -> Path:
         # only an error about the cache folder is the cache folder's fault; any other (a file of
         # the installed package that cannot be read) names its own path
         where = Path(e.filename) if e.filename else None
-        if where is not None and not where.resolve().is_relative_to(out.parent.resolve()):
+        if where is not None and where.resolve().is_relative_to(ck.resolve()):
             raise EdgevlError(f"the demo model cannot be converted: {where} cannot be read "
                               f"({e.strerror or e}); reinstall edgevl") from None
         raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
@@ -79,6 +80,26 @@ def demo_package(progress: bool = False) -> Path:
 
 
 _CONVERTING = threading.Lock()
+
+
+def _clear_damaged(out: Path) -> None:
+    """What stands at the demo's cache path without a manifest (a clear cut short, a file put
+    there) is no package that anyone uses: removed, so the demo converts again (the name is the
+    cache's own; conversions write elsewhere and rename whole packages into place)."""
+    import shutil
+
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.is_dir():
+        shutil.rmtree(out)
+
+
+def is_demo_package(path) -> bool:
+    """Whether ``path`` is the demo's package in the cache (its damage is fixed by clearing the cache)."""
+    try:
+        return Path(path).resolve() == demo_package_path().resolve()
+    except (OSError, RuntimeError, EdgevlError):
+        return False
 
 
 @contextlib.contextmanager

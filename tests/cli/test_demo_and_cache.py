@@ -113,3 +113,38 @@ def test_first_loads_at_once_convert_the_demo_once(tmp_path, monkeypatch):
     left = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert [n for n in left if n.startswith(("demo-", "."))] == [got[0].name], left   # no work folders left
     assert edgevl.generate(edgevl.load(), "Describe the image.", image=smooth_image(64, 64), max_new_tokens=4)
+
+
+def test_a_cache_folder_under_an_unwritable_home_is_named_as_the_cache(tmp_path, monkeypatch):
+    """A container user whose HOME is / or missing: the folder that fails is above the cache;
+    that is the cache's place, not the installed edgevl, at fault."""
+    import edgevl.demo as demo
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "home" / ".cache" / "edgevl"))
+
+    def refused(folder):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "home"))
+
+    monkeypatch.setattr(demo, "_folder_lock", refused)
+    with pytest.raises(EdgevlError, match=r"edgevl cache folder .*home/.cache/edgevl.*set EDGEVL_CACHE") as e:
+        demo_package()
+    assert "reinstall" not in str(e.value)
+
+
+def test_a_damaged_demo_in_the_cache_is_converted_again_or_named_for_cache_clear(tmp_path, monkeypatch):
+    """What stands at the demo's cache path without a manifest (a clear cut short, a file) is
+    replaced at the next use; a cached demo with a damaged file says to clear the cache (the
+    user cannot convert the demo by hand)."""
+    import shutil
+
+    monkeypatch.setenv("EDGEVL_CACHE", str(tmp_path / "cache"))
+    out = demo_package()
+    (out / "manifest.json").unlink()
+    assert demo_package() == out and (out / "manifest.json").is_file()
+    shutil.rmtree(out)
+    out.write_text("not a package")
+    assert demo_package() == out and (out / "manifest.json").is_file()
+    with open(out / "decoder.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(EdgevlError, match=r"decoder.bin.*edgevl cache clear"):
+        edgevl.load("demo")
