@@ -521,6 +521,8 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
                               f"{meta['bytes']}; the package is corrupt — convert the model again")
         key = [st.st_size, st.st_mtime_ns, meta["sha256"]]
         if not full and mine.get(name) == key:
+            if not os.access(p, os.R_OK):   # chmod keeps the stamp; ncnn's own read would say "corrupt"
+                raise EdgevlError(f"package file {p} cannot be read (Permission denied); check its permissions")
             continue
         if sha256_file(p) != meta["sha256"]:
             raise EdgevlError(f"package file {name} does not match its sha256 in manifest.json; "

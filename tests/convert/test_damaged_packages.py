@@ -245,3 +245,18 @@ def test_stamp_cache_that_is_a_folder_does_not_stop_loading(pkg, tmp_path, monke
     (tmp_path / "cache" / "verified.json").mkdir(parents=True)
     assert edgevl.load(pkg).vocab_size > 0
     assert (tmp_path / "cache" / "verified.json").is_dir()
+
+
+def test_a_file_made_unreadable_after_its_check_is_named_as_unreadable(pkg, tmp_path, capsys, monkeypatch):
+    """chmod 000 keeps a file's size and time, so its checked stamp still holds: the load says the
+    file cannot be read (ncnn's own read called the package corrupt)."""
+    from edgevl import package
+
+    p = copy_pkg(pkg, tmp_path)
+    edgevl.load(p).close()                                    # checked once: stamped
+    target = str(p / "lm_head.bin")
+    real = os.access
+    monkeypatch.setattr(package.os, "access", lambda f, mode: real(f, mode) and str(f) != target)
+    line = one_line_error(*cli(capsys, "run", p, "--prompt", "hi", "--max-new-tokens", "1")[::2],
+                          "lm_head.bin", "cannot be read", "permissions")
+    assert "corrupt" not in line
