@@ -51,7 +51,7 @@ HELP = """commands:
   /image PATH   attach an image to your next message ('demo': a random demo scene)
   /video PATH   attach a video (file, animated GIF/WebP, folder of frames) to your next message
   /reset        forget the conversation (and the KV cache); attached images stay
-  /save FILE    write the transcript as JSON
+  /save FILE    write the whole conversation as JSON
   /schema FILE  answer in JSON that follows the JSON schema in FILE (constrained); /schema off: free text
   /help         this list
   /quit         leave (Ctrl-D, or Ctrl-C twice, works too); Ctrl-C stops an answer or clears the line"""
@@ -113,8 +113,8 @@ class ChatSession:
         self.allow_special_in_content = allow_special_in_content
         self.chat_template_kwargs = model_template_kwargs(model, chat_template_kwargs, thinking)
         self.show_reasoning = show_reasoning  # the history keeps only answers either way
-        if max_new_tokens is None:
-            max_new_tokens = default_max_new_tokens(model)
+        if max_new_tokens is None:   # a small context keeps half of itself for the conversation
+            max_new_tokens = min(default_max_new_tokens(model), max(1, model.max_context // 2))
         if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                 or not 0 < max_new_tokens < model.max_context):
             raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
@@ -145,6 +145,7 @@ class ChatSession:
     def reset(self, keep_attached: bool = False) -> None:
         """Forget the conversation; ``keep_attached`` keeps images attached for the next message."""
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.earlier: list[dict] = []    # turns dropped from the context, oldest first (kept for /save)
         self.pending_images: list[str] = list(self.pending_images) if keep_attached else []
         self.pending_videos: list[str] = list(self.pending_videos) if keep_attached else []
         self.dropped = 0
@@ -163,6 +164,19 @@ class ChatSession:
         if self.model.vision is None:
             raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
         self.model.encode_image(image, self.max_image_patches)
+        # the attached images must fit beside the answer with no history at all: else every
+        # message after would be refused, and no command takes an image back
+        media = [{"type": "image", "image": p} for p in [*self.pending_images, image]]
+        media += [{"type": "video", "video": p} for p in self.pending_videos]
+        head = self.messages[:1] if self.system else []
+        need = self._count(head + [{"role": "user", "content": media + [{"type": "text", "text": ""}]}])
+        room = self.model.max_context - self.max_new_tokens
+        if need > room:
+            n = len(media)
+            raise EdgevlError(f"image refused: {'it' if n == 1 else f'the {n} attached images and videos'} would "
+                              f"take {need} prompt tokens but only {room} fit (the {self.model.max_context}-token "
+                              f"context minus {self.max_new_tokens} for the answer); attach a smaller image or lower "
+                              "--max-image-patches or --max-new-tokens")
         self.pending_images.append(image)
 
     def attach_video(self, path) -> None:
@@ -196,17 +210,18 @@ class ChatSession:
         msgs = self.messages + [{"role": "user", "content": content}]
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
-        dropped = 0
+        dropped = []
         while (n := self._count(msgs)) > room:
             if len(msgs) - head == 1:
                 raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
                                   f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
                                   "answer); shorten it or lower --max-new-tokens")
+            dropped += msgs[head:head + 2]
             msgs = msgs[:head] + msgs[head + 2:]  # history is user/assistant pairs after the head
-            dropped += 1
         # attached images stay for the next message until one is taken (a refusal keeps them)
         self.pending_images, self.pending_videos = [], []
-        self.messages, self.dropped = msgs[:-1], dropped
+        self.messages, self.dropped = msgs[:-1], len(dropped) // 2
+        self.earlier += dropped
         return self._stream(msgs)
 
     def _stream(self, msgs) -> Iterator[str]:
@@ -243,8 +258,14 @@ class ChatSession:
         record()
 
     def save(self, path) -> Path:
+        """Write the whole conversation: ``messages`` holds every turn, those dropped from the
+        context too (``dropped_from_context``: how many of the first turns the model no longer sees)."""
         path = Path(path).expanduser()
-        data = {"model": str(self.model.path), "messages": self.messages}
+        head = 1 if self.system else 0
+        data = {"model": str(self.model.path),
+                "messages": self.messages[:head] + self.earlier + self.messages[head:]}
+        if self.earlier:
+            data["dropped_from_context"] = len(self.earlier) // 2
         path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
         return path
 
@@ -369,7 +390,10 @@ def chat_loop(model_path, image=None, threads: int | None = None, max_image_patc
                 elif cmd == "/save":
                     if not arg:
                         raise EdgevlError("usage: /save FILE")
-                    say(f"[transcript saved to {session.save(arg)}]")
+                    saved = session.save(arg)
+                    gone = len(session.earlier) // 2
+                    say(f"[transcript saved to {saved}" + (f"; its first {gone} turn(s) are no longer in the model's "
+                                                           "context]" if gone else "]"))
                 else:
                     raise EdgevlError(f"unknown command {cmd}; /help lists the commands")
             except EdgevlError as e:

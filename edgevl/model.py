@@ -536,10 +536,15 @@ class Model:
         if len(input_ids) == 0:
             raise EdgevlError("the prompt is empty; pass some text")
         if len(input_ids) >= self.max_context:
-            fix = ("send a shorter video or lower --fps, --max-frames or --video-max-pixels"
-                   if self.video_token_id is not None and self.video_token_id in input_ids else "use a smaller image")
+            fix = ""
+            if self.video_token_id is not None and self.video_token_id in input_ids:
+                fix = " (or send a shorter video or lower --fps, --max-frames or --video-max-pixels)"
+            elif self.image_token_id is not None and self.image_token_id in input_ids:
+                fix = " (or use a smaller image)"
+            # the answer needs a position too: a prompt as long as the context leaves none
             raise EdgevlError(f"the prompt has {len(input_ids)} tokens, but this model's maximum context length is "
-                              f"{self.max_context} tokens; shorten the prompt (or {fix})")
+                              f"{self.max_context} tokens (the prompt must be shorter, to leave room for the "
+                              f"answer); shorten the prompt{fix}")
         x = self.embed(list(input_ids), image_rows)
         keys = self._keys(input_ids, image_rows)
         positions = self.positions(input_ids, images)

@@ -169,3 +169,39 @@ def test_cli_chat_subprocess(pkg, tmp_path):
     assert "Traceback" not in r.stderr and "edgevl chat:" in r.stdout
     assert "error: this model has no vision tower" in r.stdout
     assert len(json.loads((tmp_path / "t.json").read_text())["messages"]) == 2
+
+
+def test_save_writes_the_turns_the_context_dropped_too(pkg, tmp_path):
+    model = edgevl.load(pkg)
+    chat = ChatSession(model, max_new_tokens=12, system="Be brief.")
+    asked = ["How many shapes are there?", "What color is the square?", "Describe the image.", "Two."]
+    for q in asked:
+        "".join(chat.send(q))
+    assert chat.earlier and chat.messages[1]["content"] != asked[0]        # the context dropped turns
+    saved = json.loads(chat.save(tmp_path / "t.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == asked
+    assert saved["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert len(saved["messages"]) == 1 + 2 * len(asked)
+    assert saved["dropped_from_context"] == len(chat.earlier) // 2 >= 1
+    code, out = chat_lines(model, asked + [f"/save {tmp_path / 'u.json'}"], max_new_tokens=12)
+    assert "no longer in the model's context" in out.strip().splitlines()[-1], out
+    chat.reset()
+    assert not json.loads(chat.save(tmp_path / "v.json").read_text())["messages"][1:]
+
+
+def test_a_small_context_starts_a_chat_with_room_for_the_conversation(pkg):
+    model = edgevl.load(pkg)
+    assert ChatSession(model).max_new_tokens == min(256, model.max_context // 2)
+
+
+def test_images_that_cannot_fit_are_refused_when_attached(vl_pkg, tmp_path):
+    """Attached images that alone fill the context would refuse every message after (a refusal
+    keeps them, and no command takes one back): the image past the room is refused at /image."""
+    model = edgevl.load(vl_pkg)
+    Image.fromarray(np.full((96, 128, 3), 120, np.uint8)).save(tmp_path / "a.png")
+    chat = ChatSession(model, max_new_tokens=8)
+    with pytest.raises(EdgevlError, match="image refused: the .* attached images and videos would take"):
+        for _ in range(model.max_context):
+            chat.attach(tmp_path / "a.png")
+    assert len(chat.pending_images) >= 1
+    assert "".join(chat.send("What is it?")) is not None                    # the message still fits

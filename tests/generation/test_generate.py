@@ -127,6 +127,9 @@ def test_context_limits(model):
     with pytest.raises(EdgevlError, match=f"prompt has {n} tokens, but this model's maximum context length is {n} "
                                           "tokens"):
         list(model.generate_tokens([5] * n, 4))
+    with pytest.raises(EdgevlError, match="leave room for the answer") as e:   # a text prompt: no image hint
+        edgevl.generate(model, "word " * (2 * n), max_new_tokens=2)
+    assert "image" not in str(e.value)
     # generation stops at the context end instead of running past it
     toks = list(model.generate_tokens([5] * (n - 3), 50, ignore_eos=True))
     assert len(toks) == 3
