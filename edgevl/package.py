@@ -49,7 +49,7 @@ EXPERT_CHECKSUMS = {"sha256-128": (hashlib.sha256, 16)}
 def cache_dir() -> Path:
     base = os.environ.get("EDGEVL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "edgevl")
-    return Path(base)
+    return Path(base).expanduser()   # EDGEVL_CACHE="~/c" quoted in a unit file or .env: not a folder named ~
 
 
 def versions() -> dict:
@@ -531,6 +531,8 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
         changed = True
     if changed or stamps.get(str(path)) is not mine:
         stamps[str(path)] = mine
+        # packages moved or deleted since: their stamps would only grow the file every load rewrites
+        stamps = {k: v for k, v in stamps.items() if k == str(path) or Path(k, MANIFEST).is_file()}
         try:
             stamp_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = stamp_file.with_suffix(f".tmp{os.getpid()}-{next(_WORK_SEQ)}")   # one per writer, threads too

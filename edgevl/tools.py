@@ -93,7 +93,7 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise EdgevlError(f"{where}.function.name must be 1-64 letters, digits, _ . : or -, got {name!r:.40}")
+            raise EdgevlError(f"{where}.function.name must be 1-64 ASCII letters, digits, _ . : or -, got {name!r:.40}")
         if name in schemas:
             raise EdgevlError(f"{where}: two tools are named {name!r}; give each function its own name")
         params = fn.get("parameters", {"type": "object", "properties": {}})
@@ -103,7 +103,7 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
         for p in params.get("properties", {}):
             if not NAME.fullmatch(p):
                 raise EdgevlError(f"{where}: parameter name {p!r:.40} cannot be written in the call format; use "
-                                  "letters, digits, _ . : or -")
+                                  "ASCII letters, digits, _ . : or -")
         schemas[name] = params
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     parallel = True if parallel_tool_calls is None else parallel_tool_calls

@@ -260,3 +260,16 @@ def test_a_file_made_unreadable_after_its_check_is_named_as_unreadable(pkg, tmp_
     line = one_line_error(*cli(capsys, "run", p, "--prompt", "hi", "--max-new-tokens", "1")[::2],
                           "lm_head.bin", "cannot be read", "permissions")
     assert "corrupt" not in line
+
+
+def test_stamps_of_packages_gone_are_dropped_and_the_cache_path_expands_home(pkg, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EDGEVL_CACHE", "~/cache")                 # quoted in a unit file: no shell expands it
+    gone = copy_pkg(pkg, tmp_path)
+    edgevl.load(gone).close()
+    stamps = tmp_path / "home" / "cache" / "verified.json"
+    assert str(gone.resolve()) in json.loads(stamps.read_text())
+    shutil.rmtree(gone)
+    kept = copy_pkg(pkg, tmp_path / "other")
+    edgevl.load(kept).close()
+    assert set(json.loads(stamps.read_text())) == {str(kept.resolve())}
