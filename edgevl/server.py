@@ -956,22 +956,33 @@ def tokenize_request(req: dict, server: EdgevlServer) -> list[int]:
         raise HTTPError(400, str(e), "messages") from None
 
 
-def _legacy_logprobs(entries: list, offset: int) -> dict:
+class TextOffsets:
+    """Where each token of an answer starts in its text, in characters (the legacy logprobs'
+    ``text_offset``), counted alike streamed or not: a token holding part of a character shows it
+    as U+FFFD but adds to the text only once the character is whole."""
+
+    def __init__(self, start: int):
+        import codecs
+
+        self.at = start
+        self.chars = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, entry: dict) -> int:
+        at = self.at
+        raw = entry.get("bytes")
+        self.at += len(self.chars.decode(bytes(raw))) if raw is not None else len(entry["token"])
+        return at
+
+
+def _legacy_logprobs(entries: list, offsets: TextOffsets) -> dict:
     """``Event.logprobs`` entries in the legacy completion's shape (each token's alternatives as
     {token: logprob}, the token taken among them; ``text_offset``: where each token starts)."""
-    import codecs
-
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    # characters, not tokens' display strings: a token holding part of a character shows it as
-    # U+FFFD but adds to the text only once the character is whole (as the stream's pieces do)
-    text = codecs.getincrementaldecoder("utf-8")("replace")
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
         out["top_logprobs"].append({**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]})
-        out["text_offset"].append(offset)
-        raw = e.get("bytes")
-        offset += len(text.decode(bytes(raw))) if raw is not None else len(e["token"])
+        out["text_offset"].append(offsets.take(e))
     return out
 
 
@@ -1802,14 +1813,12 @@ class Handler(BaseHTTPRequestHandler):
         prompt, kwargs, stream, include_usage, echo = parse_completion(self._read_json(), self.server)
         head = {**self._head("text_completion"), "id": f"cmpl-{uuid.uuid4().hex[:24]}"}
         start = len(prompt) if echo else 0
-        offsets: dict = {}      # per choice: where its next text starts (the legacy logprobs' text_offset)
+        offsets: dict = {}      # per choice: where its next token starts (the legacy logprobs' text_offset)
 
         def choice(index, text, entries, finish):
             lp = None
-            offset = offsets.get(index, start)
             if kwargs["logprobs"]:
-                lp = _legacy_logprobs(entries, offset)
-            offsets[index] = offset + len(text)
+                lp = _legacy_logprobs(entries, offsets.setdefault(index, TextOffsets(start)))
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not stream:

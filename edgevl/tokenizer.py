@@ -220,6 +220,19 @@ def _check_text(text) -> None:
                           "surrogate); send valid UTF-8 text") from None
 
 
+def _cut_character(b: bytes) -> bool:
+    """Whether ``b`` ends in the first bytes of a UTF-8 character still missing its last ones
+    (a lead byte and fewer continuation bytes than it announces)."""
+    n = 0
+    while n < min(3, len(b)) and 0x80 <= b[-1 - n] <= 0xBF:
+        n += 1
+    if n == len(b):
+        return False
+    lead = b[-1 - n]
+    need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+    return n + 1 < need
+
+
 class StreamDecoder:
     """Incremental detokenizer: emits text only once it is complete UTF-8.
 
@@ -256,8 +269,17 @@ class StreamDecoder:
         return ""
 
     def flush(self) -> str:
-        """The rest; a character cut off by the end of generation is dropped, not shown as U+FFFD."""
+        """The rest; a character cut off by the end of generation is dropped, not shown as U+FFFD.
+        Bytes that could never have become one (a stray continuation byte) stay U+FFFD, as a
+        whole decode shows them: an answer of such tokens is not an empty text."""
+        pending = self.ids[self.read:]
         prev = self._decode(self.ids[self.prefix:self.read])
         cur = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return cur[len(prev):].rstrip("\ufffd")
+        text = cur[len(prev):]
+        if not text.endswith("\ufffd"):
+            return text
+        raw = [self.t.token_bytes(i) for i in pending]
+        if any(b is None for b in raw):     # bytes unknown: drop what looks cut off
+            return text.rstrip("\ufffd")
+        return text[:-1] if _cut_character(b"".join(raw)) else text

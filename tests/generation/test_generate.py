@@ -110,6 +110,19 @@ def test_streaming_cjk_decodes_cleanly(model):
     pieces = [dec.add(i) for i in ids] + [dec.flush()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+    # cut by the end of generation: a started character is dropped, bytes that never start one
+    # (a stray continuation byte) stay U+FFFD, as a whole decode shows them
+    cut = tok.encode("你")
+    whole = [i for i in tok.encode("😀") if tok.token_bytes(i) and tok.token_bytes(i)[0] >= 0x80]
+    if len(cut) > 1:
+        dec = StreamDecoder(tok)
+        assert "".join([dec.add(i) for i in cut[:-1]] + [dec.flush()]) == ""
+    stray = [i for i in whole if 0x80 <= tok.token_bytes(i)[0] <= 0xBF and len(tok.token_bytes(i)) == 1][:1]
+    if stray:
+        dec = StreamDecoder(tok)
+        got = "".join([dec.add(i) for i in stray * 3] + [dec.flush()])
+        assert got == tok.decode(stray * 3) and got.count("\ufffd") == 3
+    assert len(cut) > 1 or stray          # the tokenizer splits characters: one check ran
     # and through the generator: the model continues CJK corpus text
     out = list(edgevl.stream_generate(model, "你好，", max_new_tokens=16, raw=True))
     assert out and all("\ufffd" not in p for p in out)
