@@ -879,6 +879,10 @@ def main(argv=None) -> int:
                errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
         if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
             fix = "; that is a file, not a folder: choose another path"
+        if "No usable temporary directory" in str(e):   # tempfile found no writable folder
+            print("error: no writable temporary folder (TMPDIR, /tmp, /var/tmp, the current folder); set TMPDIR "
+                  "to a writable folder (edgevl writes some model graphs there while loading)", file=sys.stderr)
+            return 2
         if not where and e.errno == errno.ENOENT and not _cwd_exists():
             fix = " (the current folder was deleted); cd to a folder that exists and run it again"
         if not where and e.errno in (errno.ENOSPC, errno.EDQUOT):

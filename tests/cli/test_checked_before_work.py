@@ -330,3 +330,15 @@ def test_text_the_terminal_cannot_hold_is_escaped_not_a_traceback(tmp_path):
                         str(tmp_path / "s.json")], capture_output=True, env=env, timeout=600)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()[-800:]
     assert b'"caf\\xe9"' in r.stdout, r.stdout
+
+
+def test_no_writable_temporary_folder_says_to_set_tmpdir(capsys, monkeypatch):
+    """What tempfile raises in a read-only container without a tmpfs."""
+    def none_usable():
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp', '/var/tmp']")
+
+    from edgevl import cli as cli_module
+
+    monkeypatch.setattr(cli_module, "cmd_convert", lambda a: none_usable(), raising=False)
+    code, _, err = cli(capsys, "convert", DEMO_CHECKPOINT, "out", "--quiet")
+    one_line_error(code, err, "set TMPDIR")
