@@ -68,10 +68,11 @@ def demo_package(progress: bool = False) -> Path:
         if not (out / MANIFEST).is_file():  # another process won the race (where no lock could be taken)
             raise
     except OSError as e:
-        # only an error about the cache folder is the cache folder's fault; any other (a file of
-        # the installed package that cannot be read) names its own path
+        # a file of the installed package that cannot be read names its own path; any other (the
+        # cache folder, or a folder above it: a HOME that is / or missing) is the cache's place
         where = Path(e.filename) if e.filename else None
-        if where is not None and where.resolve().is_relative_to(ck.resolve()):
+        installed = Path(__file__).resolve().parent.parent      # the edgevl package's own files
+        if where is not None and where.resolve().is_relative_to(installed):
             raise EdgevlError(f"the demo model cannot be converted: {where} cannot be read "
                               f"({e.strerror or e}); reinstall edgevl") from None
         raise EdgevlError(f"the demo model cannot be converted into the edgevl cache folder {out.parent} "
@@ -88,6 +89,8 @@ def _clear_damaged(out: Path) -> None:
     cache's own; conversions write elsewhere and rename whole packages into place)."""
     import shutil
 
+    if (out / "manifest.json").is_file():   # another process's conversion just put it there
+        return
     if out.is_symlink() or out.is_file():
         out.unlink()
     elif out.is_dir():
