@@ -10,10 +10,11 @@ again now and then (less often while the choice keeps holding).
 
 The team is shrunk through OpenMP's max-active-levels (0: every parallel region runs on the thread
 that meets it), which leaves every layer's work split as at load (ncnn's Gemm tiles follow the
-load-time thread count): the results are the same bits whichever team ran them. The setting
-belongs to the thread that makes the call (libgomp keeps it per thread in newer versions), and
-all ncnn work of a model runs on its owner thread, which is where this runs.
-``EDGEVL_ADAPT_THREADS=0`` turns it off.
+load-time thread count, and its layers read no team size): the results are the same bits whichever
+team ran them. The choice is the process's, as the machine's load is: the libgomp that ncnn's wheel
+ships keeps the setting for the whole process, newer ones per thread, so it is set again on each
+thread that runs timed steps (the owner thread; a new one after every model was closed), and the
+configured value is read once, before any change. ``EDGEVL_ADAPT_THREADS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ BETTER = 0.85       # the other team must run a step in this fraction of the tim
 PROBE = 2           # steps a look runs on the other team
 STEPS_KEPT = 5
 
-_local = threading.local()
+_lock = threading.Lock()
+_team = None
 _lib = None
+_full = None        # max-active-levels as configured, read before any change
 
 
 def _openmp():
     """The OpenMP runtime ncnn runs on (as loaded in this process), or None."""
-    global _lib
+    global _lib, _full
     if _lib is None:
         _lib = False
         try:
@@ -55,6 +58,7 @@ def _openmp():
                 lib.omp_set_max_active_levels.argtypes = [ctypes.c_int]
             except (OSError, AttributeError):
                 continue
+            _full = lib.omp_get_max_active_levels()
             _lib = lib
             break
     return _lib or None
@@ -65,12 +69,13 @@ def enabled() -> bool:
 
 
 class Team:
-    """The calling thread's team choice and the step times behind it."""
+    """The process's team choice and the step times behind it."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, full: int | None = None):
         self.lib = lib
-        self.full = lib.omp_get_max_active_levels()    # the team as configured
-        self.alone = False                              # the team shrunk to this thread
+        self.full = lib.omp_get_max_active_levels() if full is None else full    # the team as configured
+        self.alone = False                              # the team shrunk to the calling thread
+        self.set_on = None                              # the thread the setting was last made on
         self.times: dict = {}                           # key -> {alone: recent step times}
         self.best: dict = {}                            # key -> fastest full-team step since the last look
         self.steps, self.period = 0, START
@@ -80,9 +85,12 @@ class Team:
 
     def _set(self, alone: bool) -> None:
         self.lib.omp_set_max_active_levels(0 if alone else self.full)
+        self.set_on = threading.get_ident()
 
     def timed(self, key, fn):
         """``fn()``, timed as a step of kind ``key`` (steps compare only with their own kind)."""
+        if self.set_on != threading.get_ident():    # a runtime that keeps the setting per thread
+            self._set(self.look["alone"] if self.look else self.alone)
         t = time.perf_counter()
         out = fn()
         self.note(key, time.perf_counter() - t)
@@ -127,12 +135,14 @@ class Team:
 
 
 def team() -> Team | None:
-    """This thread's :class:`Team` (None where the OpenMP runtime cannot be reached or it is off)."""
-    t = getattr(_local, "team", None)
-    if t is None:
-        lib = _openmp() if enabled() else None
-        t = _local.team = Team(lib) if lib is not None else False
-    return t or None
+    """The process's :class:`Team` (None where the OpenMP runtime cannot be reached or it is off)."""
+    global _team
+    if _team is None:
+        with _lock:
+            if _team is None:
+                lib = _openmp() if enabled() else None
+                _team = Team(lib, _full) if lib is not None else False
+    return _team or None
 
 
 def timed(key, fn, threads: int):

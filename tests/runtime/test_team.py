@@ -69,8 +69,31 @@ def test_steps_of_another_kind_do_not_decide_a_look():
     assert t.look is None and not t.alone and lib.levels == 5
 
 
+def test_the_choice_is_set_again_on_each_thread_that_runs_steps():
+    """Newer libgomp keeps the setting per thread: a new owner thread (after every model was
+    closed) gets the process's choice before its first step; the configured team is the one read
+    before any change, whatever a later team reads."""
+    import threading
+
+    lib = FakeOpenMP()
+    t = team.Team(lib, full=5)
+    run(t, 30, full=0.040, alone=0.065)
+    run(t, 6, full=0.500, alone=0.070)
+    assert t.alone
+    seen = []
+
+    def step():
+        lib.levels = 5                       # a fresh thread's own setting
+        t.timed("decode", lambda: seen.append(lib.levels))
+    th = threading.Thread(target=step)
+    th.start()
+    th.join()
+    assert seen == [0]                       # the step ran on one thread there too
+    assert team.Team(lib, full=5).full == 5 and lib.levels == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenMP runtime is found through /proc")
-def test_shrinking_the_team_changes_no_bit(tmp_path):
+def test_shrinking_the_team_changes_no_bit(tmp_path, monkeypatch):
     """ncnn keeps each layer's split as at load (its Gemm tiles follow the load-time thread
     count), so a decoder run by its owner thread alone computes exactly what the team does."""
     assert team.enabled()
@@ -79,7 +102,7 @@ def test_shrinking_the_team_changes_no_bit(tmp_path):
     m = edgevl.load(pkg, threads=2, speculative="none")
     lib = team._openmp()
     full = m._owner.call(lib.omp_get_max_active_levels)
-    m._owner.call(setattr, team._local, "team", False)    # no choosing while the test sets the team
+    monkeypatch.setattr(team, "_team", False)             # no choosing while the test sets the team
     ids = list(range(5, 45))
 
     def logits(levels):
@@ -94,7 +117,6 @@ def test_shrinking_the_team_changes_no_bit(tmp_path):
     whole, alone = logits(full), logits(0)
     assert full != 0 and np.isfinite(whole).all()
     assert np.array_equal(whole, alone)
-    m._owner.call(setattr, team._local, "team", None)
     m.close()
 
 
