@@ -484,6 +484,9 @@ def _stamp_path() -> Path:
     return cache_dir() / "verified.json"
 
 
+STAMPS_KEPT = 256
+
+
 def _read_stamps(stamp_file: Path) -> dict:
     """The verified-file stamps; anything unreadable or of the wrong shape counts as none (the
     file is rewritten after the next verification) — a broken cache must never stop loading."""
@@ -530,9 +533,11 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
         mine[name] = key
         changed = True
     if changed or stamps.get(str(path)) is not mine:
-        stamps[str(path)] = mine
-        # packages moved or deleted since: their stamps would only grow the file every load rewrites
-        stamps = {k: v for k, v in stamps.items() if k == str(path) or Path(k, MANIFEST).is_file()}
+        stamps.pop(str(path), None)
+        stamps[str(path)] = mine    # the newest last: the file keeps the STAMPS_KEPT last loaded
+        # (packages moved or deleted would grow it for ever, and every load that adds one rewrites
+        # it; one on a disk not mounted now keeps its stamps)
+        stamps = dict(list(stamps.items())[-STAMPS_KEPT:])
         try:
             stamp_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = stamp_file.with_suffix(f".tmp{os.getpid()}-{next(_WORK_SEQ)}")   # one per writer, threads too

@@ -262,14 +262,23 @@ def test_a_file_made_unreadable_after_its_check_is_named_as_unreadable(pkg, tmp_
     assert "corrupt" not in line
 
 
-def test_stamps_of_packages_gone_are_dropped_and_the_cache_path_expands_home(pkg, tmp_path, monkeypatch):
+def test_stamps_keep_the_last_loaded_packages_and_the_cache_path_expands_home(pkg, tmp_path, monkeypatch):
+    """The stamp file keeps the packages loaded last (it grew with every package ever loaded),
+    one on a disk not mounted now included; EDGEVL_CACHE=~/x is the home's folder."""
+    from edgevl import package
+
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("EDGEVL_CACHE", "~/cache")                 # quoted in a unit file: no shell expands it
-    gone = copy_pkg(pkg, tmp_path)
-    edgevl.load(gone).close()
+    monkeypatch.setattr(package, "STAMPS_KEPT", 2)
+    first = copy_pkg(pkg, tmp_path / "a")
+    edgevl.load(first).close()
     stamps = tmp_path / "home" / "cache" / "verified.json"
-    assert str(gone.resolve()) in json.loads(stamps.read_text())
-    shutil.rmtree(gone)
-    kept = copy_pkg(pkg, tmp_path / "other")
-    edgevl.load(kept).close()
-    assert set(json.loads(stamps.read_text())) == {str(kept.resolve())}
+    assert list(json.loads(stamps.read_text())) == [str(first.resolve())]
+    first.rename(tmp_path / "a" / "unmounted")
+    second = copy_pkg(pkg, tmp_path / "b")
+    edgevl.load(second).close()
+    assert list(json.loads(stamps.read_text())) == [str(first.resolve()), str(second.resolve())]
+    (tmp_path / "a" / "unmounted").rename(first)
+    third = copy_pkg(pkg, tmp_path / "c")
+    edgevl.load(third).close()
+    assert list(json.loads(stamps.read_text())) == [str(second.resolve()), str(third.resolve())]
