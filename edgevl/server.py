@@ -961,14 +961,17 @@ class TextOffsets:
     ``text_offset``), counted alike streamed or not: a token holding part of a character shows it
     as U+FFFD but adds to the text only once the character is whole."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, skipped=frozenset()):
         import codecs
 
         self.at = start
         self.chars = codecs.getincrementaldecoder("utf-8")("replace")
+        self.skipped = skipped      # special tokens the answer's text leaves out
 
     def take(self, entry: dict) -> int:
         at = self.at
+        if entry["token"] in self.skipped:
+            return at
         raw = entry.get("bytes")
         self.at += len(self.chars.decode(bytes(raw))) if raw is not None else len(entry["token"])
         return at
@@ -1818,7 +1821,8 @@ class Handler(BaseHTTPRequestHandler):
         def choice(index, text, entries, finish):
             lp = None
             if kwargs["logprobs"]:
-                lp = _legacy_logprobs(entries, offsets.setdefault(index, TextOffsets(start)))
+                lp = _legacy_logprobs(entries, offsets.setdefault(
+                    index, TextOffsets(start, frozenset(self.server.model.tokenizer.special_tokens))))
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if not stream:

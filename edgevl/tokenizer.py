@@ -230,7 +230,13 @@ def _cut_character(b: bytes) -> bool:
         return False
     lead = b[-1 - n]
     need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+    if n and not _SECOND.get(lead, (0x80, 0xBF))[0] <= b[-n] <= _SECOND.get(lead, (0x80, 0xBF))[1]:
+        return False    # no character starts so (an overlong form, a surrogate): each byte is U+FFFD
     return n + 1 < need
+
+
+# the second byte's range after the lead bytes that narrow it (UTF-8, RFC 3629)
+_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
 class StreamDecoder:

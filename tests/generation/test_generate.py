@@ -194,3 +194,22 @@ def test_low_memory_mode_gives_the_same_tokens(trained):
     low = edgevl.load(pk, low_memory=True)
     assert type(low.decoder.net).__name__ == "SectionedNet"
     assert list(low.generate_tokens(ids, 12, ignore_eos=True)) == resident
+
+
+def test_a_cut_character_is_told_as_utf8_tells_it():
+    """The bytes held back at the end of an answer are a character's start that more bytes would
+    complete (some continuation makes the decode lose a U+FFFD), nothing else: random byte strings."""
+    import itertools
+    import random
+
+    from edgevl.tokenizer import _cut_character
+
+    def bad(x):
+        return x.decode("utf-8", "replace").count("\ufffd")
+
+    ends = [bytes(c) for k in (1, 2, 3) for c in itertools.product((0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF), repeat=k)]
+    rng = random.Random(0)
+    pool = [0x41, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE4, 0xED, 0xEF, 0xF0, 0xF4, 0xF5]
+    for _ in range(3000):
+        b = bytes(rng.choice(pool) for _ in range(rng.randint(1, 5)))
+        assert _cut_character(b) == any(bad(b + e) < bad(b) for e in ends), b

@@ -126,3 +126,13 @@ def test_legacy_text_offsets_count_characters_as_the_stream_does(server):
     streamed = [o for c in chunks if c.get("logprobs") for o in c["logprobs"]["text_offset"]]
     assert offsets == streamed
     assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    # a special token the text leaves out adds nothing (its 13 characters ran every later offset past the text)
+    tok = server.model.tokenizer
+    special = next(tok.token_to_id(t) for t in tok.special_tokens
+                   if tok.token_to_id(t) not in server.model.eos_ids and "pad" in t)
+    body = {"prompt": "p", "max_tokens": 6, "logprobs": 0, "temperature": 1.0, "seed": 3,
+            "logit_bias": {str(special): 30}}
+    code, reply, _ = post(port, body, path="/v1/completions")
+    choice = reply["choices"][0]
+    assert tok.id_to_token(special) in choice["logprobs"]["tokens"], choice          # the test's premise
+    assert max(choice["logprobs"]["text_offset"]) <= len(choice["text"]), choice
