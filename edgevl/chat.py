@@ -164,20 +164,23 @@ class ChatSession:
         if self.model.vision is None:
             raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
         self.model.encode_image(image, self.max_image_patches)
-        # the attached images must fit beside the answer with no history at all: else every
-        # message after would be refused, and no command takes an image back
-        media = [{"type": "image", "image": p} for p in [*self.pending_images, image]]
-        media += [{"type": "video", "video": p} for p in self.pending_videos]
+        self._check_fits(self.pending_images + [image], self.pending_videos, "image")
+        self.pending_images.append(image)
+
+    def _check_fits(self, images: list, videos: list, what: str) -> None:
+        """The attached images and videos must leave room for a message beside the answer with no
+        history at all: else every message after would be refused, and no command takes one back."""
+        media = ([{"type": "image", "image": p} for p in images]
+                 + [{"type": "video", "video": p} for p in videos])
         head = self.messages[:1] if self.system else []
         need = self._count(head + [{"role": "user", "content": media + [{"type": "text", "text": ""}]}])
         room = self.model.max_context - self.max_new_tokens
-        if need > room:
+        if need >= room:    # a message needs one token at least
             n = len(media)
-            raise EdgevlError(f"image refused: {'it' if n == 1 else f'the {n} attached images and videos'} would "
-                              f"take {need} prompt tokens but only {room} fit (the {self.model.max_context}-token "
-                              f"context minus {self.max_new_tokens} for the answer); attach a smaller image or lower "
-                              "--max-image-patches or --max-new-tokens")
-        self.pending_images.append(image)
+            raise EdgevlError(f"{what} refused: {'it' if n == 1 else f'the {n} attached images and videos'} would "
+                              f"take {need} prompt tokens and leave no room for a message ({room} fit: the "
+                              f"{self.model.max_context}-token context minus {self.max_new_tokens} for the answer); "
+                              f"attach a smaller or shorter {what}, or lower --max-image-patches or --max-new-tokens")
 
     def attach_video(self, path) -> None:
         """Queue a video for the next message; it is decoded and encoded now so a bad file fails
@@ -193,6 +196,7 @@ class ChatSession:
                               f"token context minus {self.max_new_tokens} for the answer); send a shorter video or "
                               "lower --fps, --max-frames or --video-max-pixels")
         self.model.encode_video(path, **self.video_options)
+        self._check_fits(self.pending_images, self.pending_videos + [path], "video")
         self.pending_videos.append(path)
 
     def _count(self, messages) -> int:
