@@ -255,8 +255,41 @@ def _value(rule: str, schema: dict) -> list[str]:
         term = rule.upper()
         return [f"{term}: /(.|\\n){reps}\\n<\\/parameter>\\n/ & ~/(.|\\n)*<\\/parameter>(.|\\n){{2,}}/",
                 f"{rule}[lazy]: {term}"]
-    # compact JSON, as the answers constrained by a schema (bounded whitespace)
+    # compact JSON, as the answers constrained by a schema (bounded whitespace); a fixed string in
+    # it (an enum's, a const) that holds the closing tag could not be read back either
+    held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
+    if held is not None:
+        raise ValueError(f"the value {held!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
+                         "format; the call could not be read back")
     return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': structured.JSON_OPTIONS})} {close}"]
+
+
+def _fixed_strings(schema):
+    """Every string an ``enum`` or ``const`` anywhere in ``schema`` fixes (nested ones too)."""
+    stack = [schema]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k in ("enum", "const"):
+                    yield from _strings_in(v if k == "enum" and isinstance(v, list) else [v])
+                else:
+                    stack.append(v)
+        elif isinstance(x, list):
+            stack.extend(x)
+
+
+def _strings_in(x):
+    """The strings inside a fixed JSON value (an enum's object or list)."""
+    stack = [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, str):
+            yield y
+        elif isinstance(y, dict):
+            stack += list(y.keys()) + list(y.values())
+        elif isinstance(y, list):
+            stack += y
 
 
 def _regex_escape(body: str) -> str:

@@ -321,6 +321,18 @@ def test_a_value_never_holds_the_tag_that_ends_it(qwen, server):
     assert code == 400 and "</parameter>" in reply["error"]["message"], reply
     with pytest.raises(EdgevlError, match="</parameter>"):
         edgevl.complete(qwen, ASK, tools=[bad], tool_choice="required", max_new_tokens=8)
+    # inside a JSON value too: an array's items, an object's field, an enum of objects
+    for params in ({"v": {"type": "array", "items": {"enum": ["ab", "a</parameter>b"]}}},
+                   {"v": {"type": "object", "properties": {"w": {"const": "a</parameter>b"}}}},
+                   {"v": {"enum": [{"w": "a</parameter>b"}, 3]}}):
+        fn = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": params, "required": ["v"]}}}
+        code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": [fn], "tool_choice": "required"})
+        assert code == 400 and "</parameter>" in reply["error"]["message"], (params, reply)
+    fine = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "v": {"type": "array", "items": {"enum": ["ab", "a</param>b"]}}}, "required": ["v"]}}}
+    assert post(server.server_address[1], {"messages": ASK, "tools": [fine], "tool_choice": "required",
+                                           "max_tokens": 40})[0] == 200
 
 
 def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tmp_path):
