@@ -48,7 +48,8 @@ def _openmp():
                 paths = {line.split()[-1] for line in f if "omp" in line and "/" in line}
         except OSError:
             paths = set()
-        for path in sorted(paths):
+        # ncnn's own first (its wheel ships one beside it: ncnn.libs/); torch may have loaded another
+        for path in sorted(paths, key=lambda p: (not os.path.basename(os.path.dirname(p)).startswith("ncnn"), p)):
             name = os.path.basename(path)
             if not (name.startswith(("libgomp", "libomp", "libiomp")) and ".so" in name):
                 continue
