@@ -101,7 +101,8 @@ def test_shrinking_the_team_changes_no_bit(tmp_path, monkeypatch):
                          progress=False)
     m = edgevl.load(pkg, threads=2, speculative="none")
     lib = team._openmp()
-    full = m._owner.call(lib.omp_get_max_active_levels)
+    full = team._full                   # as configured (a model before this one may have chosen one thread)
+    now = m._owner.call(lib.omp_get_max_active_levels)
     monkeypatch.setattr(team, "_team", False)             # no choosing while the test sets the team
     ids = list(range(5, 45))
 
@@ -112,7 +113,7 @@ def test_shrinking_the_team_changes_no_bit(tmp_path, monkeypatch):
             rows += [m.prefill(ids[:k], reuse_cache=True).copy() for k in range(31, 40)]   # decode steps
             return np.stack(rows)
         finally:
-            m._owner.call(lib.omp_set_max_active_levels, full)
+            m._owner.call(lib.omp_set_max_active_levels, now)
 
     whole, alone = logits(full), logits(0)
     assert full != 0 and np.isfinite(whole).all()
