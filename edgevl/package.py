@@ -468,9 +468,13 @@ def package_path(folder, name, manifest: dict | None = None, what: str = "file")
                           "load it — convert the model again")
     full = folder / name
     try:
-        inside = full.resolve().is_relative_to(folder.resolve())
-    except (OSError, RuntimeError):  # a symlink loop
-        inside = False
+        inside = full.resolve(strict=False).is_relative_to(folder.resolve())
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13), or unreadable
+        if isinstance(e, OSError) and e.errno != errno.ELOOP:
+            raise EdgevlError(f"package file {name} of {folder} cannot be read ({e.strerror or e}); check its "
+                              "permissions") from None
+        raise EdgevlError(f"package file {name} of {folder} is a symlink loop (it leads back to itself); the "
+                          "package is corrupt — convert the model again") from None
     if not inside:
         raise EdgevlError(f"package file {name} of {folder} is a symlink leading outside the package; refusing "
                           "to load it — convert the model again")

@@ -64,6 +64,12 @@ def _symlink_out(p):
     _emb(file="evil.bin")(p)
 
 
+def _symlink_loop(p):
+    (p / "loop.bin").symlink_to("loop.bin")
+    _listed("loop.bin")(p)
+    _emb(file="loop.bin")(p)
+
+
 def _top(**kv):
     return lambda p: edit_json(manifest(p), lambda m: m.update(kv))
 
@@ -89,6 +95,7 @@ PACKAGE_CASES = [  # (id, damage, extra CLI flags, words of the error)
     ("embedding-dev-zero", _emb(file="/dev/zero"), (), "points outside the package"),
     ("embedding-dotdot", _emb(file="../pkg/lm_head.bin"), (), "points outside the package"),
     ("embedding-symlink-out", _symlink_out, (), "symlink leading outside"),
+    ("embedding-symlink-loop", _symlink_loop, (), "symlink loop"),
     ("embedding-unlisted-file", lambda p: (shutil.copy(p / "lm_head.bin", p / "extra.bin"), _emb(file="extra.bin")(p)),
      (), "extra.bin is not listed"),
     ("graph-dropped-from-files", _unlist("lm_head.bin"), (), "lm_head.bin is not listed"),
