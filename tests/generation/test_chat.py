@@ -205,3 +205,34 @@ def test_images_that_cannot_fit_are_refused_when_attached(vl_pkg, tmp_path):
             chat.attach(tmp_path / "a.png")
     assert len(chat.pending_images) >= 1
     assert "".join(chat.send("What is it?")) is not None                    # the message still fits
+
+
+def test_a_video_after_an_image_is_checked_with_it(tmp_path):
+    """/video checks the attached images with the clip, as /image checks the videos: each fits
+    alone, both together would leave no room for a message."""
+    from support.qwen import make_qwen3_5
+
+    pkg = edgevl.convert(make_qwen3_5(tmp_path / "ck", seed=2), tmp_path / "pk", dtype="fp32", progress=False)
+    model = edgevl.load(pkg)
+    rng = np.random.default_rng(0)
+    (tmp_path / "frames").mkdir()
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i:03d}.png")
+    Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    probe = ChatSession(model, max_new_tokens=16)
+    text = [{"type": "text", "text": ""}]
+    base = probe._count([{"role": "user", "content": text}])
+    image = probe._count([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "img.png")}, *text]}])
+    video = probe._count([{"role": "user", "content": [{"type": "video", "video": str(tmp_path / "frames")}, *text]}])
+    room = image + video - base - 1              # each fits alone with room for a message; both do not
+    for first in ("image", "video"):
+        chat = ChatSession(model, max_new_tokens=model.max_context - room)
+        if first == "image":
+            chat.attach(tmp_path / "img.png")
+            with pytest.raises(EdgevlError, match="video refused: the 2 attached images and videos"):
+                chat.attach_video(tmp_path / "frames")
+        else:
+            chat.attach_video(tmp_path / "frames")
+            with pytest.raises(EdgevlError, match="image refused: the 2 attached images and videos"):
+                chat.attach(tmp_path / "img.png")
+        assert "".join(chat.send("hi")) is not None   # the one attached still leaves room for a message
