@@ -904,17 +904,9 @@ def read_parquet_rows(path, shown=None) -> list[dict]:
 
 def _physical_cores() -> int:
     """The physical cores this process may use (its affinity and CPU quota too)."""
-    import ncnn
+    from .runtime import usable_cores
 
-    from .runtime import usable_cpus
-
-    try:
-        n = int(ncnn.get_physical_cpu_count())
-    except Exception:  # noqa: BLE001 - very old wheels
-        n = 0
-    n = n or os.cpu_count() or 1
-    usable = usable_cpus()
-    return max(1, min(n, usable) if usable else n)
+    return usable_cores()
 
 
 AHEAD = 4

@@ -51,6 +51,12 @@ def default_threads() -> int:
         except ValueError:
             raise EdgevlError(f"EDGEVL_THREADS must be an integer, got {env!r}") from None
         return check_threads(n, "EDGEVL_THREADS")  # 0 is a mistake, as for --threads
+    return usable_cores()
+
+
+def usable_cores() -> int:
+    """The physical cores this process may use: ncnn's count of the machine's, bounded by
+    :func:`usable_cpus`."""
     try:
         n = int(ncnn.get_physical_cpu_count())
     except Exception:  # noqa: BLE001 - very old wheels

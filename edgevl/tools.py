@@ -220,6 +220,12 @@ def _value(rule: str, schema: dict) -> list[str]:
     """Rules for one parameter's value followed by its closing tag: a raw string for string
     parameters (the template writes them unquoted), JSON for the rest."""
     close = _lit("\n</parameter>\n")
+    # a string an enum or const fixes (in a raw value, or anywhere in a JSON one) that holds the
+    # closing tag could not be read back
+    held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
+    if held is not None:
+        raise ValueError(f"the value {held!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
+                         "format; the call could not be read back")
     if _is_string(schema) and "$ref" not in schema:
         # written raw, held by the regex below: a keyword the engine would refuse in a JSON answer
         # ("not", "if") is refused here too, not dropped (the engine is asked only past the usual ones)
@@ -227,12 +233,6 @@ def _value(rule: str, schema: dict) -> list[str]:
             error = structured.problem(structured.json_schema(schema, where="a string parameter"))
             if error:
                 raise ValueError(error)
-        fixed = schema["enum"] if "enum" in schema else (
-            [schema["const"]] if isinstance(schema.get("const"), str) else [])
-        for v in fixed:
-            if isinstance(v, str) and CLOSE_TAG in v:
-                raise ValueError(f"the value {v!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
-                                 "format; the call could not be read back")
         if "enum" in schema:
             return [f"{rule}: ({' | '.join(_lit(v) for v in schema['enum'])}) {close}"]
         if "const" in schema and isinstance(schema["const"], str):
@@ -255,12 +255,7 @@ def _value(rule: str, schema: dict) -> list[str]:
         term = rule.upper()
         return [f"{term}: /(.|\\n){reps}\\n<\\/parameter>\\n/ & ~/(.|\\n)*<\\/parameter>(.|\\n){{2,}}/",
                 f"{rule}[lazy]: {term}"]
-    # compact JSON, as the answers constrained by a schema (bounded whitespace); a fixed string in
-    # it (an enum's, a const) that holds the closing tag could not be read back either
-    held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
-    if held is not None:
-        raise ValueError(f"the value {held!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
-                         "format; the call could not be read back")
+    # compact JSON, as the answers constrained by a schema (bounded whitespace)
     return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': structured.JSON_OPTIONS})} {close}"]
 
 

@@ -89,7 +89,9 @@ def _clear_damaged(out: Path) -> None:
     cache's own; conversions write elsewhere and rename whole packages into place)."""
     import shutil
 
-    if (out / "manifest.json").is_file():   # another process's conversion just put it there
+    from ..package import MANIFEST
+
+    if (out / MANIFEST).is_file():   # another process's conversion just put it there
         return
     if out.is_symlink() or out.is_file():
         out.unlink()
