@@ -84,9 +84,8 @@ def test_regex_choice_and_grammars(qwen):
 def test_decomposed_text_the_grammar_forces_comes_out_as_written(qwen):
     """An enum or pattern in NFD (a letter, then its combining mark) is written byte for byte: the
     tokenizer's NFC normalizer must not fold the forced bytes into the precomposed letter."""
-    import json as _json
-    tok = _json.loads((qwen.path / "tokenizer.json").read_text())
-    assert "NFC" in _json.dumps(tok.get("normalizer"))        # what makes this test prove something
+    tok = json.loads((qwen.path / "tokenizer.json").read_text())
+    assert "NFC" in json.dumps(tok.get("normalizer"))        # what makes this test prove something
     schema = {"type": "object", "properties": {"city": {"enum": ["Zu\u0308rich", "Malmo\u0308"]}},
               "required": ["city"], "additionalProperties": False}
     for seed in range(2):
