@@ -220,13 +220,13 @@ def _value(rule: str, schema: dict) -> list[str]:
     """Rules for one parameter's value followed by its closing tag: a raw string for string
     parameters (the template writes them unquoted), JSON for the rest."""
     close = _lit("\n</parameter>\n")
-    # a string an enum or const fixes (in a raw value, or anywhere in a JSON one) that holds the
-    # closing tag could not be read back
-    held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
-    if held is not None:
-        raise ValueError(f"the value {held!r:.60} holds {CLOSE_TAG}, which ends a value in this model's call "
-                         "format; the call could not be read back")
     if _is_string(schema) and "$ref" not in schema:
+        # a raw value ends at the first closing tag: a string an enum or const fixes that holds
+        # one could not be read back (a JSON value is read as JSON, its strings may hold it)
+        held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
+        if held is not None:
+            raise ValueError(f"the value {held!r:.60} holds {CLOSE_TAG}, which ends a string value in this "
+                             "model's call format; the call could not be read back")
         # written raw, held by the regex below: a keyword the engine would refuse in a JSON answer
         # ("not", "if") is refused here too, not dropped (the engine is asked only past the usual ones)
         if set(schema) - STRING_KEYWORDS:
@@ -423,7 +423,8 @@ class CallStream:
     """Reads an answer as it streams: content text before the calls, and each call as it
     completes its parts (name first, then argument fragments that join into the JSON object)."""
 
-    PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+    HEAD = re.compile(r"<parameter=([^>\n]+)>\n?")
+    PARAM = re.compile(HEAD.pattern + r"(.*?)\n?</parameter>", re.S)
 
     def __init__(self, spec: ToolSpec):
         self.spec = spec
@@ -500,6 +501,29 @@ class CallStream:
         token limit; its arguments may end in "}" all the same, an object value's)."""
         return self.calls[:-1] if self.open else self.calls
 
+    def _param(self, text: str, function: str) -> tuple | None:
+        """The parameter ``text`` begins with, once its closing tag is in: (name, value as
+        written, end, its schema, the function's parameters schema)."""
+        head = self.HEAD.match(text)
+        if not head:
+            return None
+        params = self.spec.schemas.get(function, {})
+        name = head.group(1).strip()
+        schema = params.get("properties", {}).get(name, {})
+        schema = schema if isinstance(schema, dict) else {}
+        if self.spec.held and not (_is_string(schema) and "$ref" not in schema):
+            # a grammar wrote this value as JSON: it ends where the JSON does, and a string
+            # inside it may hold the closing tag (the first tag after the JSON closes it)
+            at = head.end() + len(text[head.end():]) - len(text[head.end():].lstrip())
+            try:
+                _, end = _DECODER.raw_decode(text, at)
+            except ValueError:     # not whole yet
+                return None
+            close = _CLOSE.match(text, end)
+            return (name, text[at:end], close.end(), schema, params) if close else None
+        m = self.PARAM.match(text)
+        return (name, m.group(2), m.end(), schema, params) if m else None
+
     def _step(self) -> list[tuple]:
         b = self.buf
         if self._args is None:
@@ -513,19 +537,18 @@ class CallStream:
             return [("name", k, self.calls[k]["id"], name)]
         k = len(self.calls) - 1
         fn = self.calls[k]["function"]
-        m = self.PARAM.match(b.lstrip("\n"))
-        if m:
-            params = self.spec.schemas.get(fn["name"], {})
-            schema = params.get("properties", {}).get(m.group(1).strip(), {})
-            p = m.group(1).strip()
-            self._args[p] = _typed(m.group(2), schema, params, self.spec.held)
+        b = b.lstrip("\n")
+        got = self._param(b, fn["name"])
+        if got:
+            p, raw, end, schema, params = got
+            self._args[p] = _typed(raw, schema, params, self.spec.held)
             try:
                 value = json.dumps(self._args[p], ensure_ascii=False, allow_nan=False)
             except ValueError:   # a number past float's range: the model's own JSON text, not Infinity
-                value = " ".join(m.group(2).split())
+                value = " ".join(raw.split())
             frag = ("{" if len(self._args) == 1 else ", ") + json.dumps(p) + ": " + value
             fn["arguments"] += frag
-            self.buf = b.lstrip("\n")[m.end():]
+            self.buf = b[end:]
             return [("args", k, frag)]
         m = re.match(r"\s*</function>\s*</tool_call>", b)
         if m:
@@ -534,6 +557,10 @@ class CallStream:
             self._args, self.buf = None, b[m.end():]
             return [("args", k, frag)]
         return []
+
+
+_DECODER = json.JSONDecoder()
+_CLOSE = re.compile(r"\s*</parameter>")
 
 
 def _partial(text: str, tag: str) -> int:

@@ -297,9 +297,9 @@ def test_call_tags_that_are_tokens_are_written_as_those_tokens(qwen_package, tmp
 
 
 def test_a_value_never_holds_the_tag_that_ends_it(qwen, server):
-    """The call's reader ends a value at the first </parameter>: the grammar lets no value hold
-    one (a free string, a pattern), and an enum or const that does is refused up front; a forced
-    call holding one was written, then read as no call at all (an empty answer, "stop")."""
+    """The call's reader ends a raw string value at the first </parameter>: the grammar lets no
+    such value hold one (a free string, a pattern), and an enum or const that does is refused up
+    front; a forced call holding one was written, then read as no call at all (an empty answer)."""
     from edgevl import structured
 
     tok = qwen.tokenizer
@@ -321,18 +321,43 @@ def test_a_value_never_holds_the_tag_that_ends_it(qwen, server):
     assert code == 400 and "</parameter>" in reply["error"]["message"], reply
     with pytest.raises(EdgevlError, match="</parameter>"):
         edgevl.complete(qwen, ASK, tools=[bad], tool_choice="required", max_new_tokens=8)
-    # inside a JSON value too: an array's items, an object's field, an enum of objects
-    for params in ({"v": {"type": "array", "items": {"enum": ["ab", "a</parameter>b"]}}},
-                   {"v": {"type": "object", "properties": {"w": {"const": "a</parameter>b"}}}},
-                   {"v": {"enum": [{"w": "a</parameter>b"}, 3]}}):
+
+
+def test_a_json_value_may_hold_the_tag_that_ends_a_value(qwen, server):
+    """A value the grammar writes as JSON (an object, an array, an optional string) is read as
+    JSON: a string inside it may hold </parameter>, whole or streamed a character at a time,
+    free or fixed by an enum or const (these were refused, or read as no call)."""
+    from edgevl import structured
+
+    tok = qwen.tokenizer
+    cases = [({"type": "object", "properties": {"w": {"type": "string"}}, "required": ["w"]},
+              {"w": "a </parameter>\n</function>\n</tool_call> b"}),
+             ({"type": "array", "items": {"enum": ["ab", "a</parameter>b"]}}, ["a</parameter>b", "ab"]),
+             ({"type": "object", "properties": {"w": {"const": "a</parameter>b"}}}, {"w": "a</parameter>b"}),
+             ({"enum": [{"w": "a</parameter>b"}, 3]}, {"w": "a</parameter>b"}),
+             ({"type": ["string", "null"]}, "x</parameter>y")]
+    for schema, value in cases:
         fn = {"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": params, "required": ["v"]}}}
-        code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": [fn], "tool_choice": "required"})
-        assert code == 400 and "</parameter>" in reply["error"]["message"], (params, reply)
-    fine = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "v": {"type": "array", "items": {"enum": ["ab", "a</param>b"]}}}, "required": ["v"]}}}
-    assert post(server.server_address[1], {"messages": ASK, "tools": [fine], "tool_choice": "required",
-                                           "max_tokens": 40})[0] == 200
+            "type": "object", "properties": {"v": schema, "n": {"type": "integer"}}, "required": ["v", "n"]}}}
+        spec = tools.prepare(qwen, [fn], "required", False)
+        text = (f"<tool_call>\n<function=f>\n<parameter=v>\n{json.dumps(value)}\n"
+                "</parameter>\n<parameter=n>\n12\n</parameter>\n</function>\n</tool_call>")
+        ids = tok.encode(text)
+        assert structured.compiled(qwen, spec.structure).constraint().valid_prefix(ids) == len(ids), schema
+        _, calls = tools.parse(text, spec)
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"v": value, "n": 12}], schema
+        stream = tools.CallStream(spec)
+        events = [e for ch in text for e in stream.feed(ch)] + stream.feed("", end=True)
+        args = "".join(e[2] for e in events if e[0] == "args")
+        assert json.loads(args) == {"v": value, "n": 12}, (schema, events)
+        code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": [fn], "tool_choice": "required",
+                                                         "max_tokens": 60})
+        assert code == 200, reply
+    # a raw string value still ends at its first closing tag, as the template writes it
+    auto = tools.ToolSpec([], "auto", schemas={"f": {"properties": {"v": {"type": "object"}}}})
+    _, (call,) = tools.parse("<tool_call>\n<function=f>\n<parameter=v>\n{\"w\": 1}\n</parameter>\n"
+                             "</function>\n</tool_call>", auto)
+    assert json.loads(call["function"]["arguments"]) == {"v": {"w": 1}}
 
 
 def test_call_tags_a_tokenizer_marks_special_stay_in_the_answer(qwen_package, tmp_path):
