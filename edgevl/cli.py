@@ -386,11 +386,34 @@ def resolve_model(path: str | None) -> str:
 
 
 def cmd_convert(a) -> int:
+    import signal
+    import threading
+    import time
+
     from .convert import convert
 
     options = {name: getattr(a, name) for name in _convert_options()}
-    out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
-    print(f"wrote {out}")
+    termed = []
+
+    def on_term(signum, frame):   # `timeout`, `kill`, `docker stop`: as Ctrl-C, which cleans up
+        termed.append(signum)
+        raise KeyboardInterrupt
+
+    installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
+    previous = signal.signal(signal.SIGTERM, on_term) if installed else None
+    t0 = time.perf_counter()
+    try:
+        out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
+    except KeyboardInterrupt:
+        # its temporary folder is gone, and an old package there is as it was
+        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; nothing was written to "
+              f"{' '.join(str(a.out_dir).splitlines())}: run the command again to convert", file=sys.stderr)
+        return 128 + signal.SIGTERM if termed else 130
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+    print(f"wrote {out} ({a.dtype}, {size / 2 ** 20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
     return 0
 
 

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import models
+from . import models, processing
 from .errors import EdgevlError
 from .models.protocol import VISION_OPTION
 from .package import check_output, finalize, temp_dir_for
@@ -110,9 +110,10 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
         source_hashes = {}
         for p in ckpt.files:
             source_hashes[p.name] = sha256_file(p, lambda n, p=p: bar.update(n, f"hashing {p.name}"))
-        for name in TOKENIZER_FILES + ("config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        for name in TOKENIZER_FILES + ("config.json",):
             if (ckpt.folder / name).is_file():
                 shutil.copy2(ckpt.folder / name, tmp / name)
+        processing.write_settings(ckpt.folder, tmp)
         manifest = {
             "architecture": arch.name,
             "model_type": ckpt.config.get("model_type"),

@@ -214,6 +214,18 @@ class Checkpoint:
                               "(with config.json and *.safetensors)")
         cfg = self.folder / "config.json"
         if not cfg.is_file():
+            snapshots = self.folder / "snapshots" if (self.folder / "snapshots").is_dir() else (
+                self.folder if self.folder.name == "snapshots" else None)
+            found = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+                           key=lambda p: p.stat().st_mtime) if snapshots is not None else []
+            try:   # the revision the cache's main branch points at, where it says
+                main = snapshots.parent / "snapshots" / (snapshots.parent / "refs" / "main").read_text().strip()
+                found += [main] if (main / "config.json").is_file() else []
+            except (OSError, AttributeError, ValueError):
+                pass
+            if found:   # huggingface_hub's cache: models--org--name/snapshots/<revision>/
+                raise EdgevlError(f"{self.folder} is a Hugging Face cache folder; pass one of its snapshots, "
+                                  f"such as {found[-1]}")
             raise EdgevlError(f"{self.folder} has no config.json; pass the folder of a Hugging Face "
                               "checkpoint (config.json + *.safetensors)")
         try:
@@ -232,6 +244,11 @@ class Checkpoint:
             for name, (dt, shape, s, e) in _read_header(str(path)).items():
                 if self.weight_map.get(name, path.name) != path.name:
                     continue   # a stale copy in a shard the index does not name for it: the index decides
+                if name in self._tensors:
+                    # files with no index to say which copy holds: never the last one by name
+                    raise EdgevlError(f"tensor {_show(name)} is in both {Path(self._tensors[name].path).name} and "
+                                      f"{path.name} in {self.folder}, and no model.safetensors.index.json says "
+                                      "which; remove the stray copy")
                 if dt in _KNOWN_UNSUPPORTED or dt not in _STORAGE:
                     # defer the error until the tensor is actually needed
                     self._tensors[name] = _Unsupported(name, str(path), dt, shape)
@@ -240,6 +257,11 @@ class Checkpoint:
 
     def _shard_files(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        # transformers loads model.safetensors when there is one, index or not: the same weights
+        # as the reference (a folder may keep a consolidated copy beside its shards)
+        if single.is_file():
+            return [single]
         if index.is_file():
             try:
                 wm = json.loads(index.read_text())["weight_map"]
@@ -256,9 +278,6 @@ class Checkpoint:
                                   f"is missing from {self.folder}; download all {len(names)} shards")
             self.weight_map = wm
             return [self.folder / n for n in names]
-        single = self.folder / "model.safetensors"
-        if single.is_file():
-            return [single]
         found = sorted(self.folder.glob("*.safetensors"))
         for f in found:   # a Hugging Face cache folder links its files to blobs, which can be deleted
             if f.is_symlink() and not f.exists():
@@ -266,6 +285,9 @@ class Checkpoint:
                                   "entry?); download the checkpoint again")
         if found:
             return found
+        if (self.folder / "manifest.json").is_file():   # what convert writes beside the graphs
+            raise EdgevlError(f"{self.folder} is an edgevl package already (converted); run it as it is, or "
+                              "convert the checkpoint it came from")
         raise EdgevlError(f"{self.folder} has no *.safetensors weights; edgevl converts safetensors "
                           "checkpoints (save the model with save_pretrained(safe_serialization=True))")
 

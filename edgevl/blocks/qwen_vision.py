@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import ncnn_graph as G
+from .. import processing
 from ..errors import EdgevlError
 from ..processing import qwen_vl
 from ..processing import video as vid
-from ..tokenizer import read_json_object
 from .base import Q8_QUANT as INT8
 from .base import Ctx, GraphInfo, RowStack, config_args, heads_first, save_graph, storage_dtype
 from .vision import GELU_TANH, emit_vit_mlp, rope_attention
@@ -177,12 +177,14 @@ def checked_vision_args(ckpt, hidden_size: int, prefix: str, what: str):
 def check_processor_config(folder, v: VisionArgs) -> None:
     """preprocessor_config.json must be there and fit the tower: the built-in defaults are
     Qwen2-VL's (patch 14, CLIP mean and std), not this family's, so they are no fallback."""
-    p = Path(folder) / "preprocessor_config.json"
-    if not p.is_file():
-        raise EdgevlError(f"{folder} has no preprocessor_config.json (the image processor's sizes, mean and std), "
-                          "which a model with a vision_config needs; copy it from the model's original files")
+    got = processing.settings(folder, "preprocessor_config.json")
+    if got is None:
+        raise EdgevlError(f"{folder} has no preprocessor_config.json, nor an image_processor entry in "
+                          "processor_config.json (the image processor's sizes, mean and std), which a model with a "
+                          "vision_config needs; copy it from the model's original files")
+    d, p = got
     try:
-        c = qwen_vl.ProcessorConfig.from_dict(read_json_object(p))
+        c = qwen_vl.ProcessorConfig.from_dict(d)
     except (TypeError, ValueError, AttributeError) as e:
         raise EdgevlError(f"{p} holds a value of the wrong type ({' '.join(str(e).split())[:80]}); fix or "
                           "re-download it") from None

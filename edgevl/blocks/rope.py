@@ -16,14 +16,25 @@ import numpy as np
 from ..errors import EdgevlError
 
 
-def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
-    """The checkpoint's own RoPE base: ``rope_parameters`` (transformers 5) or ``rope_theta``."""
+def rope_parameters_of(cfg: dict) -> tuple[dict, str]:
+    """The RoPE settings as transformers reads them, and the field they came from: a config in
+    the older layout keeps them in ``rope_scaling`` (M-RoPE's sections too), which then replaces
+    ``rope_parameters`` whole; a key neither holds comes from the config's top level."""
     rp = cfg.get("rope_parameters") or {}
     rs = cfg.get("rope_scaling") or {}
     for key, v in (("rope_parameters", rp), ("rope_scaling", rs)):
         if not isinstance(v, dict):
             raise EdgevlError(f"config.json field {key} must be an object or null, got {type(v).__name__}; fix "
                               "the checkpoint's config")
+    return (rs, "rope_scaling") if rs else (rp, "rope_parameters")
+
+
+def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
+    """The checkpoint's own RoPE base: ``rope_parameters`` (transformers 5), ``rope_scaling``
+    (the older layout) or ``rope_theta``."""
+    used, _ = rope_parameters_of(cfg)
+    rp = cfg.get("rope_parameters") or {}
+    rs = cfg.get("rope_scaling") or {}
     # every place a scaling may be named: a rope_scaling added beside rope_parameters (a usual
     # "longer context" edit) would otherwise be ignored, and the answers silently differ
     named = [t for t in (rp.get("rope_type"), rs.get("rope_type"), rs.get("type")) if t is not None]
@@ -31,7 +42,7 @@ def rope_theta_of(cfg: dict, default: float = 10000.0) -> float:
     if rtype != "default":
         raise EdgevlError(f"rope_type {rtype!r:.60} in config.json is not supported yet (only plain RoPE); "
                           "please open an issue with the checkpoint name")
-    theta = rp.get("rope_theta", cfg.get("rope_theta"))
+    theta = used.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         return float(default)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:

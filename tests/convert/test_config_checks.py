@@ -24,6 +24,12 @@ def _put(**kv):
     return _cfg(lambda c: c.update(kv))
 
 
+def _index(ck, text):
+    """An index in place of model.safetensors (transformers reads an index only where there is none)."""
+    (ck / "model.safetensors").rename(ck / "model-00001-of-00001.safetensors")
+    (ck / "model.safetensors.index.json").write_text(text)
+
+
 CONFIG_CASES = [  # (id, edit of the checkpoint folder, words of the error)
     ("config-is-a-list", _cfg(lambda c: [c]), "config.json must be a JSON object"),
     ("layers-4.5", _put(num_hidden_layers=4.5), "num_hidden_layers must be a positive integer, got 4.5"),
@@ -58,10 +64,8 @@ CONFIG_CASES = [  # (id, edit of the checkpoint folder, words of the error)
      "tokenizer_config.json must be a JSON object"),
     ("template-syntax", lambda ck: (ck / "chat_template.jinja").write_text("{% for m in messages %}{{ m"),
      "chat template"),
-    ("index-escapes", lambda ck: (ck / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a": "../../etc/passwd"}})), "not a file name"),
-    ("index-list", lambda ck: (ck / "model.safetensors.index.json").write_text("[1]"),
-     "not a valid safetensors index"),
+    ("index-escapes", lambda ck: _index(ck, json.dumps({"weight_map": {"a": "../../etc/passwd"}})), "not a file name"),
+    ("index-list", lambda ck: _index(ck, "[1]"), "not a valid safetensors index"),
 ]
 
 
@@ -126,6 +130,54 @@ def test_vl_checkpoint_without_a_fitting_preprocessor_config_is_refused(qwen_vl,
     refused_before_writing(capsys, ck, tmp_path, "patch/merge/temporal sizes 14/2/2 differ from vision_config's 16/2/2")
     (ck / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "size": [1]}))
     refused_before_writing(capsys, ck, tmp_path, "preprocessor_config.json holds a value of the wrong type")
+
+
+def test_processor_settings_saved_by_transformers_5_in_processor_config_json(qwen_vl, tmp_path):
+    """transformers 5 saves a checkpoint's processors together in processor_config.json (image
+    and video entries) and reads those first; such a checkpoint was refused as having no image
+    processor settings. The package takes what transformers' own readers take."""
+    from PIL import Image
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    ck = copy_ck(qwen_vl, tmp_path / "ck")
+    image = json.loads((ck / "preprocessor_config.json").read_text())
+    video = json.loads((ck / "video_preprocessor_config.json").read_text())
+    small = {**image, "max_pixels": 64 * 64, "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}
+    (ck / "processor_config.json").write_text(json.dumps({"image_processor": small,
+                                                          "video_processor": {**video, "fps": 1.5}}))
+    (ck / "video_preprocessor_config.json").unlink()
+    # the flat file stays beside it (with its larger budget): the nested entry is what is read
+    assert ImageProcessingMixin.get_image_processor_dict(str(ck))[0] == small
+    assert BaseVideoProcessor.get_video_processor_dict(str(ck))[0]["fps"] == 1.5
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    _, (info,) = model.encode_images([Image.new("RGB", (400, 300), "teal")])
+    t, h, w = info["grid_thw"]
+    assert h * w * 16 * 16 <= 64 * 64 < (h + 2) * (w + 2) * 16 * 16, info
+    assert model.vision.video_cfg.fps == 1.5
+    model.close()
+    (ck / "preprocessor_config.json").unlink()       # the nested entry alone is enough
+    edgevl.convert(ck, tmp_path / "pk2", dtype="fp32", progress=False)
+
+
+def test_a_package_or_a_hub_cache_folder_given_as_the_checkpoint_is_named(tiny, tmp_path, capsys):
+    """A package (it holds config.json too) was said to have no safetensors weights, and the top
+    of huggingface_hub's cache to have no config.json: the fix was not in either message."""
+    ck, pkg = tiny
+    one_line_error(*cli(capsys, "convert", pkg, tmp_path / "out")[::2], "is an edgevl package already",
+                   "convert the checkpoint it came from")
+    repo = tmp_path / "hub" / "models--org--name"
+    for rev in ("0a1b", "9f8e"):
+        (repo / "snapshots" / rev).mkdir(parents=True)
+        for f in ck.iterdir():
+            (repo / "snapshots" / rev / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0a1b")
+    for given in (repo, repo / "snapshots"):
+        one_line_error(*cli(capsys, "convert", given, tmp_path / "out")[::2], "is a Hugging Face cache folder",
+                       f"pass one of its snapshots, such as {repo / 'snapshots' / '0a1b'}")
+    code, out, _ = cli(capsys, "convert", repo / "snapshots" / "0a1b", tmp_path / "out")
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'out'} (bf16, ") and " MiB, " in out, out
 
 
 def test_youtu_vl_without_preprocessor_config_takes_images_with_its_processor_defaults(tmp_path):

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import edgevl
 from edgevl.package import MANIFEST, check_package
 from support.cli import cli, one_line_error
@@ -161,6 +163,39 @@ def test_sigkilled_conversion_is_cleaned_up_by_the_next_one(tiny, tmp_path):
         sleeper.kill()
         sleeper.wait()
     assert package_digest(tmp_path / "b") == package_digest(tiny[1])
+
+
+TERM_SCRIPT = textwrap.dedent("""
+    import importlib, sys, time
+    G = importlib.import_module("edgevl.ncnn_graph")
+    save = G.Graph.save
+    def save_graph(*a, **k):   # SIGTERM in the middle of writing graphs (after the first one)
+        r = save(*a, **k)
+        print("ready", flush=True)
+        time.sleep(600)
+    G.Graph.save = save_graph
+    from edgevl.cli import main
+    sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--dtype", "fp32", "--quiet"]))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_conversion_stopped_by_sigterm_or_ctrl_c_cleans_up_and_says_so(tiny, tmp_path, sig):
+    """`timeout`, `kill` and `docker stop` send SIGTERM, which ended convert on the spot and left
+    its partial folder (gigabytes for a real model) until a later conversion beside it; Ctrl-C
+    cleaned up without a word."""
+    p = subprocess.Popen([sys.executable, "-c", TERM_SCRIPT, str(tiny[0]), str(tmp_path / "a")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert left_over(tmp_path, "a")          # what the stop must clean up
+        os.kill(p.pid, sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + sig, err
+    assert f"{'stopped (SIGTERM)' if sig == signal.SIGTERM else 'interrupted'}; nothing was written to" in err
+    assert left_over(tmp_path, "a") == [] and not (tmp_path / "a").exists()
 
 
 def test_sigkilled_replacement_keeps_the_new_package_and_drops_the_old(tiny, tmp_path):

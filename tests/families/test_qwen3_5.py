@@ -233,6 +233,40 @@ def test_a_stored_head_is_used_whatever_the_tie_flags_say(tmp_path):
     model.close()
 
 
+def test_a_config_in_the_older_rope_layout_is_read_as_transformers_reads_it(tmp_path):
+    """Configs of the transformers 4 era keep M-RoPE's sections in rope_scaling, with rope_theta
+    and partial_rotary_factor at the top; transformers takes rope_scaling as the whole of
+    rope_parameters. Its sections were ignored (the default ones were used, a silently different
+    image answer)."""
+    from support.files import edit_json
+
+    ck = make_qwen3_5(tmp_path / "ck", seed=8)
+    section = []
+
+    def older(c):
+        tc = c["text_config"]
+        rp = tc.pop("rope_parameters")
+        half = int(tc["head_dim"] * rp["partial_rotary_factor"]) // 2
+        section[:] = [half, 0, 0]
+        tc["rope_theta"], tc["partial_rotary_factor"] = rp.pop("rope_theta"), rp.pop("partial_rotary_factor")
+        tc["rope_scaling"] = {**rp, "mrope_section": section}
+    edit_json(ck / "config.json", older, restamp=False)
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    assert model.manifest["graphs"]["decoder"]["extra"]["rope"]["mrope_section"] == section
+    ref, proc = load_hf(ck), hf_processor(ck)
+    assert ref.config.text_config.rope_parameters["mrope_section"] == section
+    msgs, images = PROMPTS["image-37x1001"]
+    ids, enc = hf_inputs(proc, msgs, images)
+    ours = list(model.generate_tokens(ids, 8, image=images, ignore_eos=True, reuse_cache=False))
+    assert ours == hf_greedy(ref, enc, 8)
+    ref.model.rope_deltas = None
+    with torch.no_grad():
+        theirs = ref(**enc).logits[0, -1].numpy()
+    rows, infos = model.encode_images(images)
+    np.testing.assert_allclose(model.prefill(ids, rows, reuse_cache=False, images=infos), theirs, atol=1e-3)
+    model.close()
+
+
 def test_conversion_of_mtp_blocks_and_bad_configs(models, tmp_path):
     import shutil
 

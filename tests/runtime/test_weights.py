@@ -72,6 +72,27 @@ def test_the_index_decides_which_shard_a_tensor_is_read_from(tmp_path):
         ck.get("a")                          # ... so reading it says where the index is wrong
 
 
+def test_which_files_hold_the_weights_when_a_folder_has_more_than_one_set(tmp_path):
+    """model.safetensors beside an index and its shards is what transformers loads (the reference
+    verify compares with), so it is what converts; files with no index that hold the same tensor
+    are refused, never read last-file-wins."""
+    ts = {"a": torch.ones(2), "b": torch.full((3,), 2.0)}
+    write(tmp_path / "m", ts, shards=2)
+    save_file({"a": torch.full((2,), 7.0), "b": torch.zeros(3)}, str(tmp_path / "m" / "model.safetensors"))
+    ck = Checkpoint(tmp_path / "m")
+    assert [f.name for f in ck.files] == ["model.safetensors"]
+    np.testing.assert_array_equal(ck.numpy("a"), np.full(2, 7.0, np.float32))
+    (tmp_path / "n").mkdir()
+    (tmp_path / "n" / "config.json").write_text(json.dumps({"model_type": "youtu"}))
+    save_file(ts, str(tmp_path / "n" / "model-00001-of-00001.safetensors"))
+    save_file({"c": torch.ones(1)}, str(tmp_path / "n" / "extra.safetensors"))
+    assert set(Checkpoint(tmp_path / "n").keys()) == {"a", "b", "c"}     # other tensors: read beside
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "n" / "zz-old-copy.safetensors"))
+    with pytest.raises(EdgevlError, match="tensor b is in both model-00001-of-00001.safetensors and "
+                                          "zz-old-copy.safetensors .* remove the stray copy"):
+        Checkpoint(tmp_path / "n")
+
+
 def test_wrong_shape_and_missing_tensor(tmp_path):
     write(tmp_path / "m", {"a": torch.zeros(2, 3)})
     ck = Checkpoint(tmp_path / "m")

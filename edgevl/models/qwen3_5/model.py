@@ -47,7 +47,7 @@ from ...blocks.base import (
     write_draft_head,
     write_head_and_embedding,
 )
-from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
+from ...blocks.rope import mrope, mrope_positions_of, rope_parameters_of, rope_theta_of
 from ...errors import EdgevlError
 from ..protocol import VISION_OPTION, Architecture, BenchProfile, Option, turn_points, vision_quantized
 
@@ -92,7 +92,7 @@ class TextArgs:
             raise EdgevlError("config.json of a qwen3_5 model needs a text_config")
         if "tie_word_embeddings" not in tc and "tie_word_embeddings" in cfg:
             tc["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        rp = tc.get("rope_parameters") or {}
+        rp, field_ = rope_parameters_of(tc)
         partial = rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
         a = config_args(cls, tc, rope_theta=rope_theta_of(tc), partial_rotary_factor=float(partial),
                         mrope_section=list(rp.get("mrope_section", [11, 11, 10])))
@@ -108,7 +108,7 @@ class TextArgs:
         if a.linear_num_value_heads % a.linear_num_key_heads or a.num_attention_heads % a.num_key_value_heads:
             raise EdgevlError("text_config: value heads must be a multiple of key heads (linear and full attention)")
         if sum(a.mrope_section) * 2 != a.rotary_dim:
-            raise EdgevlError(f"rope_parameters.mrope_section {a.mrope_section} must sum to half the rotary "
+            raise EdgevlError(f"{field_}.mrope_section {a.mrope_section} must sum to half the rotary "
                               f"dim ({a.rotary_dim} = head_dim x partial_rotary_factor)")
         return a
 

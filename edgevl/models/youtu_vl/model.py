@@ -22,7 +22,6 @@ in the processor's (row-major merged-grid) order.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ... import ncnn_graph as G
@@ -30,6 +29,7 @@ from ...blocks.base import Q8_QUANT, Ctx, GraphInfo, heads_first, heads_last, sa
 from ...blocks.rope import rope_1d
 from ...blocks.vision import GELU_TANH, emit_vit_mlp, rope_attention
 from ...errors import EdgevlError
+from ...processing import settings
 from .. import youtu  # its language model: the converter and options (youtu.model)
 from ..protocol import VISION_OPTION, Architecture, vision_quantized
 from . import processing
@@ -160,14 +160,13 @@ def configured_max_patches(folder) -> int:
     processor call's default 36864; docs/models/youtu_vl.md), so real checkpoints get 36864; the demo model,
     trained on 128x128 images, sets 64.
     """
-    p = Path(folder) / "preprocessor_config.json"
-    if p.is_file():
-        try:
-            v = json.loads(p.read_text()).get("max_image_patches")
-        except (OSError, ValueError):
-            v = None
-        if isinstance(v, int) and v > 0:
-            return v
+    try:
+        got = settings(folder, "preprocessor_config.json")
+    except (OSError, EdgevlError):
+        got = None
+    v = got[0].get("max_image_patches") if got else None
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
     return processing.DEFAULT_MAX_IMAGE_PATCHES
 
 
