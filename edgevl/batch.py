@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import logging
 import math
@@ -68,7 +69,7 @@ from .errors import EdgevlError
 RESULT_FIELDS = ("id", "image", "prompt", "answer", "boxes", "tokens_in", "tokens_out", "finish_reason",
                  "seconds", "error")
 FIELDS = ("id", "image", "video", "prompt", "answer", "reasoning", "json", "boxes", "tokens_in", "tokens_out",
-          "finish_reason", "seconds", "error")
+          "finish_reason", "seconds", "error", "made_with")
 VIDEO_COLUMN = "video"   # a table's video path column (models that take video)
 JSON_CUT = ("the token limit cut the answer before its JSON ended; raise --max-new-tokens (max_new_tokens), then "
             "--retry-errors")
@@ -104,8 +105,21 @@ def extract_boxes(event) -> list[dict]:
 def empty_row(item: dict) -> dict:
     row = dict.fromkeys(FIELDS)
     row.update(id=item["id"], image=item.get("image"), video=item.get("video"), prompt=item.get("prompt"),
-               error=item.get("error"))
+               error=item.get("error"), made_with=item.get("made_with"))
     return row
+
+
+def made_with(job: str, source) -> str:
+    """A row's fingerprint: the job's (the model's manifest digest and the generation settings)
+    with its image file's size, where it is a local file. A rerun that resumes a row by its id
+    tells by it whether the row was made by another model, other settings or another image."""
+    size = None
+    if isinstance(source, (str, os.PathLike)) and not _is_url(str(source)):
+        try:
+            size = os.stat(source).st_size
+        except (OSError, ValueError):
+            pass
+    return hashlib.sha256(f"{job}:{size}".encode()).hexdigest()[:16]
 
 
 def process_row(model, item: dict, options: dict) -> dict:
@@ -260,21 +274,36 @@ def read_input(src, prompt: str | None = None, image_column: str = "image", prom
 def _folder_files(root: Path) -> tuple[list, list]:
     """(relative name, path) of the folder's images and of its video files, hidden ones left out.
     Symlinked subfolders are followed (datasets are often linked in), each real folder once: a
-    link back up the tree would otherwise loop."""
+    link back up the tree would otherwise loop. A folder inside the tree is read at its own path,
+    never through a link to it (a link added later would rename its rows' ids)."""
+    inside = set()      # the folders of the tree itself (links not followed)
+    for d, dirs, _ in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        inside.add(_inode(d))
     found, videos, visited = [], [], set()
     for d, dirs, files in os.walk(root, followlinks=True):
-        st = os.stat(d)
-        if (st.st_dev, st.st_ino) in visited:
+        k = _inode(d)
+        if k in visited:
             dirs[:] = []
             continue
-        visited.add((st.st_dev, st.st_ino))
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        visited.add(k)
+        dirs[:] = [x for x in dirs if not x.startswith(".") and not (
+            os.path.islink(os.path.join(d, x)) and _inode(os.path.join(d, x)) in inside)]
         for f in files:
             ext = os.path.splitext(f)[1].lower()
             if not f.startswith(".") and ext in IMAGE_EXTS + VIDEO_FILE_EXTS:
                 p = Path(d) / f
                 (found if ext in IMAGE_EXTS else videos).append((p.relative_to(root).as_posix(), p))
     return found, videos
+
+
+def _inode(path) -> tuple | None:
+    """(device, inode) of what ``path`` leads to; None for a dangling link."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _folder_rows(root: Path, prompt: str | None, notes: dict) -> list[dict]:
@@ -630,6 +659,29 @@ def _scan_jsonl(data: bytes) -> tuple[list[dict], int, list[tuple[int, bytes]], 
     return rows, end, bad, torn
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have (the
+    output is written whole: a Parquet file is written from its journal when the job stops, and
+    a second Ctrl-C left only the journal). Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    handlers = {n: signal.signal(n, lambda signum, frame: got.append(signum)) for n in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for n, h in handlers.items():
+            signal.signal(n, h)
+    if got:
+        h = handlers[got[0]]
+        if callable(h):
+            h(got[0], None)
+        elif h == signal.SIG_DFL:
+            os.kill(os.getpid(), got[0])
+
+
 def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -656,7 +708,7 @@ def _row_schema(pa):
                       ("json", pa.string()),   # the parsed answer as JSON text: its shape varies by schema
                       ("boxes", pa.list_(box)),
                       ("tokens_in", pa.int64()), ("tokens_out", pa.int64()), ("finish_reason", pa.string()),
-                      ("seconds", pa.float64()), ("error", pa.string())])
+                      ("seconds", pa.float64()), ("error", pa.string()), ("made_with", pa.string())])
 
 
 NOT_OURS = "choose another --output, or move the file away yourself (--overwrite replaces only batch outputs)"
@@ -1316,6 +1368,12 @@ class BatchJob:
         notes: dict = {}
         self.items = read_input(rows, prompt, image_column, prompt_column, id_column, notes)
         self.skipped_videos = notes.get("videos", 0)
+        from .package import read_manifest
+
+        digest = (self.loaded.manifest if self.loaded else read_manifest(path)).get("manifest_sha256")
+        job = json.dumps([digest, self.settings["options"]], sort_keys=True, default=repr)
+        for it in self.items:
+            it["made_with"] = made_with(job, it.get("source") or it.get("video_source"))
         # a model without video (or without a vision tower, for images) would fail every such row
         videos = any(it.get("video") for it in self.items)
         images = any(it.get("source") is not None for it in self.items)
@@ -1330,7 +1388,7 @@ class BatchJob:
         self.new = self.failed_new = self.skipped = self.failed = self.done = self.cut_in_thinking = 0
         self.seconds = 0.0
         self.torn_bytes = self.recovered = self.repaired = 0
-        self.asked_otherwise = 0
+        self.asked_otherwise = self.made_otherwise = 0
         self.foreign = 0   # rows in the output whose id this job's input has not (another job's)
 
     def oversubscribed(self) -> bool:
@@ -1350,6 +1408,9 @@ class BatchJob:
             # rows resumed by id whose answer was to another prompt (the job was changed): said, not redone
             self.asked_otherwise = sum(1 for it in self.items if it["id"] in sink.rows
                                        and sink.rows[it["id"]].get("prompt") not in (None, it["prompt"]))
+            # and those made with another model, other settings or another version of their image
+            self.made_otherwise = sum(1 for it in self.items if it["id"] in sink.rows
+                                      and sink.rows[it["id"]].get("made_with") not in (None, it["made_with"]))
             ids = {it["id"] for it in self.items}
             self.foreign = sum(1 for i in sink.rows if i not in ids)
             if not todo:
@@ -1375,8 +1436,9 @@ class BatchJob:
             if bar is not None:
                 bar.close()
             try:
-                self.recovered += sink.merge_shards()
-                sink.finish([it["id"] for it in self.items])
+                with _signals_deferred():   # a second Ctrl-C must not leave the output unwritten
+                    self.recovered += sink.merge_shards()
+                    sink.finish([it["id"] for it in self.items])
             finally:
                 sink.close()
             done = [sink.rows[it["id"]] for it in self.items if it["id"] in sink.rows]
@@ -1448,6 +1510,10 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     if job.asked_otherwise:
         print(f"batch: warning: {job.asked_otherwise} row(s) already done were asked another prompt than this run's; "
               "they are kept as they are (--overwrite asks every row again)", file=sys.stderr)
+    if job.made_otherwise:
+        print(f"batch: warning: {job.made_otherwise} row(s) already done were made by another model, other "
+              "settings or another version of their image file than this run's; they are kept as they are "
+              "(--overwrite asks every row again)", file=sys.stderr)
     if job.foreign:
         print(f"batch: warning: {job.foreign} row(s) in {a.output} are not rows of this input (another job's?); "
               "they are kept as they are (--overwrite starts the file again)", file=sys.stderr)

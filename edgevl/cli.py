@@ -651,6 +651,14 @@ def cmd_batch(a) -> int:
         if any(v is not None for v in clips.values()):
             sampling["video_options"] = clips
         return batch_cli(a, path, sampling, runtime_option_values(a))
+    except OSError as e:
+        out = Path(a.output) if a.output else None
+        kept = out is not None and (out.exists() or out.with_name(out.name + ".partial.jsonl").exists())
+        if not kept:
+            raise
+        # a full disk, a file size limit: the rows written so far are whole, and a rerun resumes
+        raise EdgevlError(f"{os_error_line(e)}; the job stopped, and the rows done so far are kept in "
+                          f"{' '.join(str(a.output).splitlines())}: rerun the same command to resume") from None
     except KeyboardInterrupt:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)
         out = " ".join(str(a.output).splitlines())
@@ -893,28 +901,33 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as e:  # disk full, permissions, ...: still one line, with the fix where one is known
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        fix = {errno.ENOSPC: "; free some space on that disk (or write elsewhere) and run it again",
-               errno.EDQUOT: "; free some space within your quota (or write elsewhere) and run it again",
-               errno.EACCES: "; check the permissions (read access to what it reads, write access to where it "
-                             "writes)",
-               errno.EROFS: "; the file system is read-only: choose another folder",
-               errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
-        if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
-            fix = "; that is a file, not a folder: choose another path"
-        if "No usable temporary directory" in str(e):   # tempfile found no writable folder
-            print("error: no writable temporary folder (TMPDIR, /tmp, /var/tmp, the current folder); set TMPDIR "
-                  "to a writable folder (edgevl writes some model graphs there while loading)", file=sys.stderr)
-            return 2
-        if not where and e.errno == errno.ENOENT and not _cwd_exists():
-            fix = " (the current folder was deleted); cd to a folder that exists and run it again"
-        if not where and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            import tempfile
-
-            fix = (f"; free some space on the disk of the output folder or of the temporary folder "
-                   f"({tempfile.gettempdir()}; TMPDIR moves it) and run it again")
-        print(f"error: {e.strerror or e}{where}{fix}", file=sys.stderr)
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
+
+
+def os_error_line(e: OSError) -> str:
+    """What went wrong and the fix where one is known, in one line."""
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    fix = {errno.ENOSPC: "; free some space on that disk (or write elsewhere) and run it again",
+           errno.EDQUOT: "; free some space within your quota (or write elsewhere) and run it again",
+           errno.EFBIG: "; a file grew past the largest size allowed here (ulimit -f, or the file system's limit)",
+           errno.EACCES: "; check the permissions (read access to what it reads, write access to where it "
+                         "writes)",
+           errno.EROFS: "; the file system is read-only: choose another folder",
+           errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
+    if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
+        fix = "; that is a file, not a folder: choose another path"
+    if "No usable temporary directory" in str(e):   # tempfile found no writable folder
+        return ("no writable temporary folder (TMPDIR, /tmp, /var/tmp, the current folder); set TMPDIR to a "
+                "writable folder (edgevl writes some model graphs there while loading)")
+    if not where and e.errno == errno.ENOENT and not _cwd_exists():
+        fix = " (the current folder was deleted); cd to a folder that exists and run it again"
+    if not where and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        import tempfile
+
+        fix = (f"; free some space on the disk of the output folder or of the temporary folder "
+               f"({tempfile.gettempdir()}; TMPDIR moves it) and run it again")
+    return f"{e.strerror or e}{where}{fix}"
 
 
 def _cwd_exists() -> bool:

@@ -78,3 +78,42 @@ def test_sigterm_stops_the_job_as_ctrl_c_does(pkg, tmp_path):
     assert err[-1] == f"stopped (SIGTERM); rerun the same command to resume (the rows already in {out} are kept)", err
     assert out.exists() and not partial.exists()
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".lock")]
+
+
+SLOW_FINISH = """
+import importlib, sys, time
+batch = importlib.import_module("edgevl.batch")   # the package exports a function of that name
+write = batch._write_atomic
+def slow(path, fn):   # the Parquet file is written when the job stops: a second Ctrl-C comes meanwhile
+    print("writing", flush=True)
+    time.sleep(1.5)
+    return write(path, fn)
+batch._write_atomic = slow
+from edgevl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_the_output_is_written_waits_for_it(pkg, tmp_path):
+    """A second Ctrl-C during the writing of the Parquet output stopped it: only the journal was
+    left, while the last line said the rows were in the Parquet file."""
+    folder = _scenes(tmp_path, 1100)
+    out = tmp_path / "out.parquet"
+    partial = tmp_path / "out.parquet.partial.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_FINISH, "batch", str(pkg), "--input", str(folder), "--prompt",
+                             "Describe the image.", "--output", str(out), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.monotonic()
+    while not (partial.exists() and partial.read_bytes().count(b"\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() - t0 < 120, "no row written"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert lines[-1] == f"interrupted; rerun the same command to resume (the rows already in {out} are kept)", err
+    assert out.exists() and not partial.exists()

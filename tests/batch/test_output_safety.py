@@ -300,7 +300,7 @@ def test_outputs_written_before_the_reasoning_field_resume(pkg, folder, tmp_path
     assert [r["id"] for r in rows] == ["s0.png", "s1.png", "s2.png"] and rows[1] == old
     table = pq.read_table(tmp_path / "old.parquet")
     assert table.column_names == list(FIELDS)
-    assert table.to_pylist()[1] == dict(old, reasoning=None, video=None, json=None)
+    assert table.to_pylist()[1] == dict(old, reasoning=None, video=None, json=None, made_with=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +435,35 @@ def test_a_rerun_with_another_prompt_says_the_done_rows_were_asked_otherwise(pkg
     assert out.read_bytes() == before
 
 
+def test_a_rerun_made_otherwise_says_the_done_rows_were_made_otherwise(pkg, folder, tmp_path, capsys):
+    """Rows resume by id: a rerun with another model, another schema or sampling, or new images
+    under the same names kept the old rows without a word (a nightly job writing into one file
+    shipped yesterday's answers). The rows still stay; the rerun says how many."""
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(folder, images)
+    out = tmp_path / "o.jsonl"
+    code, _, err = batch(capsys, pkg, "--input", images, "--output", out, "--max-new-tokens", 2)
+    assert code == 0, err
+    first = out.read_bytes()
+    assert len({json.loads(line)["made_with"] for line in first.splitlines()}) == 3     # per image file
+    code, _, err = batch(capsys, pkg, "--input", images, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "made by another" not in err, err            # the same job: nothing to say
+    other = tmp_path / "other-pkg"
+    shutil.copytree(pkg, other)      # the same package moved: the same model
+    code, _, err = batch(capsys, other, "--input", images, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "made by another" not in err, err
+    for change in (["--max-new-tokens", 3], ["--temperature", 0.5, "--seed", 1], ["--json"]):
+        code, _, err = batch(capsys, pkg, "--input", images, "--output", out, "--max-new-tokens", 2, *change)
+        assert "warning: 3 row(s) already done were made by another model, other settings or another version of " \
+               "their image file" in err, (change, err)
+    make_scene(9001).image.save(images / "s1.png")       # a new picture under an old name
+    code, _, err = batch(capsys, pkg, "--input", images, "--output", out, "--max-new-tokens", 2)
+    assert "warning: 1 row(s) already done were made by another" in err, err
+    assert out.read_bytes() == first
+
+
 def test_rows_of_another_input_in_the_output_are_said(pkg, folder, tmp_path, capsys):
     """An output file reused for another input keeps that input's rows: said, so a script does
     not ship a mixed file unknowingly."""
@@ -446,3 +475,33 @@ def test_rows_of_another_input_in_the_output_are_said(pkg, folder, tmp_path, cap
     assert code == 0 and "not rows of this input" not in err, err
     code, _, err = batch(capsys, pkg, "--input", folder, "--output", out, "--max-new-tokens", 2)
     assert code == 0 and f"warning: 1 row(s) in {out} are not rows of this input" in err, err
+
+
+def test_a_full_disk_or_a_file_size_limit_says_the_rows_are_kept_and_the_rerun_resumes(pkg, folder, tmp_path):
+    """A write that fails mid-job (ENOSPC, a ulimit -f) ended with the error alone, exit 2, which
+    the docs keep for usage errors where nothing ran; "File too large" named nothing to do."""
+    import resource
+    import subprocess
+    import sys
+
+    from support.common import ROOT
+
+    def run(out, limit=None):
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        limited = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
+        return subprocess.run([sys.executable, "-m", "edgevl", "batch", str(pkg), "--input", str(folder), "--prompt",
+                               PROMPT, "--output", str(out), "--threads", "1", "--quiet", "--max-new-tokens", "2",
+                               "--parallel", "1"], capture_output=True, text=True, env=env, preexec_fn=limited,
+                              timeout=300)
+    whole = tmp_path / "whole.jsonl"
+    assert run(whole).returncode == 0
+    first = len(whole.read_bytes().splitlines(keepends=True)[0])
+    out = tmp_path / "o.jsonl"
+    p = run(out, limit=first + 8)          # room for one row
+    assert p.returncode == 2, p.stderr
+    one_line_error(2, p.stderr, "File too large; a file grew past the largest size allowed here (ulimit -f",
+                   f"the rows done so far are kept in {out}: rerun the same command to resume")
+    assert len(read_jsonl(out)) == 1
+    p = run(out)
+    assert p.returncode == 0 and "1 already done" in p.stderr, p.stderr
+    assert [r["id"] for r in read_jsonl(out)] == [r["id"] for r in read_jsonl(whole)]

@@ -68,7 +68,7 @@ def test_folder_of_30_scenes_gives_rows_equal_to_generate(pkg, scenes, reference
     assert_complete(rows, reference)
     r = rows[0]
     assert list(r) == ["id", "image", "video", "prompt", "answer", "reasoning", "json", "boxes", "tokens_in",
-                       "tokens_out", "finish_reason", "seconds", "error"]
+                       "tokens_out", "finish_reason", "seconds", "error", "made_with"]
     assert r["image"] == r["id"] and r["prompt"] == PROMPT and r["boxes"] == [] and r["finish_reason"] == "stop"
     assert r["reasoning"] is None  # the demo model does not think
     assert r["tokens_in"] > 16 and r["tokens_out"] >= 2 and r["seconds"] > 0  # 16 image tokens + the text
@@ -299,7 +299,7 @@ def test_a_hand_written_csv_with_spaces_after_the_commas(tmp_path):
         ("first", "a.png", "What is it, then?", None), ("second", "b.png", "Describe it.", None)]
 
 
-def test_a_folder_follows_linked_subfolders_once_each(tmp_path):
+def test_a_folder_follows_linked_subfolders_once_each(tmp_path, monkeypatch):
     """A dataset folder linked into the input folder is read (it used to be skipped without a
     word); a link back up the tree is not followed round; hidden folders stay out."""
     from edgevl.batch import read_input
@@ -314,6 +314,21 @@ def test_a_folder_follows_linked_subfolders_once_each(tmp_path):
     (root / "own" / "up").symlink_to(root, target_is_directory=True)   # a loop
     rows = read_input(root, prompt="Describe it.")
     assert [r["id"] for r in rows] == ["linked/b.jpg", "own/a.png"]
+    # a link to a folder of the tree itself (walked before it, by name or depth) leaves its ids
+    # as they were: read at its own path, not twice and not under the link's name
+    (root / "archive").symlink_to(root / "own", target_is_directory=True)
+    (root / "a").mkdir()
+    (root / "a" / "again").symlink_to(root / "own", target_is_directory=True)
+    walk = os.walk
+    for reverse in (False, True):       # whichever order the file system lists folders in
+
+        def ordered(top, reverse=reverse, **kw):
+            for d, dirs, files in walk(top, **kw):
+                dirs.sort(reverse=reverse)      # in place: the walk goes on into this list
+                yield d, dirs, files
+        monkeypatch.setattr(os, "walk", ordered)
+        rows = read_input(root, prompt="Describe it.")
+        assert [r["id"] for r in rows] == ["linked/b.jpg", "own/a.png"], reverse
 
 
 def test_jsonl_input_paths_relative_to_the_file(pkg, scenes, model, tmp_path):
