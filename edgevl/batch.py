@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
@@ -62,7 +63,8 @@ from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 
 from . import structured
-from .errors import EdgevlError
+from .errors import EdgevlError, os_error_line
+from .package import signals_deferred
 
 # What every edgevl batch output row has had from the start: an existing output whose rows lack
 # one of these is not a batch output (an input file, someone else's table) and is never touched.
@@ -107,6 +109,14 @@ def empty_row(item: dict) -> dict:
     row.update(id=item["id"], image=item.get("image"), video=item.get("video"), prompt=item.get("prompt"),
                error=item.get("error"), made_with=item.get("made_with"))
     return row
+
+
+def _described(x):
+    """A setting JSON cannot hold, by its content (a compiled structure's fields), never by a
+    repr that holds a memory address."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+    return type(x).__name__
 
 
 def made_with(job: str, source) -> str:
@@ -657,29 +667,6 @@ def _scan_jsonl(data: bytes) -> tuple[list[dict], int, list[tuple[int, bytes]], 
     else:
         bad.append((len(lines) + 1, tail))
     return rows, end, bad, torn
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have (the
-    output is written whole: a Parquet file is written from its journal when the job stops, and
-    a second Ctrl-C left only the journal). Only the main thread can set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got = []
-    handlers = {n: signal.signal(n, lambda signum, frame: got.append(signum)) for n in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for n, h in handlers.items():
-            signal.signal(n, h)
-    if got:
-        h = handlers[got[0]]
-        if callable(h):
-            h(got[0], None)
-        elif h == signal.SIG_DFL:
-            os.kill(os.getpid(), got[0])
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -1370,8 +1357,9 @@ class BatchJob:
         self.skipped_videos = notes.get("videos", 0)
         from .package import read_manifest
 
-        digest = (self.loaded.manifest if self.loaded else read_manifest(path)).get("manifest_sha256")
-        job = json.dumps([digest, self.settings["options"]], sort_keys=True, default=repr)
+        # the package's content (its files' digests), not where or when it was converted
+        files = (self.loaded.manifest if self.loaded else read_manifest(path)).get("files")
+        job = json.dumps([files, self.settings["options"]], sort_keys=True, default=_described)
         for it in self.items:
             it["made_with"] = made_with(job, it.get("source") or it.get("video_source"))
         # a model without video (or without a vision tower, for images) would fail every such row
@@ -1436,7 +1424,7 @@ class BatchJob:
             if bar is not None:
                 bar.close()
             try:
-                with _signals_deferred():   # a second Ctrl-C must not leave the output unwritten
+                with signals_deferred():   # a second Ctrl-C must not leave the output unwritten
                     self.recovered += sink.merge_shards()
                     sink.finish([it["id"] for it in self.items])
             finally:
@@ -1501,8 +1489,17 @@ def batch_cli(a, model_path: str, sampling: dict, model_options: dict | None = N
     if job.skipped_videos:
         print(f"batch: skipped {job.skipped_videos} video file(s) under {a.input}: a folder gives image rows; list "
               "videos in a table's video column", file=sys.stderr)
-    for _ in job.run():
-        pass
+    try:
+        for _ in job.run():
+            pass
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        if a.output is None:
+            raise
+        # a full disk, a file size limit: the rows written before it are whole, and a rerun resumes
+        raise EdgevlError(f"{os_error_line(e)}; the job stopped, and the rows done so far are kept in "
+                          f"{' '.join(str(a.output).splitlines())}: rerun the same command to resume") from None
     if job.torn_bytes:
         print(f"batch: cut a torn last line ({job.torn_bytes} bytes) left by a killed run", file=sys.stderr)
     if job.repaired:

@@ -19,12 +19,11 @@ they carry an error field).
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 from pathlib import Path
 
-from .errors import EdgevlError
+from .errors import EdgevlError, os_error_line
 
 
 def _int_at_least(name, minimum: int):
@@ -401,13 +400,17 @@ def cmd_convert(a) -> int:
 
     installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
     previous = signal.signal(signal.SIGTERM, on_term) if installed else None
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     try:
         out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
     except KeyboardInterrupt:
-        # its temporary folder is gone, and an old package there is as it was
-        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; nothing was written to "
-              f"{' '.join(str(a.out_dir).splitlines())}: run the command again to convert", file=sys.stderr)
+        # its temporary folder is gone, and an old package there is as it was; unless the stop
+        # came while the new package was swapped in (it waits for that): then the package is whole
+        out = " ".join(str(a.out_dir).splitlines())
+        done = _converted_since(a.out_dir, a.hf_dir, started)
+        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; " + (
+            f"{out} was written whole before the stop" if done else
+            f"nothing was written to {out}: run the command again to convert"), file=sys.stderr)
         return 128 + signal.SIGTERM if termed else 130
     finally:
         if installed:
@@ -415,6 +418,20 @@ def cmd_convert(a) -> int:
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"wrote {out} ({a.dtype}, {size / 2 ** 20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _converted_since(out_dir, hf_dir, started: float) -> bool:
+    """Whether ``out_dir`` holds a package of ``hf_dir`` written since ``started``."""
+    import calendar
+    import json
+    import time
+
+    try:
+        m = json.loads((Path(out_dir) / "manifest.json").read_text())
+        created = calendar.timegm(time.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ"))
+        return m["source"]["path"] == str(Path(hf_dir).resolve()) and created >= int(started)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def resolve_images(a) -> list:
@@ -651,14 +668,6 @@ def cmd_batch(a) -> int:
         if any(v is not None for v in clips.values()):
             sampling["video_options"] = clips
         return batch_cli(a, path, sampling, runtime_option_values(a))
-    except OSError as e:
-        out = Path(a.output) if a.output else None
-        kept = out is not None and (out.exists() or out.with_name(out.name + ".partial.jsonl").exists())
-        if not kept:
-            raise
-        # a full disk, a file size limit: the rows written so far are whole, and a rerun resumes
-        raise EdgevlError(f"{os_error_line(e)}; the job stopped, and the rows done so far are kept in "
-                          f"{' '.join(str(a.output).splitlines())}: rerun the same command to resume") from None
     except KeyboardInterrupt:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)
         out = " ".join(str(a.output).splitlines())
@@ -903,39 +912,6 @@ def main(argv=None) -> int:
     except OSError as e:  # disk full, permissions, ...: still one line, with the fix where one is known
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 2
-
-
-def os_error_line(e: OSError) -> str:
-    """What went wrong and the fix where one is known, in one line."""
-    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-    fix = {errno.ENOSPC: "; free some space on that disk (or write elsewhere) and run it again",
-           errno.EDQUOT: "; free some space within your quota (or write elsewhere) and run it again",
-           errno.EFBIG: "; a file grew past the largest size allowed here (ulimit -f, or the file system's limit)",
-           errno.EACCES: "; check the permissions (read access to what it reads, write access to where it "
-                         "writes)",
-           errno.EROFS: "; the file system is read-only: choose another folder",
-           errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path"}.get(e.errno, "")
-    if e.errno == errno.EEXIST and e.filename and os.path.isfile(e.filename):   # mkdir over a file
-        fix = "; that is a file, not a folder: choose another path"
-    if "No usable temporary directory" in str(e):   # tempfile found no writable folder
-        return ("no writable temporary folder (TMPDIR, /tmp, /var/tmp, the current folder); set TMPDIR to a "
-                "writable folder (edgevl writes some model graphs there while loading)")
-    if not where and e.errno == errno.ENOENT and not _cwd_exists():
-        fix = " (the current folder was deleted); cd to a folder that exists and run it again"
-    if not where and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        import tempfile
-
-        fix = (f"; free some space on the disk of the output folder or of the temporary folder "
-               f"({tempfile.gettempdir()}; TMPDIR moves it) and run it again")
-    return f"{e.strerror or e}{where}{fix}"
-
-
-def _cwd_exists() -> bool:
-    try:
-        os.getcwd()
-        return True
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ verified): ``package_path``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -24,6 +25,8 @@ import math
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -207,6 +210,29 @@ def source_file_changed(package, folder, newer_than: float | None = None) -> tup
     return None
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have: what the
+    block writes is written whole (a batch's Parquet output when the job stops, a converted
+    package swapped in for an old one). Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    handlers = {n: signal.signal(n, lambda signum, frame: got.append(signum)) for n in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for n, h in handlers.items():
+            signal.signal(n, h)
+    if got:
+        h = handlers[got[0]]
+        if callable(h):
+            h(got[0], None)
+        elif h == signal.SIG_DFL:
+            os.kill(os.getpid(), got[0])
+
+
 def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
     """Hash every file, write the manifest last, then move the folder into place.
 
@@ -221,6 +247,11 @@ def finalize(tmp: Path, out_dir: Path, manifest: dict, overwrite: bool) -> Path:
                     versions=versions(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False))
+    with signals_deferred():    # a stop now would leave the old package half deleted beside the new one
+        return _swap_in(tmp, out_dir, overwrite)
+
+
+def _swap_in(tmp: Path, out_dir: Path, overwrite: bool) -> Path:
     if not (out_dir.exists() or out_dir.is_symlink()):
         try:
             tmp.rename(out_dir)

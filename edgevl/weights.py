@@ -244,7 +244,7 @@ class Checkpoint:
             for name, (dt, shape, s, e) in _read_header(str(path)).items():
                 if self.weight_map.get(name, path.name) != path.name:
                     continue   # a stale copy in a shard the index does not name for it: the index decides
-                if name in self._tensors:
+                if name in self._tensors and not self.weight_map:
                     # files with no index to say which copy holds: never the last one by name
                     raise EdgevlError(f"tensor {_show(name)} is in both {Path(self._tensors[name].path).name} and "
                                       f"{path.name} in {self.folder}, and no model.safetensors.index.json says "

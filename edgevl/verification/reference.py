@@ -9,7 +9,6 @@ Needs PyTorch and transformers (``pip install edgevl[verify]``).
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -200,8 +199,12 @@ class QwenImagesReference(Reference):
         return out
 
     def _processor(self, max_image_patches: int):
-        p = self.folder / "preprocessor_config.json"
-        raw = json.loads(p.read_text()) if p.is_file() else {}
+        from transformers.image_processing_base import ImageProcessingMixin
+
+        try:   # transformers' own lookup (processor_config.json's entry first, then the file)
+            raw = ImageProcessingMixin.get_image_processor_dict(str(self.folder))[0]
+        except OSError:
+            raw = {}
         cfg = qwen_vl.ProcessorConfig.from_dict(raw)
         cap = max_image_patches * cfg.patch_size ** 2
         kw = {k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class", "min_pixels",

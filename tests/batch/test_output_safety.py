@@ -454,6 +454,23 @@ def test_a_rerun_made_otherwise_says_the_done_rows_were_made_otherwise(pkg, fold
     shutil.copytree(pkg, other)      # the same package moved: the same model
     code, _, err = batch(capsys, other, "--input", images, "--output", out, "--max-new-tokens", 2)
     assert code == 0 and "made by another" not in err, err
+    from edgevl.demo import demo_checkpoint
+
+    again = edgevl.convert(demo_checkpoint(), tmp_path / "again", dtype=json.loads(
+        (pkg / "manifest.json").read_text())["dtype"], progress=False)     # converted again: the same files
+    code, _, err = batch(capsys, again, "--input", images, "--output", out, "--max-new-tokens", 2)
+    assert code == 0 and "made by another" not in err, err
+    # a compiled structure from the API is told by its content, not by an address that differs
+    # from process to process
+    import importlib
+
+    from edgevl import structured
+
+    batch_module = importlib.import_module("edgevl.batch")     # the package exports a function of that name
+    compiled = structured.compiled(edgevl.load(pkg), structured.parse({"type": "json_object"}))
+    assert " at 0x" in repr(compiled)                    # what would make the fingerprint differ
+    told = json.dumps(compiled, default=batch_module._described)
+    assert " at 0x" not in told and '"json_object"' in told
     for change in (["--max-new-tokens", 3], ["--temperature", 0.5, "--seed", 1], ["--json"]):
         code, _, err = batch(capsys, pkg, "--input", images, "--output", out, "--max-new-tokens", 2, *change)
         assert "warning: 3 row(s) already done were made by another model, other settings or another version of " \
@@ -505,3 +522,16 @@ def test_a_full_disk_or_a_file_size_limit_says_the_rows_are_kept_and_the_rerun_r
     p = run(out)
     assert p.returncode == 0 and "1 already done" in p.stderr, p.stderr
     assert [r["id"] for r in read_jsonl(out)] == [r["id"] for r in read_jsonl(whole)]
+
+
+def test_a_closed_pipe_mid_job_is_no_full_disk(pkg, folder, tmp_path, capsys, monkeypatch):
+    """`edgevl batch ... 2>&1 | head -1`: a broken pipe while rows ran (the progress line) was
+    taken for a full disk, and writing that message raised again (a traceback, exit 1)."""
+    import importlib
+
+    def run(self):
+        raise BrokenPipeError(32, "Broken pipe")
+        yield
+    monkeypatch.setattr(importlib.import_module("edgevl.batch").BatchJob, "run", run)
+    code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "o.jsonl")
+    assert code == 0 and "error" not in err, err

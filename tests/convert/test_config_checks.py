@@ -132,7 +132,7 @@ def test_vl_checkpoint_without_a_fitting_preprocessor_config_is_refused(qwen_vl,
     refused_before_writing(capsys, ck, tmp_path, "preprocessor_config.json holds a value of the wrong type")
 
 
-def test_processor_settings_saved_by_transformers_5_in_processor_config_json(qwen_vl, tmp_path):
+def test_processor_settings_saved_by_transformers_5_in_processor_config_json(qwen_vl, tmp_path, capsys):
     """transformers 5 saves a checkpoint's processors together in processor_config.json (image
     and video entries) and reads those first; such a checkpoint was refused as having no image
     processor settings. The package takes what transformers' own readers take."""
@@ -158,6 +158,10 @@ def test_processor_settings_saved_by_transformers_5_in_processor_config_json(qwe
     model.close()
     (ck / "preprocessor_config.json").unlink()       # the nested entry alone is enough
     edgevl.convert(ck, tmp_path / "pk2", dtype="fp32", progress=False)
+    image = tmp_path / "teal.png"
+    Image.new("RGB", (400, 300), "teal").save(image)
+    code, out, err = cli(capsys, "verify", tmp_path / "pk2", "--reference", ck, "--image", image, "--max-new-tokens", 4)
+    assert code == 0 and "PASS" in out, (out, err)     # the reference reads the settings where transformers does
 
 
 def test_a_package_or_a_hub_cache_folder_given_as_the_checkpoint_is_named(tiny, tmp_path, capsys):

@@ -234,3 +234,29 @@ def test_threads_converting_into_one_folder_leave_a_whole_package(tiny, tmp_path
     assert done == [out] * 4 and left_over(tmp_path, "pkg") == []
     check_package(out)
     assert package_digest(out) == package_digest(tiny[1])
+
+
+LATE_TERM = textwrap.dedent("""
+    import os, shutil, signal, sys
+    real = shutil.rmtree
+    def rmtree(p, *a, **k):   # SIGTERM while the replaced package is deleted (the new one is in place)
+        if ".old-" in str(p):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(p, *a, **k)
+    shutil.rmtree = rmtree
+    from edgevl.cli import main
+    sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--dtype", "fp16", "--force", "--quiet"]))
+""")
+
+
+def test_a_stop_while_the_new_package_is_swapped_in_waits_and_says_it_was_written(tiny, tmp_path):
+    """Deleting a replaced multi-GB package takes seconds: a SIGTERM then left the old one half
+    deleted beside the new one and said nothing was written."""
+    out = tmp_path / "pkg"
+    shutil.copytree(tiny[1], out)
+    p = subprocess.run([sys.executable, "-c", LATE_TERM, str(tiny[0]), str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr
+    assert p.stderr.strip().endswith(f"stopped (SIGTERM); {out} was written whole before the stop"), p.stderr
+    assert json.loads((out / MANIFEST).read_text())["dtype"] == "fp16" and check_package(out)
+    assert left_over(tmp_path, "pkg") == []

@@ -279,3 +279,16 @@ def test_verify_judges_an_fp32_package_with_int8_experts_by_the_reduced_rule(bui
     assert any("package (fp32, experts q8)" in line for line in lines), lines
     exact = compare(built[CONFIGS[0]][1], ck, "Hi.", max_new_tokens=2)
     assert exact.threshold().startswith("fp32"), exact.threshold()
+
+
+def test_a_config_in_the_older_rope_layout_gives_the_same_settings():
+    """rope_scaling (the older layout) stands for rope_parameters whole, sections included, as it
+    does for the Qwen3.5 families; the sections were read from rope_parameters only."""
+    cfg = R.make_config()
+    rp = cfg.pop("rope_parameters")
+    section = [rp["mrope_section"][2], rp["mrope_section"][0], rp["mrope_section"][1]]
+    new = Y.TextArgs.from_config(dict(cfg, rope_parameters=dict(rp, mrope_section=section)))
+    old = Y.TextArgs.from_config(dict(cfg, rope_scaling=dict(rp, mrope_section=section),
+                                      rope_parameters={"rope_theta": 1.0e6, "mrope_section": rp["mrope_section"]}))
+    assert section != rp["mrope_section"] and old.mrope_section == new.mrope_section == section
+    assert old.rope_theta == new.rope_theta == rp["rope_theta"]

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from edgevl.errors import EdgevlError
 from edgevl.weights import Checkpoint
@@ -91,6 +91,12 @@ def test_which_files_hold_the_weights_when_a_folder_has_more_than_one_set(tmp_pa
     with pytest.raises(EdgevlError, match="tensor b is in both model-00001-of-00001.safetensors and "
                                           "zz-old-copy.safetensors .* remove the stray copy"):
         Checkpoint(tmp_path / "n")
+    # with an index, a tensor it does not list may sit in two of its shards (read as before)
+    write(tmp_path / "i", ts, shards=2)
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        part = load_file(str(tmp_path / "i" / name))
+        save_file({**part, "unlisted": torch.ones(1)}, str(tmp_path / "i" / name))
+    assert "unlisted" in Checkpoint(tmp_path / "i").keys()
 
 
 def test_wrong_shape_and_missing_tensor(tmp_path):

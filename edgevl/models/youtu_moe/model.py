@@ -54,7 +54,7 @@ from ...blocks.base import (
     write_head_and_embedding,
 )
 from ...blocks.mla import MlaArgs, emit_mla_core
-from ...blocks.rope import mrope, mrope_positions_of, rope_theta_of
+from ...blocks.rope import mrope, mrope_positions_of, rope_parameters_of, rope_theta_of
 from ...errors import EdgevlError
 from ..protocol import VISION_OPTION, Architecture, turn_points, vision_quantized
 from ..youtu_vl.model import CHAT_TEMPLATE as YOUTU_VL_TEMPLATE
@@ -105,9 +105,8 @@ class TextArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> TextArgs:
-        rp = cfg.get("rope_parameters") or {}
-        a = config_args(cls, cfg, rope_theta=rope_theta_of(cfg),
-                        mrope_section=rp.get("mrope_section") if isinstance(rp, dict) else None)
+        rp, _ = rope_parameters_of(cfg)
+        a = config_args(cls, cfg, rope_theta=rope_theta_of(cfg), mrope_section=rp.get("mrope_section"))
         n = a.num_hidden_layers
         if a.layer_types is None:   # the real model's [KDA, KDA, KDA, MLA] groups
             a.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
