@@ -57,8 +57,19 @@ HELP = """commands:
   /quit         leave (Ctrl-D, or Ctrl-C twice, works too); Ctrl-C stops an answer or clears the line"""
 
 
+class _Attached(str):
+    """A path as one message holds it: the file may be overwritten and attached again (a camera's
+    latest.jpg), and each message keeps the pixels it was sent with."""
+
+    serial = 0
+
+
+def _key(path) -> tuple:
+    return path, getattr(path, "serial", 0)
+
+
 class _ImageMemo:
-    """The model, with image encodings remembered by path: each turn re-renders the whole
+    """The model, with image encodings remembered by attachment: each turn re-renders the whole
     conversation, and re-running the vision tower on every old image would dominate a turn."""
 
     def __init__(self, model: Model):
@@ -71,7 +82,7 @@ class _ImageMemo:
     def encode_image(self, image, max_image_patches=None):
         if not isinstance(image, str):
             return self._model.encode_image(image, max_image_patches)
-        key = (image, max_image_patches)
+        key = (*_key(image), max_image_patches)
         if key not in self.rows:
             self.rows[key] = self._model.encode_image(image, max_image_patches)
         return self.rows[key]
@@ -79,7 +90,7 @@ class _ImageMemo:
     def encode_video(self, video, **options):
         if not isinstance(video, str):
             return self._model.encode_video(video, **options)
-        key = ("video", video, tuple(sorted(options.items())))
+        key = ("video", *_key(video), tuple(sorted(options.items())))
         if key not in self.rows:
             self.rows[key] = self._model.encode_video(video, **options)
         return self.rows[key]
@@ -87,7 +98,7 @@ class _ImageMemo:
     def video_tokens(self, video, **options):
         if not isinstance(video, str):
             return self._model.video_tokens(video, **options)
-        key = ("video tokens", video, tuple(sorted(options.items())))
+        key = ("video tokens", *_key(video), tuple(sorted(options.items())))
         if key not in self.rows:
             self.rows[key] = self._model.video_tokens(video, **options)
         return self.rows[key]
@@ -120,6 +131,7 @@ class ChatSession:
             raise EdgevlError(f"max_new_tokens must be between 1 and {model.max_context - 1} (the model's "
                               f"context is {model.max_context} tokens), got {max_new_tokens!r:.40}")
         self.model = _ImageMemo(model)
+        self._serial = 0
         self.system = system
         self.max_new_tokens = int(max_new_tokens)
         self.max_image_patches = max_image_patches
@@ -159,13 +171,19 @@ class ChatSession:
         """Queue an image (a path, a PIL image or an image file's bytes) for the next message; it
         is encoded now so a bad file fails here."""
         if isinstance(image, (str, os.PathLike)):
-            image = str(Path(image).expanduser())
-            self.model.rows.pop((image, self.max_image_patches), None)  # the file may have changed
+            image = self._attached(image)
         if self.model.vision is None:
             raise EdgevlError("this model has no vision tower; it cannot take images (use a vision-language model)")
         self.model.encode_image(image, self.max_image_patches)
         self._check_fits(self.pending_images + [image], self.pending_videos, "image")
         self.pending_images.append(image)
+
+    def _attached(self, path) -> _Attached:
+        """``path`` for one message: read now, and what it held now is what that message keeps."""
+        self._serial += 1
+        p = _Attached(str(Path(path).expanduser()))
+        p.serial = self._serial
+        return p
 
     def _check_fits(self, images: list, videos: list, what: str) -> None:
         """The attached images and videos must leave room for a message beside the answer with no
@@ -185,10 +203,7 @@ class ChatSession:
     def attach_video(self, path) -> None:
         """Queue a video for the next message; it is decoded and encoded now so a bad file fails
         here, unless its header already says that it cannot fit (then nothing is decoded)."""
-        path = str(Path(path).expanduser())
-        opts = tuple(sorted(self.video_options.items()))
-        self.model.rows.pop(("video", path, opts), None)   # the file may have changed
-        self.model.rows.pop(("video tokens", path, opts), None)
+        path = self._attached(path)
         room = self.model.max_context - self.max_new_tokens
         need = self.model.video_tokens(path, **self.video_options)
         if need >= room:

@@ -161,6 +161,34 @@ def test_image_turns_reuse_the_cache(vl_pkg, tmp_path):
     json.loads(chat.save(tmp_path / "t.json").read_text())  # image parts are stored as paths
 
 
+def test_a_file_overwritten_and_attached_again_leaves_the_earlier_turn_its_pixels(vl_pkg, tmp_path):
+    """A camera overwrites latest.png between turns and the user attaches it again: encodings were
+    remembered by path, so the first turn silently showed the new picture too."""
+    model = edgevl.load(vl_pkg)
+    rng = np.random.default_rng(3)
+    old, new = (Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)) for _ in range(2))
+    latest = tmp_path / "latest.png"
+    old.save(latest)
+    chat = ChatSession(model, max_new_tokens=6)
+    chat.attach(latest)
+    first = "".join(chat.send("What is it?"))
+    new.save(latest)
+    chat.attach(latest)
+    second = "".join(chat.send("And now?"))
+    old.save(tmp_path / "old.png")
+    new.save(tmp_path / "new.png")
+    convo = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "old.png")},
+                                          {"type": "text", "text": "What is it?"}]},
+             {"role": "assistant", "content": first},
+             {"role": "user", "content": [{"type": "image", "image": str(tmp_path / "new.png")},
+                                          {"type": "text", "text": "And now?"}]}]
+    expected = edgevl.generate(model, convo, max_new_tokens=6)
+    assert second == expected
+    convo[0]["content"][0]["image"] = str(tmp_path / "new.png")       # what it answered before
+    assert edgevl.generate(model, convo, max_new_tokens=6) != expected
+    model.close()
+
+
 def test_cli_chat_subprocess(pkg, tmp_path):
     script = f"Hello there\n/image {tmp_path / 'x.png'}\n/save {tmp_path / 't.json'}\nHi\n"  # then EOF
     r = subprocess.run([sys.executable, "-m", "edgevl", "chat", str(pkg), "--max-new-tokens", "6"],
