@@ -787,7 +787,8 @@ def _name_key(name: str) -> tuple:
 
 def _folder_clip(folder: Path, fps: float | None, name: str, root: Path | None) -> Clip:
     try:
-        entries = [p for p in folder.iterdir() if p.suffix.lower() in FRAME_SUFFIXES]
+        # hidden files are no frames: a viewer's thumbnail, macOS's ._ resource forks
+        entries = [p for p in folder.iterdir() if p.suffix.lower() in FRAME_SUFFIXES and not p.name.startswith(".")]
     except OSError as e:
         raise EdgevlError(f"{name} cannot be listed ({e.strerror}); check its permissions") from None
     if not entries:

@@ -214,3 +214,8 @@ def test_folder_frames_in_numeric_order(tmp_path):
         Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / f"f{i + 1}.png")
     clip = vid.open_clip(str(tmp_path))
     assert [im.getpixel((0, 0))[0] for _, im in clip.read(range(12))] == list(range(12))
+    # hidden files are no frames (a viewer's thumbnail was frame 0; a macOS "._" fork failed the clip)
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(tmp_path / ".thumb.png")
+    (tmp_path / "._f1.png").write_bytes(b"\0\5\26\7 resource fork")
+    clip = vid.open_clip(str(tmp_path))
+    assert clip.total == 12 and [im.getpixel((0, 0))[0] for _, im in clip.read(range(12))] == list(range(12))
