@@ -465,6 +465,9 @@ def _video(url: str, server, param: str, options: dict) -> PendingVideo:
                         "check it", param, "invalid_video") from None
     if not full.is_relative_to(root):
         raise HTTPError(403, f"video path {path!r} is outside the allowed folder", param, "image_path_forbidden")
+    if full == root:    # "", ".", "file://": every image in the folder would be one clip
+        raise HTTPError(400, f"{param}.video_url.url names no video (it is the allowed folder itself); give a "
+                        "video file or a folder of frames inside it", param, "invalid_video")
     return PendingVideo(VideoFile(full, root=root, name=path), param, server, options)
 
 

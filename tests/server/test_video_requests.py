@@ -88,6 +88,16 @@ def test_frames_symlinked_out_of_the_allowed_folder_are_refused(setup):
     assert ask(srv, "inside")[0] == 200
 
 
+def test_a_url_naming_the_allowed_folder_itself_is_no_video(setup):
+    """An empty url (or "." or "file://") named the allowed folder, and every image in it was
+    taken as one clip, with a 200."""
+    srv, _, allowed, _ = setup
+    for url in ("", ".", "file://", f"file://{allowed}", f"{allowed}/", "in0.png/.."):
+        refused(ask(srv, url), 400, "messages[0].content[0].video_url.url names no video",
+                "give a video file or a folder of frames inside it")
+    assert ask(srv, "clip.gif")[0] == 200
+
+
 def test_a_frame_swapped_for_a_symlink_after_the_header_is_refused_where_it_is_opened(setup):
     _, _, allowed, outside = setup
     folder = allowed / "swap"
