@@ -188,16 +188,30 @@ def _payload(part: dict, kind: str):
     return local_path(url)
 
 
-def _video_groups(tok, model, infos):
-    """A rewrite of the rendered prompt: each video's ``<|vision_start|><|video_pad|><|vision_end|>``
-    (or a bare ``<|video_pad|>``) becomes, per temporal patch, ``<T seconds>`` and its own
-    start/pad/end group with one pad, which ``prepare`` then expands to the patch's tokens."""
+def video_span(tok, model) -> tuple[str, str, str]:
+    """The texts of a video placeholder as templates write it: start, pad, end."""
     def text(key, default):
         i = model.manifest.get(key)
         return (tok.id_to_token(i) if i is not None else None) or default
 
-    start, end = text("vision_start_token_id", "<|vision_start|>"), text("vision_end_token_id", "<|vision_end|>")
-    pad = tok.id_to_token(model.video_token_id) if infos else None
+    return (text("vision_start_token_id", "<|vision_start|>"), tok.id_to_token(model.video_token_id),
+            text("vision_end_token_id", "<|vision_end|>"))
+
+
+def video_placeholder_tokens(tok, model, rendered: str) -> int:
+    """Tokens of the video placeholders in a rendered prompt, which a video's own tokens replace
+    (its start/pad/end group is rewritten whole, see :func:`_video_groups`; a bare pad alone)."""
+    start, pad, end = video_span(tok, model)
+    wrapped = rendered.count(start + pad + end)
+    return 3 * wrapped + (rendered.count(pad) - wrapped)
+
+
+def _video_groups(tok, model, infos):
+    """A rewrite of the rendered prompt: each video's ``<|vision_start|><|video_pad|><|vision_end|>``
+    (or a bare ``<|video_pad|>``) becomes, per temporal patch, ``<T seconds>`` and its own
+    start/pad/end group with one pad, which ``prepare`` then expands to the patch's tokens."""
+    start, pad, end = video_span(tok, model)
+    pad = pad if infos else None
 
     def rewrite(rendered: str) -> str:
         out, at = [], 0
@@ -461,9 +475,10 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
         from .processing.video import check_options
 
         video_options = check_options(video_options)   # one line for a list, an unknown key, inf ...
-    if videos:   # the prompt without its videos (one placeholder each) bounds the rest from below
+    if videos:   # the prompt without its videos' placeholders bounds the rest from below
         base = encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs)
-        _check_video_tokens(model, videos, video_options, len(base) - len(videos))
+        held = video_placeholder_tokens(tok, model, tok.decode(base, skip_special_tokens=False))
+        _check_video_tokens(model, videos, video_options, len(base) - held)
     vids = [model.encode_video(v, **video_options) for v in videos]   # timestamps go in the prompt
     ids = (tok.encode(text) if text is not None
            else encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs,

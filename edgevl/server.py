@@ -880,7 +880,7 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     videos = [p["video"] for m in messages if isinstance(m["content"], list) for p in m["content"]
               if p["type"] == "video"]
     image_tokens += sum(v.tokens for v in videos)
-    images += videos    # one placeholder token each in the rendered text
+    images += videos
     try:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
     except EdgevlError as e:
@@ -890,8 +890,14 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
         raise HTTPError(400, str(e) + ("" if late is None else f" (messages[{late}] is a system message after the "
                                        "conversation began; fold it into the first, or send it as a user message)"),
                         None if late is None else f"messages[{late}]", "invalid_request") from None
-    # the text has one placeholder token per image, which becomes the image's tokens
-    _check_prompt_tokens(text, server, image_tokens - len(images), "messages",
+    # the text has one placeholder token per image and a start/pad/end group per video (where the
+    # template wraps the pad), which become their tokens
+    held = len(images) - len(videos)
+    if videos:
+        from .generate import video_placeholder_tokens
+
+        held += video_placeholder_tokens(model.tokenizer, model, text)
+    _check_prompt_tokens(text, server, image_tokens - held, "messages",
                          (" or send a shorter video" if videos else "")
                          + (" or send fewer or smaller images" if len(images) > len(videos) else ""))
 

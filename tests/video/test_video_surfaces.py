@@ -168,3 +168,31 @@ def test_a_list_of_picture_paths_is_one_clip(setup, tmp_path):
     kw = dict(max_new_tokens=6, temperature=0, thinking=False)
     want = edgevl.generate(model, PROMPT, video={"frames": [str(f) for f in frames]}, **kw)
     assert edgevl.generate(model, PROMPT, video=[str(f) for f in frames], **kw) == want
+
+
+def test_a_prompt_with_videos_that_just_fits_is_taken(setup, monkeypatch):
+    """The early check counted each video's start and end tokens twice (its own groups replace
+    the template's): a prompt two tokens per video short of the context was refused, and the
+    server's 400 said it had the whole context's tokens."""
+    from edgevl.generate import prepare
+
+    pk, model, gif, _ = setup
+    for n in (1, 2):
+        monkeypatch.undo()
+        msgs = [{"role": "user", "content": [*[{"type": "video", "video": gif}] * n, {"type": "text", "text": PROMPT}]}]
+        real = len(prepare(model, msgs, thinking=False).input_ids)
+        # the context just fits the prompt and one answer token, in the API and the server
+        monkeypatch.setattr(model, "max_context", real + 1)
+        assert edgevl.generate(model, msgs, max_new_tokens=1, thinking=False) is not None
+        srv, _ = make_server(model, max_queue=2)
+        try:
+            url = "data:image/gif;base64," + base64.b64encode(open(gif, "rb").read()).decode()
+            code, body, _ = post(srv.server_address[1], {"messages": [{"role": "user", "content": [
+                *[{"type": "video_url", "video_url": {"url": url}}] * n, {"type": "text", "text": PROMPT}]}],
+                "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})
+        finally:
+            srv.stop()
+        assert code == 200 and body["usage"]["prompt_tokens"] == real, body
+        monkeypatch.setattr(model, "max_context", real)      # and one token less is refused
+        with pytest.raises(EdgevlError, match="maximum context length"):
+            edgevl.generate(model, msgs, max_new_tokens=1, thinking=False)
