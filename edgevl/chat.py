@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
-from .errors import EdgevlError
+from .errors import ContextOverflow, EdgevlError
 from .generate import Event, default_max_new_tokens, model_template_kwargs, prepare, stream_events, with_reasoning
 from .model import Model, load
 from .sample import resolve
@@ -215,10 +215,14 @@ class ChatSession:
         self.pending_videos.append(path)
 
     def _count(self, messages) -> int:
-        return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
-                           video_options=self.video_options,
-                           allow_special_in_content=self.allow_special_in_content,
-                           chat_template_kwargs=self.chat_template_kwargs).input_ids)
+        try:
+            return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
+                               video_options=self.video_options,
+                               allow_special_in_content=self.allow_special_in_content,
+                               chat_template_kwargs=self.chat_template_kwargs).input_ids)
+        except ContextOverflow as e:     # the conversation's videos alone overflow: older turns go first
+            self._overflow = e
+            return self.model.max_context + 1
 
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
@@ -230,8 +234,11 @@ class ChatSession:
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
         dropped = []
+        self._overflow = None
         while (n := self._count(msgs)) > room:
             if len(msgs) - head == 1:
+                if n > self.model.max_context and self._overflow is not None:
+                    raise self._overflow
                 raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
                                   f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
                                   "answer); shorten it or lower --max-new-tokens")

@@ -27,6 +27,11 @@ class ShuttingDown(EdgevlError):
     """The engine closed before or while the request ran: not the request's fault."""
 
 
+class ContextOverflow(EdgevlError):
+    """A prompt's videos, counted from their headers, leave no room in the context (a chat drops
+    its oldest turns on it)."""
+
+
 def os_error_line(e: OSError) -> str:
     """What went wrong and the fix where one is known, in one line."""
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""

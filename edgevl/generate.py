@@ -35,7 +35,7 @@ import numpy as np
 
 from . import structured
 from . import tools as tool_calls
-from .errors import EdgevlError
+from .errors import ContextOverflow, EdgevlError
 from .model import check_model
 from .sample import Logprobs, check_logit_bias, check_seed
 from .sample import resolve as resolve_sampling
@@ -407,7 +407,7 @@ def _check_video_tokens(model, videos: list, options: dict, text_tokens: int = 0
         what = f"the video{'s' if len(videos) > 1 else ''} take{'' if len(videos) > 1 else 's'} {need} tokens"
         if text_tokens:
             what += f" and the rest of the prompt at least {text_tokens}"
-        raise EdgevlError(f"{what}, but this model's maximum context length is {model.max_context} tokens; send a "
+        raise ContextOverflow(f"{what}, but this model's maximum context length is {model.max_context} tokens; send a "
                           "shorter video or sample "
                           "fewer or smaller frames (--fps, --max-frames, --video-max-pixels; video_options in the "
                           "API)")

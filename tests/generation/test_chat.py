@@ -264,3 +264,31 @@ def test_a_video_after_an_image_is_checked_with_it(tmp_path):
             with pytest.raises(EdgevlError, match="image refused: the 2 attached images and videos"):
                 chat.attach(tmp_path / "img.png")
         assert "".join(chat.send("hi")) is not None   # the one attached still leaves room for a message
+
+
+def test_videos_that_fill_the_context_drop_the_oldest_turns(tmp_path, monkeypatch):
+    """The conversation's videos were counted from their headers before any turn could go, so
+    once they added up past the context every message was refused, text alone too, until /reset;
+    the oldest turns go first, as for text."""
+    from support.qwen import make_qwen3_5
+
+    pkg = edgevl.convert(make_qwen3_5(tmp_path / "ck", seed=2), tmp_path / "pk", dtype="fp32", progress=False)
+    model = edgevl.load(pkg)
+    rng = np.random.default_rng(1)
+    (tmp_path / "frames").mkdir()
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i}.png")
+    video = {"type": "video", "video": str(tmp_path / "frames")}
+    text = {"type": "text", "text": "a"}
+    one = ChatSession(model, max_new_tokens=4)._count([{"role": "user", "content": [video, text]}])
+    clip = model.video_tokens(str(tmp_path / "frames"))
+    monkeypatch.setattr(model, "max_context", one + clip // 2 + 8)    # one clip and a reply fit, two clips do not
+    chat = ChatSession(model, max_new_tokens=4)
+    chat.attach_video(tmp_path / "frames")
+    "".join(chat.send("One?"))
+    chat.attach_video(tmp_path / "frames")
+    "".join(chat.send("Two?"))
+    assert chat.dropped == 1 and len(chat.earlier) == 2
+    "".join(chat.send("Text only?"))
+    assert chat.messages[-1]["role"] == "assistant" and len(chat.earlier) >= 2
+    model.close()
