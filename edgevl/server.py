@@ -1743,12 +1743,21 @@ class Handler(BaseHTTPRequestHandler):
             chat, origin = responses.to_chat(req, self.server.items)
         except responses.RequestError as e:
             raise HTTPError(400, str(e), e.param) from None
-        try:
-            messages, kwargs, stream, _ = parse_request(chat, self.server)
-        except HTTPError as e:   # named as the request named it: input[i], not the chat reading's messages[k]
+        def named(e: HTTPError):   # as the request named it: input[i], not the chat reading's messages[k]
             e.args = (responses.renamed(str(e), origin),)
             e.param = e.param and responses.renamed(e.param, origin)
-            raise
+            return e
+
+        try:
+            messages, kwargs, stream, _ = parse_request(chat, self.server)
+        except HTTPError as e:
+            raise named(e) from None
+
+        def decode():    # a clip that fails while it is decoded, named the same way
+            try:
+                return decode_images(messages, self._client_gone)
+            except HTTPError as e:
+                raise named(e) from None
         if kwargs["n"] != 1:
             close_videos(messages)
             raise HTTPError(400, "the Responses API gives one answer (n is a chat completion's field); send n "
@@ -1756,8 +1765,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             w = responses.Writer(req, self.server.model_id, kwargs.get("tools"), self.server.items)
             if not stream:
-                answers = self._run(lambda: decode_images(messages, self._client_gone), kwargs,
-                                    cost=decode_cost(messages))
+                answers = self._run(decode, kwargs, cost=decode_cost(messages))
                 if answers is None:
                     return
                 evs, = answers      # the Responses API has no n: one answer
@@ -1790,7 +1798,7 @@ class Handler(BaseHTTPRequestHandler):
                         self._typed_event(e)
                 self._end_events(done=False)
 
-            self._run(lambda: decode_images(messages, self._client_gone), kwargs, send, decode_cost(messages))
+            self._run(decode, kwargs, send, decode_cost(messages))
         finally:  # answered, refused or abandoned: the request's temporary video files go now
             close_videos(messages)
 

@@ -937,7 +937,7 @@ def plan(clip: Clip, cfg: VideoConfig, fps: float | None = None, max_frames: int
             f"{clip.name}: sampling it means decoding {_frames_decoded(clip, indices)} frames of "
             f"{clip.width}x{clip.height}"
             f"{' composed on the whole canvas' if clip.decodes == 'animation' else ''}, more than this server decodes "
-            f"for one request (about {max_decode / 1e9:.0f} gigapixels); send a shorter or smaller clip")
+            f"for one request (about {max_decode / 1e9:.3g} gigapixels); send a shorter or smaller clip")
     th, tw = (video_smart_resize(len(indices), clip.height, clip.width, cfg, max_pixels)
               if cfg.do_resize else (clip.height, clip.width))
     if th % cfg.factor or tw % cfg.factor:

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -177,6 +178,31 @@ def test_bombs_and_damaged_clips_answer_400_in_one_line(setup, tmp_path):
     for name, (path, needle) in damaged_clips(tmp_path, pyav=has_pyav()).items():
         msg = refused(ask(srv, data_url(path)), 400, needle, "the video")
         assert str(tmp_path) not in msg and tempfile.gettempdir() not in msg, (name, msg)
+
+
+def test_a_clip_that_fails_while_decoded_is_named_as_the_responses_request_named_it(setup, tmp_path):
+    """A clip whose header reads but whose frames do not was named messages[0].content[0] (the chat
+    reading's name) in the Responses API, where the request called it input[0].content[0]."""
+    import av
+
+    srv = setup[0]
+    whole = tmp_path / "whole.mp4"       # its index first (faststart): cut in half, the header still reads
+    with av.open(str(whole), "w", options={"movflags": "faststart"}) as c:
+        s = c.add_stream("mpeg4", rate=8)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for f in small_frames(120, 64, 48):
+            for pkt in s.encode(av.VideoFrame.from_ndarray(np.asarray(f), format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    for path, needle in ((cut, "truncated"),):
+        st, body, _ = post(srv.server_address[1], {"max_output_tokens": 2, "input": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": data_url(path)}}, {"type": "input_text", "text": PROMPT}]}]},
+            path="/v1/responses")
+        assert st == 400 and needle in body["error"]["message"], body
+        assert body["error"]["param"] == "input[0].content[0]" and "messages" not in body["error"]["message"], body
 
 
 # -- class 8: video_options ---------------------------------------------------------------------------
