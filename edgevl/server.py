@@ -1391,7 +1391,8 @@ class Handler(BaseHTTPRequestHandler):
                             code="length_required")
         n = self._unread
         if n > self.server.max_body:
-            raise HTTPError(413, f"the request body is {n} bytes; the limit is {self.server.max_body}",
+            raise HTTPError(413, f"the request body is {n} bytes; the limit is {self.server.max_body}: send large "
+                            "images and videos as paths under the server's --allow-image-dir, or smaller ones",
                             code="request_too_large")
         body = self.rfile.read(n)
         self._unread = 0
