@@ -120,13 +120,17 @@ def _described(x):
 
 
 def made_with(job: str, source) -> str:
-    """A row's fingerprint: the job's (the model's manifest digest and the generation settings)
-    with its image file's size, where it is a local file. A rerun that resumes a row by its id
-    tells by it whether the row was made by another model, other settings or another image."""
+    """A row's fingerprint: the job's (the model's files and the generation settings) with its
+    image or video file's size (a folder of frames: its files' names and sizes), where it is
+    local. A rerun that resumes a row by its id tells by it whether the row was made by another
+    model, other settings or another image."""
     size = None
     if isinstance(source, (str, os.PathLike)) and not _is_url(str(source)):
         try:
-            size = os.stat(source).st_size
+            if os.path.isdir(source):     # a folder of frames: its files' names and sizes
+                size = sorted((e.name, e.stat().st_size) for e in os.scandir(source) if e.is_file())
+            else:
+                size = os.stat(source).st_size
         except (OSError, ValueError):
             pass
     return hashlib.sha256(f"{job}:{size}".encode()).hexdigest()[:16]

@@ -68,6 +68,12 @@ def _key(path) -> tuple:
     return path, getattr(path, "serial", 0)
 
 
+def _attachments(messages) -> list:
+    """The attached paths of ``messages``."""
+    return [p.get("image", p.get("video")) for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") in ("image", "video")]
+
+
 class _ImageMemo:
     """The model, with image encodings remembered by attachment: each turn re-renders the whole
     conversation, and re-running the vision tower on every old image would dominate a turn."""
@@ -79,10 +85,16 @@ class _ImageMemo:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
+    def keep(self, attached) -> None:
+        """Let go of the encodings of attachments no longer in ``attached`` (turns dropped from
+        the context, files attached again): a camera's latest.jpg sent every turn would grow it."""
+        held = {_key(p) for p in attached}
+        self.rows = {k: v for k, v in self.rows.items() if k[1:3] in held}
+
     def encode_image(self, image, max_image_patches=None):
         if not isinstance(image, str):
             return self._model.encode_image(image, max_image_patches)
-        key = (*_key(image), max_image_patches)
+        key = ("image", *_key(image), max_image_patches)
         if key not in self.rows:
             self.rows[key] = self._model.encode_image(image, max_image_patches)
         return self.rows[key]
@@ -164,7 +176,7 @@ class ChatSession:
         self.turns = 0
         self.last_tokens: list[int] = []
         self.last_event: Event | None = None
-        self.model.rows.clear()
+        self.model.keep(self.pending_images + self.pending_videos)   # (kept attachments keep their pixels)
         self.model.reset()
 
     def attach(self, image) -> None:
@@ -192,6 +204,8 @@ class ChatSession:
                  + [{"type": "video", "video": p} for p in videos])
         head = self.messages[:1] if self.system else []
         need = self._count(head + [{"role": "user", "content": media + [{"type": "text", "text": ""}]}])
+        if self._overflow is not None:
+            raise EdgevlError(f"{what} refused: {self._overflow}")
         room = self.model.max_context - self.max_new_tokens
         if need >= room:    # a message needs one token at least
             n = len(media)
@@ -215,6 +229,9 @@ class ChatSession:
         self.pending_videos.append(path)
 
     def _count(self, messages) -> int:
+        """Prompt tokens of ``messages``; past the context (``_overflow`` says why) where their
+        videos alone overflow it, counted from their headers."""
+        self._overflow = None
         try:
             return len(prepare(self.model, messages, max_image_patches=self.max_image_patches,
                                video_options=self.video_options,
@@ -234,7 +251,6 @@ class ChatSession:
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
         dropped = []
-        self._overflow = None
         while (n := self._count(msgs)) > room:
             if len(msgs) - head == 1:
                 if n > self.model.max_context and self._overflow is not None:
@@ -248,6 +264,7 @@ class ChatSession:
         self.pending_images, self.pending_videos = [], []
         self.messages, self.dropped = msgs[:-1], len(dropped) // 2
         self.earlier += dropped
+        self.model.keep(_attachments(msgs))
         return self._stream(msgs)
 
     def _stream(self, msgs) -> Iterator[str]:

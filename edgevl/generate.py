@@ -477,7 +477,8 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
         video_options = check_options(video_options)   # one line for a list, an unknown key, inf ...
     if videos:   # the prompt without its videos' placeholders bounds the rest from below
         base = encode_messages(tok, messages, allow_special_in_content, chat_template_kwargs)
-        held = video_placeholder_tokens(tok, model, tok.decode(base, skip_special_tokens=False))
+        held = (video_placeholder_tokens(tok, model, tok.decode(base, skip_special_tokens=False))
+                if model.takes_video else len(videos))      # (a model without video says so below)
         _check_video_tokens(model, videos, video_options, len(base) - held)
     vids = [model.encode_video(v, **video_options) for v in videos]   # timestamps go in the prompt
     ids = (tok.encode(text) if text is not None

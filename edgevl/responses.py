@@ -145,7 +145,9 @@ FIELDS = ((r"^messages$", "input"), (r"\bmax_tokens\b", "max_output_tokens"),
 def renamed(text: str, origin: list) -> str:
     """A chat reading's ``messages[k]`` in ``text`` named as the request named it (``input[i]``),
     and its other fields (``FIELDS``)."""
-    text = re.sub(r"messages\[(\d+)\]", lambda m: origin[int(m[1])] if int(m[1]) < len(origin) else m[0], text)
+    # (not inside a path a message quotes: a folder may be named messages[0])
+    text = re.sub(r"(?<![\w/.-])messages\[(\d+)\](?![\w/])",
+                  lambda m: origin[int(m[1])] if int(m[1]) < len(origin) else m[0], text)
     for chat, ours in FIELDS:
         text = re.sub(chat, ours, text)
     return text

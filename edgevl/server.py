@@ -1391,9 +1391,10 @@ class Handler(BaseHTTPRequestHandler):
                             code="length_required")
         n = self._unread
         if n > self.server.max_body:
+            media = ("paths under its allowed folder (--allow-image-dir), or smaller ones" if self.server.image_dir
+                     else "smaller ones (or start the server with --allow-image-dir DIR and send paths)")
             raise HTTPError(413, f"the request body is {n} bytes; the limit is {self.server.max_body}: send large "
-                            "images and videos as paths under the server's --allow-image-dir, or smaller ones",
-                            code="request_too_large")
+                            f"images and videos as {media}", code="request_too_large")
         body = self.rfile.read(n)
         self._unread = 0
         if len(body) < n:

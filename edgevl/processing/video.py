@@ -792,8 +792,10 @@ def _folder_clip(folder: Path, fps: float | None, name: str, root: Path | None) 
     except OSError as e:
         raise EdgevlError(f"{name} cannot be listed ({e.strerror}); check its permissions") from None
     if not entries:
-        raise EdgevlError(f"{name} holds no frame images ({', '.join(FRAME_SUFFIXES)}); give a folder of frames "
-                          "or a video file")
+        hidden = " (hidden files, named with a leading dot, are skipped)" if any(
+            p.name.startswith(".") and p.suffix.lower() in FRAME_SUFFIXES for p in folder.iterdir()) else ""
+        raise EdgevlError(f"{name} holds no frame images ({', '.join(FRAME_SUFFIXES)}){hidden}; give a folder of "
+                          "frames or a video file")
     files = [_FrameFile(str(p), os.path.join(name, p.name)) for p in sorted(entries, key=lambda p: _name_key(p.name))]
     for f in files:         # all refused now, before the request waits (and again where each is opened)
         _regular(f.path, root, f.name, "frame")

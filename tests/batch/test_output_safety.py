@@ -535,3 +535,17 @@ def test_a_closed_pipe_mid_job_is_no_full_disk(pkg, folder, tmp_path, capsys, mo
     monkeypatch.setattr(importlib.import_module("edgevl.batch").BatchJob, "run", run)
     code, _, err = batch(capsys, pkg, "--input", folder, "--output", tmp_path / "o.jsonl")
     assert code == 0 and "error" not in err, err
+
+
+def test_the_fingerprint_of_a_folder_of_frames_follows_its_files(tmp_path):
+    """A video row given as a folder of frames: the folder's own size never changes (4096), so
+    frames replaced between runs went unnoticed."""
+    from edgevl.batch import made_with
+
+    (tmp_path / "clip").mkdir()
+    for i in range(4):
+        (tmp_path / "clip" / f"{i}.png").write_bytes(b"x" * 10)
+    first = made_with("job", str(tmp_path / "clip"))
+    assert made_with("job", str(tmp_path / "clip")) == first
+    (tmp_path / "clip" / "3.png").write_bytes(b"x" * 11)
+    assert made_with("job", str(tmp_path / "clip")) != first

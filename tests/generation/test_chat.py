@@ -291,4 +291,41 @@ def test_videos_that_fill_the_context_drop_the_oldest_turns(tmp_path, monkeypatc
     assert chat.dropped == 1 and len(chat.earlier) == 2
     "".join(chat.send("Text only?"))
     assert chat.messages[-1]["role"] == "assistant" and len(chat.earlier) >= 2
+    # a text alone too long is refused for itself, not for the videos counted on the way
+    with pytest.raises(EdgevlError, match="message refused: it needs .* prompt tokens"):
+        chat.send("word " * 400)
+    # a clip that cannot fit beside a long system prompt is refused with its own count
+    long = ChatSession(model, max_new_tokens=4, system="Be brief and exact. " * 20)
+    with pytest.raises(EdgevlError, match=r"video refused: the video takes \d+ tokens and the rest of the prompt"):
+        long.attach_video(tmp_path / "frames")
+    model.close()
+
+
+def test_attachments_are_let_go_with_their_turns_and_kept_across_reset(vl_pkg, tmp_path, monkeypatch):
+    """Each attachment keeps its own encoding: those of dropped turns are let go (a camera's
+    latest.png sent every turn grew the memo without bound), and /reset that keeps what is
+    attached keeps its pixels (the file may have been overwritten since)."""
+    model = edgevl.load(vl_pkg)
+    rng = np.random.default_rng(5)
+    latest = tmp_path / "latest.png"
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(latest)
+    one = ChatSession(model, max_new_tokens=4)._count([{"role": "user", "content": [
+        {"type": "image", "image": str(latest)}, {"type": "text", "text": "Turn 10?"}]}])
+    monkeypatch.setattr(model, "max_context", 3 * one + 16)      # about three turns fit
+    chat = ChatSession(model, max_new_tokens=4)
+    for turn in range(12):
+        Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(latest)
+        chat.attach(latest)
+        "".join(chat.send(f"Turn {turn}?"))
+    in_context = sum(isinstance(m["content"], list) for m in chat.messages)
+    assert chat.earlier and len(chat.model.rows) == in_context < 12
+    before = Image.open(latest).copy()
+    chat.attach(latest)
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(latest)   # overwritten since
+    chat.reset(keep_attached=True)
+    answer = "".join(chat.send("What is it?"))
+    before.save(tmp_path / "before.png")
+    assert answer == edgevl.generate(model, [{"role": "user", "content": [
+        {"type": "image", "image": str(tmp_path / "before.png")}, {"type": "text", "text": "What is it?"}]}],
+        max_new_tokens=4)
     model.close()

@@ -281,6 +281,9 @@ def test_earlier_answers_items_by_reference_and_cut_calls(client, server):
     from edgevl import responses
     assert responses.renamed("messages", []) == "input"
     assert responses.renamed("messages[0].content", ["input[2]"]) == "input[2].content"
+    # a path a message quotes keeps its own folder names
+    assert responses.renamed("messages[0].content[0]: messages[0]/../c/2.png cannot be decoded", ["input[2]"]) == \
+        "input[2].content[0]: messages[0]/../c/2.png cannot be decoded"
 
     both = client.responses.create(model="m", instructions="Be brief.", input=[
         {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": ASK}], **again)

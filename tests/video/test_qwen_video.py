@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import edgevl
+from edgevl.errors import EdgevlError
 from edgevl.generate import prepare
 from edgevl.processing import video as vid
 from edgevl.verification.families.qwen3_5_moe import VERIFY as MOE
@@ -219,3 +220,7 @@ def test_folder_frames_in_numeric_order(tmp_path):
     (tmp_path / "._f1.png").write_bytes(b"\0\5\26\7 resource fork")
     clip = vid.open_clip(str(tmp_path))
     assert clip.total == 12 and [im.getpixel((0, 0))[0] for _, im in clip.read(range(12))] == list(range(12))
+    (tmp_path / "only-hidden").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "only-hidden" / ".a.png")
+    with pytest.raises(EdgevlError, match="holds no frame images .* named with a leading dot, are skipped"):
+        vid.open_clip(str(tmp_path / "only-hidden"))
