@@ -88,7 +88,7 @@ class _ImageMemo:
     def keep(self, attached) -> None:
         """Let go of the encodings of attachments no longer in ``attached`` (turns dropped from
         the context, files attached again): a camera's latest.jpg sent every turn would grow it."""
-        held = {_key(p) for p in attached}
+        held = {_key(p) for p in attached if isinstance(p, str)}    # (images in memory are not kept here)
         self.rows = {k: v for k, v in self.rows.items() if k[1:3] in held}
 
     def encode_image(self, image, max_image_patches=None):
