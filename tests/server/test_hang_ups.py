@@ -195,13 +195,15 @@ def test_requests_are_served_with_many_idle_connections_open(endless):
     if soft < 2048 <= hard or hard == resource.RLIM_INFINITY:
         resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
     port = endless.server_address[1]
-    # both ends in this process: connections until a new one's descriptor is past 1024 (about 500
-    # where the server accepts them as fast as they come, up to about 1000 where it lags)
-    idle = []
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(600)]  # both ends in this process
+
+    def past_1024():     # once the server has accepted them, a new descriptor is past 1024 (it may lag)
+        probe = socket.socket()
+        n = probe.fileno()
+        probe.close()
+        return n > 1024 or None
     try:
-        while not idle or idle[-1].fileno() <= 1024:
-            assert len(idle) < 1200, "descriptors stayed below 1024"
-            idle.append(socket.create_connection(("127.0.0.1", port)))
+        assert wait_for(past_1024, 20) is not None
         status, body, _ = post(port, {"messages": MSGS, "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3, body
         s = send_raw(port, {"messages": MSGS})   # and a hang-up up there is still seen
