@@ -384,40 +384,54 @@ def resolve_model(path: str | None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def cmd_convert(a) -> int:
+def _stoppable(work, kept) -> int:
+    """``work()``, which SIGTERM (``timeout``, ``kill``, ``docker stop``, schedulers) stops as
+    Ctrl-C does, cleaning up: either stop ends with one line, ``kept()`` saying what stands and how
+    to go on, and exit 143 or 130."""
     import signal
     import threading
-    import time
 
-    from .convert import convert
-
-    options = {name: getattr(a, name) for name in _convert_options()}
     termed = []
 
-    def on_term(signum, frame):   # `timeout`, `kill`, `docker stop`: as Ctrl-C, which cleans up
+    def on_term(signum, frame):
         termed.append(signum)
         raise KeyboardInterrupt
 
     installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
     previous = signal.signal(signal.SIGTERM, on_term) if installed else None
-    t0, started = time.perf_counter(), time.time()
     try:
-        out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
+        return work()
     except KeyboardInterrupt:
-        # its temporary folder is gone, and an old package there is as it was; unless the stop
-        # came while the new package was swapped in (it waits for that): then the package is whole
-        out = " ".join(str(a.out_dir).splitlines())
-        done = _converted_since(a.out_dir, a.hf_dir, started)
-        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; " + (
-            f"{out} was written whole before the stop" if done else
-            f"nothing was written to {out}: run the command again to convert"), file=sys.stderr)
+        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; {kept()}", file=sys.stderr)
         return 128 + signal.SIGTERM if termed else 130
     finally:
         if installed:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
-    print(f"wrote {out} ({a.dtype}, {size / 2 ** 20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
-    return 0
+
+
+def cmd_convert(a) -> int:
+    import time
+
+    from .convert import convert
+
+    options = {name: getattr(a, name) for name in _convert_options()}
+    t0, started = time.perf_counter(), time.time()
+
+    def work() -> int:
+        out = convert(a.hf_dir, a.out_dir, dtype=a.dtype, overwrite=a.force, progress=not a.quiet, **options)
+        size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+        print(f"wrote {out} ({a.dtype}, {size / 2 ** 20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+        return 0
+
+    def kept() -> str:
+        # its temporary folder is gone, and an old package there is as it was; unless the stop
+        # came while the new package was swapped in (it waits for that): then the package is whole
+        out = " ".join(str(a.out_dir).splitlines())
+        if _converted_since(a.out_dir, a.hf_dir, started):
+            return f"{out} was written whole before the stop"
+        return f"nothing was written to {out}: run the command again to convert"
+
+    return _stoppable(work, kept)
 
 
 def _converted_since(out_dir, hf_dir, started: float) -> bool:
@@ -650,34 +664,22 @@ def cmd_batch(a) -> int:
     check_model_args(a)  # as in run: before the demo model is converted or anything is read
     if a.prompt is not None and not a.prompt.strip():
         raise EdgevlError("--prompt is empty; pass some text")
-    import signal
-    import threading
 
-    termed = []
-
-    def on_term(signum, frame):   # `timeout`, `kill` and schedulers stop a job as Ctrl-C does
-        termed.append(signum)
-        raise KeyboardInterrupt
-
-    installed = threading.current_thread() is threading.main_thread()   # signals reach only that thread
-    previous = signal.signal(signal.SIGTERM, on_term) if installed else None
-    try:
+    def work() -> int:
         path = resolve_model(a.model)
         check_package(path, a)   # before the output is opened
         sampling, clips = sampling_kwargs(a), video_options(a)
         if any(v is not None for v in clips.values()):
             sampling["video_options"] = clips
         return batch_cli(a, path, sampling, runtime_option_values(a))
-    except KeyboardInterrupt:
+
+    def kept() -> str:
         # every finished row is already on disk: say how to go on (--overwrite again would start over)
         out = " ".join(str(a.output).splitlines())
-        print(f"\n{'stopped (SIGTERM)' if termed else 'interrupted'}; rerun the same command"
-              f"{' without --overwrite' if a.overwrite else ''} to resume (the rows already in {out} are kept)",
-              file=sys.stderr)
-        return 128 + signal.SIGTERM if termed else 130
-    finally:
-        if installed:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        return (f"rerun the same command{' without --overwrite' if a.overwrite else ''} to resume (the rows "
+                f"already in {out} are kept)")
+
+    return _stoppable(work, kept)
 
 
 def build_parser() -> argparse.ArgumentParser:
