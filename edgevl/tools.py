@@ -216,11 +216,17 @@ def _is_string(schema: dict) -> bool:
         t is None and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]))
 
 
+def _raw(schema: dict) -> bool:
+    """Whether a parameter's value is written raw (a plain string), not as JSON: the grammar,
+    the template and the call's reader agree on it."""
+    return _is_string(schema) and "$ref" not in schema
+
+
 def _value(rule: str, schema: dict) -> list[str]:
     """Rules for one parameter's value followed by its closing tag: a raw string for string
     parameters (the template writes them unquoted), JSON for the rest."""
     close = _lit("\n</parameter>\n")
-    if _is_string(schema) and "$ref" not in schema:
+    if _raw(schema):
         # a raw value ends at the first closing tag: a string an enum or const fixes that holds
         # one could not be read back (a JSON value is read as JSON, its strings may hold it)
         held = next((v for v in _fixed_strings(schema) if CLOSE_TAG in v), None)
@@ -346,7 +352,7 @@ def call_grammar(schemas: dict, parallel: bool = True, tags=()) -> str:
         for j, (p, ps) in enumerate(props.items()):
             rule = f"v{i}_{j}"
             ps = ps if isinstance(ps, dict) else {}
-            lines += _value(rule, {**ps, **defs} if defs and ("$ref" in ps or not _is_string(ps)) else ps)
+            lines += _value(rule, {**ps, **defs} if defs and not _raw(ps) else ps)
             item = f"{_lit(f'<parameter={p}>' + chr(10))} {rule}"
             parts.append(f"({item})" if p in required else f"({item})?")
         body = " ".join(parts)
@@ -395,7 +401,7 @@ def _typed(value: str, schema: dict, root: dict | None = None, as_json: bool = F
     """A parameter's value as written (strings raw, the rest JSON), typed by its schema.
     ``as_json``: a call grammar held the value (a plain string raw, any other schema as JSON)."""
     schema = schema if isinstance(schema, dict) else {}
-    if _is_string(schema) and "$ref" not in schema:
+    if _raw(schema):
         return value
     types = _types(schema, root or {})
     if as_json or types is None or "string" not in types:
@@ -511,7 +517,7 @@ class CallStream:
         name = head.group(1).strip()
         schema = params.get("properties", {}).get(name, {})
         schema = schema if isinstance(schema, dict) else {}
-        if self.spec.held and not (_is_string(schema) and "$ref" not in schema):
+        if self.spec.held and not _raw(schema):
             # a grammar wrote this value as JSON: it ends where the JSON does, and a string
             # inside it may hold the closing tag (the first tag after the JSON closes it)
             at = head.end() + len(text[head.end():]) - len(text[head.end():].lstrip())
