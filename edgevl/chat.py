@@ -91,29 +91,28 @@ class _ImageMemo:
         held = {_key(p) for p in attached if isinstance(p, str)}    # (images in memory are not kept here)
         self.rows = {k: v for k, v in self.rows.items() if k[1:3] in held}
 
+    def _memo(self, key, compute):
+        if key not in self.rows:
+            self.rows[key] = compute()
+        return self.rows[key]
+
     def encode_image(self, image, max_image_patches=None):
         if not isinstance(image, str):
             return self._model.encode_image(image, max_image_patches)
-        key = ("image", *_key(image), max_image_patches)
-        if key not in self.rows:
-            self.rows[key] = self._model.encode_image(image, max_image_patches)
-        return self.rows[key]
+        return self._memo(("image", *_key(image), max_image_patches),
+                          lambda: self._model.encode_image(image, max_image_patches))
 
     def encode_video(self, video, **options):
         if not isinstance(video, str):
             return self._model.encode_video(video, **options)
-        key = ("video", *_key(video), tuple(sorted(options.items())))
-        if key not in self.rows:
-            self.rows[key] = self._model.encode_video(video, **options)
-        return self.rows[key]
+        return self._memo(("video", *_key(video), tuple(sorted(options.items()))),
+                          lambda: self._model.encode_video(video, **options))
 
     def video_tokens(self, video, **options):
         if not isinstance(video, str):
             return self._model.video_tokens(video, **options)
-        key = ("video tokens", *_key(video), tuple(sorted(options.items())))
-        if key not in self.rows:
-            self.rows[key] = self._model.video_tokens(video, **options)
-        return self.rows[key]
+        return self._memo(("video tokens", *_key(video), tuple(sorted(options.items()))),
+                          lambda: self._model.video_tokens(video, **options))
 
 
 class ChatSession:
