@@ -235,17 +235,29 @@ def test_images_that_cannot_fit_are_refused_when_attached(vl_pkg, tmp_path):
     assert "".join(chat.send("What is it?")) is not None                    # the message still fits
 
 
-def test_a_video_after_an_image_is_checked_with_it(tmp_path):
-    """/video checks the attached images with the clip, as /image checks the videos: each fits
-    alone, both together would leave no room for a message."""
+@pytest.fixture(scope="module")
+def qwen_vl_pkg(tmp_path_factory):
+    """A random Qwen3.5 with its vision tower (the family that takes video)."""
     from support.qwen import make_qwen3_5
 
-    pkg = edgevl.convert(make_qwen3_5(tmp_path / "ck", seed=2), tmp_path / "pk", dtype="fp32", progress=False)
-    model = edgevl.load(pkg)
+    root = tmp_path_factory.mktemp("chat-qwen-vl")
+    return edgevl.convert(make_qwen3_5(root / "ck", seed=2), root / "pk", dtype="fp32", progress=False)
+
+
+def noise_frames(folder, rng, n: int = 4):
+    """A folder of ``n`` 112x112 frames of noise (a clip)."""
+    folder.mkdir()
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(folder / f"{i:03d}.png")
+    return folder
+
+
+def test_a_video_after_an_image_is_checked_with_it(qwen_vl_pkg, tmp_path):
+    """/video checks the attached images with the clip, as /image checks the videos: each fits
+    alone, both together would leave no room for a message."""
+    model = edgevl.load(qwen_vl_pkg)
     rng = np.random.default_rng(0)
-    (tmp_path / "frames").mkdir()
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i:03d}.png")
+    noise_frames(tmp_path / "frames", rng)
     Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "img.png")
     probe = ChatSession(model, max_new_tokens=16)
     text = [{"type": "text", "text": ""}]
@@ -266,18 +278,12 @@ def test_a_video_after_an_image_is_checked_with_it(tmp_path):
         assert "".join(chat.send("hi")) is not None   # the one attached still leaves room for a message
 
 
-def test_videos_that_fill_the_context_drop_the_oldest_turns(tmp_path, monkeypatch):
+def test_videos_that_fill_the_context_drop_the_oldest_turns(qwen_vl_pkg, tmp_path, monkeypatch):
     """The conversation's videos were counted from their headers before any turn could go, so
     once they added up past the context every message was refused, text alone too, until /reset;
     the oldest turns go first, as for text."""
-    from support.qwen import make_qwen3_5
-
-    pkg = edgevl.convert(make_qwen3_5(tmp_path / "ck", seed=2), tmp_path / "pk", dtype="fp32", progress=False)
-    model = edgevl.load(pkg)
-    rng = np.random.default_rng(1)
-    (tmp_path / "frames").mkdir()
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i}.png")
+    model = edgevl.load(qwen_vl_pkg)
+    noise_frames(tmp_path / "frames", np.random.default_rng(1))
     video = {"type": "video", "video": str(tmp_path / "frames")}
     text = {"type": "text", "text": "a"}
     one = ChatSession(model, max_new_tokens=4)._count([{"role": "user", "content": [video, text]}])
