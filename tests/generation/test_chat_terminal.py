@@ -5,7 +5,7 @@ import json
 import os
 import pty
 import select
-import signal
+import subprocess
 import sys
 import time
 
@@ -19,13 +19,17 @@ class Terminal:
     """A child process on a pseudo-terminal (its stdin, stdout and stderr), read with timeouts."""
 
     def __init__(self, argv, cwd, env):
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: the pty is its controlling terminal, Ctrl-C sends it SIGINT
-            try:
-                os.chdir(cwd)
-                os.execve(argv[0], argv, env)
-            finally:
-                os._exit(127)
+        # The pty is the child's controlling terminal (Ctrl-C sends it SIGINT): `setsid -c` makes it
+        # so. Not pty.fork(): a fork of this multi-threaded test process runs the fork handlers of
+        # what it imported (Ray's, Arrow's) in the child, which could hang before the exec and
+        # show nothing at all; subprocess starts the child without them.
+        self.fd, tty = pty.openpty()
+        try:
+            self.proc = subprocess.Popen(["setsid", "-c", *argv], stdin=tty, stdout=tty, stderr=tty, cwd=cwd,
+                                         env=env)
+        finally:
+            os.close(tty)
+        self.pid = self.proc.pid     # setsid execs in place: the chat's own pid
         self.out = ""
 
     def read_until(self, text, timeout=120.0) -> str:
@@ -71,9 +75,8 @@ class Terminal:
     def wait(self, timeout=30.0):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return os.waitstatus_to_exitcode(status)
+            if self.proc.poll() is not None:
+                return self.proc.returncode
             try:  # keep draining so the child never blocks on a full terminal
                 if select.select([self.fd], [], [], 0.1)[0]:
                     self.out += os.read(self.fd, 4096).decode("utf-8", "replace")
@@ -82,11 +85,8 @@ class Terminal:
         return None
 
     def close(self):
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        self.proc.kill()
+        self.proc.wait()
         os.close(self.fd)
 
 
