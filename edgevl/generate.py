@@ -455,7 +455,7 @@ def prepare(model, prompt, image=None, raw: bool = False, max_image_patches: int
     else:
         if isinstance(prompt, list):
             _check_tool_turns(model, prompt)
-            prompt = tool_calls.template_messages(prompt)
+            prompt = tool_calls.pair_results(tool_calls.template_messages(prompt))
         _validate_messages(prompt)
         for kind, given, what in (("image", images, "images"), ("video", videos, "videos")):
             parts = _image_parts(prompt, (kind, kind + "_url"))

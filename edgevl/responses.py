@@ -179,7 +179,7 @@ def _tools(tools) -> list:
 
 
 def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
-    out, dropped = [], set()
+    out, dropped, thought = [], set(), {}
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -220,16 +220,23 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
             content = it.get("content")
             if isinstance(content, list):
                 content = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
-            out.append({"role": it.get("role"), "content": content})
+            out.append({"role": it.get("role"), "content": content, **(thought if it.get("role") == "assistant"
+                                                                       else {})})
             origin.append(where)
+            thought = {}
         elif kind == "function_call":
+            if not isinstance(it.get("call_id"), str) or not it["call_id"]:
+                raise RequestError(f"{where} needs its call_id, which the function_call_output answering it names",
+                                   f"{where}.call_id")
             call = {"id": it.get("call_id"), "type": "function",
                     "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}
             if out and out[-1].get("role") == "assistant":    # the turn's text, then its calls
                 out[-1].setdefault("tool_calls", []).append(call)
+                out[-1].update({**thought, **out[-1]})
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append({"role": "assistant", "content": "", "tool_calls": [call], **thought})
                 origin.append(where)
+            thought = {}
         elif kind == "function_call_output":
             output = it.get("output")
             if isinstance(output, list):    # text parts
@@ -238,8 +245,14 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
                 raise RequestError(f"{where}.output must be a string", f"{where}.output")
             out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": output})
             origin.append(where)
+            thought = {}
         elif kind == "reasoning":
-            continue     # earlier thinking: chat templates leave it out of the history
+            # the thinking of the assistant turn after it: templates such as Qwen's keep it for the
+            # turns after the last user message (a tool loop's) and drop it before
+            text = "".join(p.get("text", "") for p in it.get("content") or () if isinstance(p, dict)
+                           and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
+            thought = {"reasoning_content": text} if text else {}
+            continue
         else:
             raise RequestError(f"{where} is a {kind!r} item; message, function_call, function_call_output and "
                                "reasoning items are supported", where)
@@ -297,7 +310,9 @@ class Writer:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if last is not None:
             out["usage"] = {"input_tokens": last.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": last.prompt_tokens - last.prefill_tokens},
+                            # what the prompt reused, and what it computed, which its slot keeps for the next
+                            "input_tokens_details": {"cached_tokens": last.prompt_tokens - last.prefill_tokens,
+                                                     "cache_write_tokens": last.prefill_tokens},
                             "output_tokens": last.generation_tokens,
                             "output_tokens_details": {"reasoning_tokens": last.reasoning_tokens},
                             "total_tokens": last.prompt_tokens + last.generation_tokens}

@@ -582,6 +582,10 @@ def _parts(raw, server, video_options: dict, out: list) -> list[dict]:
                 raise HTTPError(400, f"{param}.text must be a string", param)
             else:
                 raise HTTPError(400, f"{param} must be a text, image_url or video_url part", param)
+    try:
+        out[:] = tool_calls.pair_results(out)
+    except EdgevlError as e:
+        raise HTTPError(400, str(e), getattr(e, "param", "messages")) from None
     return out
 
 
@@ -593,16 +597,25 @@ def _tool_fields(m: dict, role: str, where: str) -> dict:
         if cid is not None and not isinstance(cid, str):
             raise HTTPError(400, f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
         return {"tool_call_id": cid} if cid else {}
-    calls = m.get("tool_calls")
-    if role != "assistant" or not calls:
+    if role != "assistant":
         return {}
+    # the turn's thinking, as the openai SDK replays it: templates such as Qwen's keep the thinking
+    # of the turns after the last user message (a tool loop's), and the prompt then matches the tokens
+    # the answer was (prefix reuse)
+    thought = m.get("reasoning_content")
+    if thought is not None and not isinstance(thought, str):
+        raise HTTPError(400, f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+    extra = {"reasoning_content": thought} if thought else {}
+    calls = m.get("tool_calls")
+    if not calls:
+        return extra
     if not isinstance(calls, list) or not all(
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
             and isinstance(c["function"].get("arguments", "{}"), str) for c in calls):
         raise HTTPError(400, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", \"function\": "
                         "{\"name\", \"arguments\"}} objects, arguments a JSON string", f"{where}.tool_calls")
     try:
-        return {"tool_calls": tool_calls.template_messages([{"tool_calls": calls}])[0]["tool_calls"]}
+        return {**extra, "tool_calls": tool_calls.template_messages([{"tool_calls": calls}])[0]["tool_calls"]}
     except EdgevlError as e:
         raise HTTPError(400, str(e), f"{where}.tool_calls") from None
 
@@ -884,6 +897,9 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     try:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
     except EdgevlError as e:
+        if not any(m["role"] == "user" for m in messages):   # a template such as Qwen's needs one
+            raise HTTPError(400, f"{e} (the messages have no user message, which this model's chat template "
+                            "needs; send the request as a user message)", "messages", "invalid_request") from None
         # a system message after the conversation began is what templates refuse most: name it
         late = next((i for i, m in enumerate(messages) if m["role"] == "system"
                      and any(x["role"] != "system" for x in messages[:i])), None)
@@ -1573,7 +1589,7 @@ class Handler(BaseHTTPRequestHandler):
         if spec is not None and spec.parses:    # the model's calls, in OpenAI's shape
             content, calls = tool_calls.parse(message["content"], spec)
             # as the Python API's: a call the token limit cut is never shown as text
-            message["content"] = (content or None) if calls else content
+            message["content"] = (content or None) if calls or spec.structure is not None else content
             if calls:
                 message["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" else finish
@@ -1706,7 +1722,8 @@ class Handler(BaseHTTPRequestHandler):
             self._event({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish}]})
 
-        chunk({"role": "assistant", "content": ""})
+        forced = tools is not None and tools.structure is not None   # the answer is calls, never text
+        chunk({"role": "assistant", "content": None if forced else ""})
         calls = tool_calls.CallStream(tools) if tools is not None and tools.parses else None
 
         def text(t, end=False):

@@ -22,8 +22,10 @@ never make an answer run on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -111,6 +113,56 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
     except ValueError as e:   # the engine's own limits (a schema nested past its depth), bad text
         raise EdgevlError(f"{where} cannot be compiled ({_one_line(e)}); simplify it") from None
     return Structure("json_schema", grammar, schema, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(text: str) -> str | None:
+    """``schema_problem`` of a schema's JSON text (an agent sends the same tools every turn)."""
+    schema = json.loads(text)
+    llg = _llg()
+    lenient = {**schema, "x-guidance": {"lenient": True}}   # keywords it cannot hold are ignored
+    try:
+        error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(json.dumps(lenient)), None)
+    except ValueError as e:
+        error = str(e)
+    if not error:
+        return None
+    if "regex parse error" not in error:
+        return _one_line(error)
+    # JSON Schema's patterns are ECMA-262; the engine's dialect lacks some (lookaround): a pattern is
+    # wrong only if Python's re refuses it too
+    patterns = []
+
+    def strip(x):
+        if isinstance(x, dict):
+            if isinstance(x.get("pattern"), str):
+                patterns.append(x["pattern"])
+            if isinstance(x.get("patternProperties"), dict):
+                patterns.extend(x["patternProperties"])
+            return {k: strip(v) for k, v in x.items()
+                    if not (k == "pattern" and isinstance(v, str) or k == "patternProperties")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    rest = json.dumps(strip(schema), sort_keys=True)
+    for pat in patterns:
+        try:
+            re.compile(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pat))
+        except re.error as e:
+            return f"the pattern {pat!r:.60} is not a regular expression ({e})"
+    return _schema_problem(rest)
+
+
+def schema_problem(schema: dict) -> str | None:
+    """What makes ``schema`` not a usable JSON schema (an unknown type, a $ref to nothing, a
+    property schema that is not a schema, a bad pattern), in one line; None when it is one. Keywords
+    constrained output cannot hold are no problem here: a tool's parameters under tool_choice
+    "auto" are rendered for the model, not held to a grammar."""
+    try:
+        text = json.dumps(schema, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        return f"not JSON ({e})"
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return f"too large ({len(text)} characters, limit {MAX_GRAMMAR_CHARS})"
+    return _schema_problem(text)
 
 
 def check_size(text: str, where: str, fix: str = "send a smaller schema or grammar") -> None:

@@ -104,6 +104,11 @@ def prepare(model, tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpe
             if not NAME.fullmatch(p):
                 raise EdgevlError(f"{where}: parameter name {p!r:.40} cannot be written in the call format; use "
                                   "ASCII letters, digits, _ . : or -")
+        # whatever the choice: an agent that sends "auto" most turns must not meet its first 400 on the
+        # turn it asks for "required"
+        error = structured.schema_problem(params)
+        if error:
+            raise EdgevlError(f"{where}.function.parameters is not a valid JSON schema ({error}); fix it")
         schemas[name] = params
         out.append({"type": "function", "function": {**fn, "parameters": params}})
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
@@ -189,7 +194,10 @@ def _choice(tool_choice, schemas) -> tuple[str, str | None]:
         name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
             else None
         if not isinstance(name, str):
-            raise EdgevlError("tool_choice.function.name must be a string")
+            flat = " ({\"type\": \"function\", \"name\": ...} is the Responses API's form)" if isinstance(
+                tool_choice.get("name"), str) else ""
+            raise EdgevlError("tool_choice.function.name must be a string: {\"type\": \"function\", \"function\": "
+                              f"{{\"name\": ...}}}}{flat}")
         if name not in schemas:
             raise EdgevlError(f"tool_choice names the function {name!r:.60}, which is not among the tools ("
                               f"{', '.join(sorted(schemas))}); name one of them")
@@ -618,4 +626,73 @@ def template_messages(messages: list) -> list:
             if m.get("content") is None:
                 m["content"] = ""
         out.append(m)
+    return out
+
+
+def _turn_error(i: int, msg: str) -> EdgevlError:
+    e = EdgevlError(msg)
+    e.param = f"messages[{i}]"      # the server's 400 names the message
+    return e
+
+
+def pair_results(messages: list) -> list:
+    """The messages with each assistant turn's tool results (the role "tool" messages right after
+    it) put in the order of its calls. Chat templates pair a result with a call by position (Qwen's
+    drops the ids), so results sent in another order (tools run concurrently) would answer the
+    wrong calls. Refused, naming the message, as OpenAI's API refuses them: a result with no call
+    before it, one whose id names no call of the turn or a call already answered, calls that share
+    an id, a call left without a result. Calls without ids (the Python API) pair by position."""
+    out, i, n = [], 0, len(messages)
+    while i < n:
+        m = messages[i]
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "tool":
+            raise _turn_error(i, f"messages[{i}] is a tool result with no assistant tool call before it; send the "
+                                 "assistant message whose tool_calls it answers just before it")
+        out.append(m)
+        at, i = i, i + 1
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if not calls:
+            continue
+        ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+        named = [x for x in ids if x]
+        if named and len(named) != len(ids):
+            raise _turn_error(at, f"messages[{at}].tool_calls: some calls have an id and some do not; give each "
+                                  "call the id its result's tool_call_id names")
+        twice = next((x for k, x in enumerate(named) if x in named[:k]), None)
+        if twice is not None:
+            raise _turn_error(at, f"messages[{at}].tool_calls: two calls have the id {twice!r:.60}; give each call "
+                                  "its own id")
+        results = []
+        while i < n and isinstance(messages[i], dict) and messages[i].get("role") == "tool":
+            results.append((i, messages[i]))
+            i += 1
+        if named:
+            by_id = {}
+            for j, r in results:
+                cid = r.get("tool_call_id")
+                if not cid:
+                    raise _turn_error(j, f"messages[{j}] needs a tool_call_id: the id of the call it answers "
+                                         f"({', '.join(ids)[:200]})")
+                if cid not in ids:
+                    raise _turn_error(j, f"messages[{j}].tool_call_id {cid!r:.60} names no call of messages[{at}] "
+                                         f"({', '.join(ids)[:200]}); send the id of the call it answers")
+                if cid in by_id:
+                    raise _turn_error(j, f"messages[{j}] answers the call {cid!r:.60} again (messages[{by_id[cid][0]}] "
+                                         "did); send one result per call")
+                by_id[cid] = (j, r)
+            missing = [x for x in ids if x not in by_id]
+            out.extend(by_id[x][1] for x in ids if x in by_id)
+        else:
+            if len(results) > len(calls):
+                j = results[len(calls)][0]
+                raise _turn_error(j, f"messages[{j}] is one tool result more than the {len(calls)} calls of "
+                                     f"messages[{at}]; send one result per call")
+            missing = [c["function"]["name"] if isinstance(c.get("function"), dict) else "?"
+                       for c in calls[len(results):]]
+            out.extend(r for _, r in results)
+        if missing:
+            raise _turn_error(at, f"messages[{at}] makes {len(ids)} tool call(s), and {len(missing)} of them "
+                                  f"({', '.join(map(str, missing))[:200]}) have no tool result after it; send a role "
+                                  "\"tool\" message for each call (its tool_call_id) right after the assistant message")
     return out

@@ -289,3 +289,51 @@ def test_earlier_answers_items_by_reference_and_cut_calls(client, server):
         {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": ASK}], **again)
     one = client.responses.create(model="m", instructions="Be brief.\n\nAnswer in French.", input=ASK, **again)
     assert both.output_text == one.output_text
+
+
+def _loop(reasoning: bool, output_id: str = "c1") -> list:
+    thought = [{"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "One city, one call."}]}] if reasoning else []
+    return [{"role": "user", "content": "Weather in Paris?"}, *thought,
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": output_id, "output": "Sunny"}]
+
+
+def test_a_tool_loops_reasoning_item_goes_back_as_the_chat_endpoints_does(client):
+    """A reasoning item before the calls is that turn's thinking, which Qwen's template keeps
+    after the last user message: the prompt is the chat endpoint's with reasoning_content."""
+    with_it, without = (client.responses.create(model="m", input=_loop(r), tools=[FLAT_TOOL], max_output_tokens=1,
+                                                temperature=0) for r in (True, False))
+    c = chat(client, [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": "", "reasoning_content": "One city, one call.",
+                       "tool_calls": [{"id": "c1", "type": "function", "function": {
+                           "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}], tools=[CHAT_TOOL], max_tokens=1)
+    assert with_it.usage.input_tokens == c.usage.prompt_tokens > without.usage.input_tokens
+
+
+def test_usage_validates_as_the_sdks_types(server):
+    """The whole body, usage's cache counts included, validates against the openai SDK's own
+    pydantic types (frameworks and proxies re-parse it strictly)."""
+    from openai.types.responses import Response
+
+    port = server.server_address[1]
+    status, body, _ = post(port, {"input": "hi", "max_output_tokens": 3}, path="/v1/responses")
+    assert status == 200, body
+    r = Response.model_validate(body)
+    details = r.usage.input_tokens_details
+    assert details.cached_tokens + details.cache_write_tokens == r.usage.input_tokens
+    again = Response.model_validate(post(port, {"input": "hi", "max_output_tokens": 3}, path="/v1/responses")[1])
+    assert again.usage.input_tokens_details.cached_tokens > 0   # the slot kept what the first one wrote
+
+
+@pytest.mark.parametrize("items,param,needle", [
+    (_loop(False, "c7"), "input[2]", "'c7' names no call of input[1]"),
+    ([{"role": "user", "content": "hi"}, {"type": "function_call", "name": "get_weather", "arguments": "{}"}],
+     "input[1].call_id", "needs its call_id"),
+    (_loop(False)[:2], "input[1]", "have no tool result"),
+])
+def test_function_call_items_that_do_not_pair_are_400s(server, items, param, needle):
+    status, reply, _ = post(server.server_address[1], {"input": items, "tools": [FLAT_TOOL]}, path="/v1/responses")
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert needle in reply["error"]["message"] and "messages[" not in reply["error"]["message"], reply

@@ -684,3 +684,131 @@ def test_optional_strings_and_string_enums_by_reference_stay_strings():
     assert read({"order": "null", "note": "x y", "level": "1"}) == {"order": None, "note": "x y", "level": "1"}
     assert read({"order": '"exact phrase"'}) == {"order": '"exact phrase"'}
     jsonschema.validate(read({"order": "12", "note": "true", "level": "2"}), params)
+
+
+def _call(cid, city):
+    return {"id": cid, "type": "function", "function": {"name": "get_weather",
+                                                        "arguments": json.dumps({"city": city, "days": 1})}}
+
+
+TWO_CALLS = {"role": "assistant", "content": None, "tool_calls": [_call("c1", "Paris"), _call("c2", "Rome")]}
+PARIS, ROME = ({"role": "tool", "tool_call_id": c, "content": w} for c, w in (("c1", "rain"), ("c2", "sun")))
+
+
+def test_results_answer_their_calls_by_id_in_any_order(qwen, server):
+    """Qwen's template pairs results with calls by position and drops the ids: results sent in
+    another order than the calls (tools run concurrently) are put in the calls' order, in the
+    API and the server alike."""
+    prepare = edgevl.generate.__globals__["prepare"]
+    in_order, swapped = [*ASK, TWO_CALLS, PARIS, ROME], [*ASK, TWO_CALLS, ROME, PARIS]
+    a, b = (prepare(qwen, m, chat_template_kwargs={"tools": TOOLS}).input_ids for m in (in_order, swapped))
+    assert a == b
+    text = qwen.tokenizer.decode(b, skip_special_tokens=False)
+    assert text.index("<tool_response>\nrain\n") < text.index("<tool_response>\nsun\n")
+    port = server.server_address[1]
+    a, b = (post(port, {"messages": m, "tools": TOOLS}, path="/tokenize") for m in (in_order, swapped))
+    assert a[0] == b[0] == 200 and a[1]["tokens"] == b[1]["tokens"], (a, b)
+
+
+TURN_MISTAKES = [
+    ([*ASK, PARIS], "messages[1]", "no assistant tool call before it"),
+    ([*ASK, TWO_CALLS, {**PARIS, "tool_call_id": "c9"}, ROME], "messages[2]", "'c9' names no call of messages[1]"),
+    ([*ASK, TWO_CALLS, {"role": "tool", "content": "rain"}, ROME], "messages[2]", "needs a tool_call_id"),
+    ([*ASK, TWO_CALLS, PARIS, *ASK], "messages[1]", "1 of them (c2) have no tool result"),
+    ([*ASK, TWO_CALLS], "messages[1]", "2 of them (c1, c2) have no tool result"),
+    ([*ASK, TWO_CALLS, PARIS, PARIS], "messages[3]", "answers the call 'c1' again"),
+    ([*ASK, {**TWO_CALLS, "tool_calls": [_call("c1", "Paris"), _call("c1", "Rome")]}, PARIS, PARIS],
+     "messages[1].tool_calls", "two calls have the id 'c1'"),
+]
+
+
+@pytest.mark.parametrize("messages,where,needle", TURN_MISTAKES, ids=[t[2][:20] for t in TURN_MISTAKES])
+def test_tool_turns_that_do_not_pair_are_refused_naming_the_message(qwen, server, messages, where, needle):
+    """What OpenAI's API refuses in a history of calls and results is a one-line 400 naming the
+    message (and an EdgevlError in the API), never a prompt that pairs results with other calls."""
+    code, reply, _ = post(server.server_address[1], {"messages": messages, "tools": TOOLS, "max_tokens": 2})
+    assert code == 400, reply
+    assert needle in reply["error"]["message"] and "\n" not in reply["error"]["message"], reply
+    assert reply["error"]["param"] == where.split(".")[0], reply
+    with pytest.raises(EdgevlError, match=re.escape(needle)):
+        edgevl.generate(qwen, messages, tools=TOOLS, max_new_tokens=2)
+
+
+def test_calls_without_ids_pair_by_position_in_the_api(qwen):
+    plain = {**TWO_CALLS, "tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in TWO_CALLS["tool_calls"]]}
+    results = [{"role": "tool", "content": "rain"}, {"role": "tool", "content": "sun"}]
+    prepare = edgevl.generate.__globals__["prepare"]
+    assert prepare(qwen, [*ASK, plain, *results]).input_ids == prepare(qwen, [*ASK, TWO_CALLS, PARIS, ROME]).input_ids
+    with pytest.raises(EdgevlError, match=r"messages\[4\] is one tool result more than the 2 calls"):
+        prepare(qwen, [*ASK, plain, *results, results[0]])
+
+
+def test_a_tool_loops_thinking_goes_back_into_the_prompt(server):
+    """An assistant turn replayed with its reasoning_content (as the openai SDK returns it) after
+    the last user message: Qwen's template keeps that thinking, so the prompt holds it (and
+    matches the tokens the answer was)."""
+    port = server.server_address[1]
+    turn = {**TWO_CALLS, "reasoning_content": "Two cities, two calls."}
+    said, bare = (post(port, {"messages": [*ASK, t, PARIS, ROME], "tools": TOOLS}, path="/tokenize")
+                  for t in (turn, TWO_CALLS))
+    assert said[0] == bare[0] == 200
+    text = server.model.tokenizer.decode(said[1]["tokens"], skip_special_tokens=False)
+    assert "<think>\nTwo cities, two calls.\n</think>" in text and said[1]["count"] > bare[1]["count"]
+    code, reply, _ = post(port, {"messages": [*ASK, {**turn, "reasoning_content": 3}, PARIS, ROME], "tools": TOOLS})
+    assert code == 400 and reply["error"]["param"] == "messages[1].reasoning_content", reply
+
+
+BAD_PARAMETERS = [
+    {"type": "object", "properties": {"days": {"type": "integr"}}},
+    {"type": "object", "properties": {"days": 5}},
+    {"type": "object", "properties": {"days": {"type": "integer"}}, "required": "days"},
+    {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "(("}}},
+]
+
+
+@pytest.mark.parametrize("params", BAD_PARAMETERS, ids=["type", "not-a-schema", "required", "ref", "pattern"])
+@pytest.mark.parametrize("choice", ["auto", "none", "required"])
+def test_a_tool_schema_that_is_not_one_is_refused_whatever_the_choice(server, params, choice):
+    """An agent that sends "auto" on most turns meets the 400 on its first turn, not on the turn
+    it asks for "required"."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": [tool], "tool_choice": choice,
+                                                     "max_tokens": 2})
+    assert code == 400 and reply["error"]["param"] == "tools", reply
+    assert "tools[0].function.parameters is not a valid JSON schema" in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"if": {"minItems": 1}, "then": {"maxItems": 2}}])
+def test_valid_keywords_no_grammar_holds_are_taken_in_auto_only(qwen, keyword):
+    """A valid schema the call grammar cannot hold is rendered for the model under "auto" (nothing
+    constrains it there) and refused, naming the tool, where the grammar must hold it."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, **keyword}}}}}
+    assert tools.prepare(qwen, [tool], "auto").choice == "auto"
+    with pytest.raises(EdgevlError, match="'f'"):
+        tools.prepare(qwen, [tool], "required")
+    lookahead = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^(?=a)a+$"}}}}}
+    assert tools.prepare(qwen, [lookahead], "auto").choice == "auto"    # ECMA-262 has lookaround
+
+
+def test_a_forced_answer_says_content_null_streamed_and_not(client):
+    """The answer of a forced choice is calls, never text: content is null, from the first
+    streamed delta (the SDK's stream helper then ends with None, as the plain answer says)."""
+    kw = dict(model="m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=2)
+    cut = client.chat.completions.create(**kw)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+    first = next(iter(client.chat.completions.create(**kw, stream=True)))
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content is None
+    assert first.choices[0].delta.model_dump()["content"] is None
+
+
+def test_a_conversation_without_a_user_message_names_it(server):
+    code, reply, _ = post(server.server_address[1], {"messages": [{"role": "system", "content": "Be brief."},
+                                                                  TWO_CALLS, PARIS, ROME], "tools": TOOLS})
+    assert code == 400 and reply["error"]["param"] == "messages", reply
+    assert "no user message" in reply["error"]["message"], reply
+    code, reply, _ = post(server.server_address[1], {"messages": ASK, "tools": TOOLS,
+                                                     "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert code == 400 and "the Responses API's form" in reply["error"]["message"], reply
