@@ -106,7 +106,8 @@ class Completion:
         try:
             return _json.loads(self.text)
         except ValueError as e:    # a stop string cut it
-            raise EdgevlError(f"the answer is not whole JSON ({e}); drop the stop strings") from None
+            raise EdgevlError(f"the answer is not whole JSON ({e}); a stop string cut it: drop the stop strings") \
+                from None
 
 
 class ReasoningSplitter:

@@ -827,23 +827,25 @@ def _structure(req: dict, server: EdgevlServer):
                 raise EdgevlError("structured_outputs must be an object with one of json, json_object, regex, "
                                   "choice, grammar")
             (key, value), = ((k, v) for k, v in so.items() if v is not None)
-            rf = _extension(key, value, param)
+            structure = _extension(key, value, f"{param}.{key}")
         elif param in GUIDED:
-            rf = _extension(GUIDED[param], req[param], param)
-        structure = structured.parse(rf, where="response_format" if param == "response_format" else param)
+            structure = _extension(GUIDED[param], req[param], param)
+        else:
+            structure = structured.parse(rf)
         return None if structure is None else structured.compiled(server.model, structure, param)
     except EdgevlError as e:
         raise HTTPError(400, str(e), param, "invalid_response_format") from None
 
 
-def _extension(key: str, value, param: str) -> dict:
+def _extension(key: str, value, where: str):
+    """The structure of vLLM's extension field ``key``, its errors named as the request names it."""
     if key == "json":
-        return {"type": "json_schema", "json_schema": {"schema": value}}
+        return structured.json_schema(value, where=where)
     if key == "json_object":
-        return {"type": "json_object"}
+        return structured.parse({"type": "json_object"})
     if key in ("regex", "choice", "grammar"):
-        return {"type": key, key: value}
-    raise EdgevlError(f"{param}.{key} is not a structure; use json, json_object, regex, choice or grammar")
+        return getattr(structured, key)(value, where)
+    raise EdgevlError(f"{where} is not a structure; use json, json_object, regex, choice or grammar")
 
 
 def token_span(tok) -> int:

@@ -80,6 +80,19 @@ def _one_line(msg: str) -> str:
     return (f"{head.rstrip(':')}: {said[0]}" if said and said[0] not in head else head)[:300]
 
 
+def _wrapper(value) -> str | None:
+    """What to pass instead, when ``value`` is not a schema but what holds one: OpenAI's
+    ``{"name", "schema", "strict"}`` or a whole ``response_format`` (copied from a request, they
+    would be read as a schema of unknown keywords that any value matches)."""
+    if not isinstance(value, dict):
+        return None
+    if isinstance(value.get("schema"), (dict, bool)) and set(value) <= {"name", "schema", "strict", "description"}:
+        return "OpenAI's json_schema wrapper ({name, schema, strict}), not a schema; pass its schema"
+    if value.get("type") in ("json_schema", "json_object") and set(value) <= {"type", "json_schema"}:
+        return "a response_format object, not a schema; pass response_format.json_schema.schema"
+    return None
+
+
 def _schema_of(value, where: str) -> dict:
     """A JSON schema given as a dict, a JSON string or a pydantic model class."""
     if isinstance(value, type) and hasattr(value, "model_json_schema"):   # pydantic v2 model class
@@ -89,6 +102,9 @@ def _schema_of(value, where: str) -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise EdgevlError(f"{where} is not valid JSON ({e}); send a JSON schema object") from None
+    wrapper = _wrapper(value)
+    if wrapper:
+        raise EdgevlError(f"{where} is {wrapper}")
     if value is False:              # JSON Schema's schema that nothing matches
         raise EdgevlError(f"{where} is false, a schema no answer can match; send the schema the answer must follow")
     if value is True:               # ... and the one that everything matches
@@ -97,6 +113,109 @@ def _schema_of(value, where: str) -> dict:
         raise EdgevlError(f"{where} must be a JSON schema object (or a pydantic model class), got "
                           f"{type(value).__name__}")
     return value
+
+
+# RFC 3339's dates and times as JSON Schema's format checkers and pydantic read them: days that
+# exist (February 29 in leap years only), years from 0001, seconds to 59 (they refuse a leap
+# second), "T" and "Z" upper case, at most 6 digits of a second. The grammar engine's own formats
+# take 2023-02-30 and 12:00:60.
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"
+DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
+TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+DATE_FORMATS = {"date": DATE, "time": TIME, "date-time": f"{DATE}T{TIME}"}
+
+# the keywords whose values are schemas (one, a list, or a mapping of names to schemas)
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _subschemas(node: dict):
+    """(path step, schema) of each schema directly inside ``node`` (never an enum's or a const's
+    values, which are data)."""
+    for k in _ONE:
+        if isinstance(node.get(k), dict):
+            yield k, node[k]
+    for k in _LIST:
+        if isinstance(node.get(k), list):
+            yield from ((f"{k}/{i}", x) for i, x in enumerate(node[k]) if isinstance(x, dict))
+    for k in _MAP:
+        if isinstance(node.get(k), dict):
+            yield from ((f"{k}/{n.replace('~', '~0').replace('/', '~1')}", x) for n, x in node[k].items()
+                        if isinstance(x, dict))
+
+
+def held_dates(schema):
+    """``schema`` with the date formats as the patterns above (where no pattern is given)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items()}
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in DATE_FORMATS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = f"^{DATE_FORMATS[fmt]}$"
+    for k in _ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = held_dates(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [held_dates(x) for x in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: held_dates(x) for n, x in out[k].items()}
+    return out
+
+
+def _endless(schema: dict) -> str | None:
+    """Where ``schema`` admits no finite value, or None. A value of a schema needs one of each
+    $ref target, allOf member, required property and array item (up to minItems) in it, and one of
+    its anyOf/oneOf branches: a $ref cycle through them (A -> B -> A, a required property that is
+    the object itself) asks for an endless value. The grammar engine compiles such a schema to no
+    value at all: an empty answer that "stopped", or a failure mid-answer."""
+    nodes, todo = {}, [("#", schema)]
+    while todo:
+        at, node = todo.pop()
+        if at not in nodes:
+            nodes[at] = node
+            todo.extend((f"{at}/{step}", x) for step, x in _subschemas(node))
+
+    def needs(at: str, node: dict) -> tuple[list, list]:
+        every, some = [], []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            every.append(ref if ref != "#/" else "#")
+        every += [f"{at}/allOf/{i}" for i, x in enumerate(node.get("allOf") or ()) if isinstance(x, dict)]
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        every += [f"{at}/properties/{n.replace('~', '~0').replace('/', '~1')}" for n in node.get("required") or ()
+                  if isinstance(n, str) and isinstance(props.get(n), dict)]
+        lo = node.get("minItems", 0)
+        lo = lo if isinstance(lo, int) else 0
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        every += [f"{at}/prefixItems/{i}" for i in range(min(lo, len(prefix))) if isinstance(prefix[i], dict)]
+        if lo > len(prefix) and isinstance(node.get("items"), dict):
+            every.append(f"{at}/items")
+        for k in ("anyOf", "oneOf"):
+            if isinstance(node.get(k), list) and node[k]:
+                some.append([f"{at}/{k}/{i}" for i, x in enumerate(node[k]) if isinstance(x, dict)])
+        return every, some
+
+    edges = {at: needs(at, node) for at, node in nodes.items()}
+    finite: set = set()
+    grew = True
+    while grew:      # the least fixed point: what has a finite value
+        grew = False
+        for at, (every, some) in edges.items():
+            if at not in finite and all(x in finite or x not in nodes for x in every) and all(
+                    any(x in finite for x in branch) or not branch for branch in some):
+                finite.add(at)
+                grew = True
+    if "#" in finite:
+        return None
+    stuck = sorted(at for at in nodes if at not in finite and isinstance(nodes[at].get("$ref"), str))
+    return stuck[0] if stuck else "#"
 
 
 def json_schema(schema, name: str | None = None, where: str = "json_schema") -> Structure:
@@ -108,6 +227,14 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
     except (TypeError, ValueError) as e:    # a set, a NaN: not JSON
         raise EdgevlError(f"{where} is not JSON ({e}); send a JSON schema") from None
     check_size(text, where)
+    stuck = _endless(schema)
+    if stuck is not None:
+        raise EdgevlError(f"{where} admits no finite value (a $ref cycle through what a value must hold, at "
+                          f"{stuck[:80]}); make one step of the cycle optional")
+    try:
+        text = json.dumps(held_dates(schema))
+    except RecursionError:
+        raise EdgevlError(f"{where} is nested too deeply to be a usable schema; simplify it") from None
     try:
         grammar = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as e:   # the engine's own limits (a schema nested past its depth), bad text
@@ -162,6 +289,9 @@ def schema_problem(schema: dict) -> str | None:
         return f"not JSON ({e})"
     if len(text) > MAX_GRAMMAR_CHARS:
         return f"too large ({len(text)} characters, limit {MAX_GRAMMAR_CHARS})"
+    stuck = _endless(schema)
+    if stuck is not None:
+        return f"it admits no finite value: a $ref cycle through what a value must hold, at {stuck[:80]}"
     return _schema_problem(text)
 
 
@@ -285,6 +415,11 @@ def schema_file(path, flag: str = "--json-schema") -> dict:
         raise EdgevlError(f"{flag} {path} is not valid JSON ({e}); give a JSON schema file") from None
     if not isinstance(schema, (dict, bool)):
         raise EdgevlError(f"{flag} {path} must hold a JSON schema object, got a {type(schema).__name__}")
+    if schema is False:
+        raise EdgevlError(f"{flag} {path} holds false, a schema no answer can match; give the schema the answer "
+                          "must follow")
+    if _wrapper(schema):
+        raise EdgevlError(f"{flag} {path} holds {_wrapper(schema)}")
     return {"type": "json_schema", "json_schema": {"name": p.stem, "schema": schema}}
 
 
@@ -422,6 +557,10 @@ def _describe(structure: Structure, error: str, where: str | None) -> str:
         return f"{what} uses JSON Schema keywords constrained output does not support ({keys}); remove them"
     if too_large(msg):
         return f"{what} is too large to compile in bounded time and memory ({msg}); simplify it"
+    if "coerce_one_of" in msg:    # the engine's option, which would let an answer match two branches
+        return (f"{what} has oneOf branches that one value can match both of, which the grammar cannot keep apart "
+                "(an answer must match exactly one); use anyOf, or make the branches exclusive (a const or enum "
+                "field that tells them apart)")
     return f"{what} cannot be used ({msg}); fix it"
 
 

@@ -270,7 +270,8 @@ def _value(rule: str, schema: dict) -> list[str]:
         return [f"{term}: /(.|\\n){reps}\\n<\\/parameter>\\n/ & ~/(.|\\n)*<\\/parameter>(.|\\n){{2,}}/",
                 f"{rule}[lazy]: {term}"]
     # compact JSON, as the answers constrained by a schema (bounded whitespace)
-    return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': structured.JSON_OPTIONS})} {close}"]
+    return [f"{rule}: %json {json.dumps({**structured.held_dates(schema), 'x-guidance': structured.JSON_OPTIONS})} "
+            f"{close}"]
 
 
 def _fixed_strings(schema):
@@ -315,10 +316,7 @@ def _regex_escape(body: str) -> str:
 # string formats a raw (unquoted) parameter value is held to, as JSON Schema defines them
 FORMATS = {
     "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "date": "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
-    "time": "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
-    "date-time": "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-                 "(\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    **structured.DATE_FORMATS,      # days that exist, seconds to 59
     "email": "[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\\.[A-Za-z0-9-]{1,63})+",
     "ipv4": "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
     # the usual compressed forms (no embedded IPv4, no zone)

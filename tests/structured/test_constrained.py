@@ -331,6 +331,22 @@ def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
     (dict(response_format={"type": "xml"}), "type must be one of"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "with a schema"),
     (dict(response_format={"type": "json_object"}, json_schema={}), "not both"),
+    # a value of these would be endless: the engine compiles them to no value at all
+    (dict(json_schema={"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}),
+     "admits no finite value"),
+    (dict(json_schema={"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}),
+     r"admits no finite value \(a \$ref cycle .* at #/properties/a\)"),
+    (dict(json_schema={"type": "object", "required": ["kids"], "properties": {
+        "kids": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}}), "admits no finite value"),
+    (dict(json_schema={"$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "array", "minItems": 1, "items": {
+        "$ref": "#/$defs/n"}}]}}, "$ref": "#/$defs/n"}), "admits no finite value"),
+    # what holds a schema, copied from a request, is not one (any value would match it)
+    (dict(json_schema={"name": "m", "schema": {"type": "object"}, "strict": True}), "wrapper.*pass its schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": {
+        "type": "json_schema", "json_schema": {"schema": {}}}}}), "response_format object, not a schema"),
+    (dict(json_schema={"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                 {"type": "object", "properties": {"b": {"type": "integer"}}}]}),
+     "oneOf branches that one value can match both of.*use anyOf"),
 ])
 def test_bad_structures_are_one_line_errors_before_any_work(qwen, kwargs, needle, monkeypatch):
     monkeypatch.setattr(qwen, "prefill", lambda *a, **k: pytest.fail("generation started"))
@@ -503,3 +519,62 @@ def test_stop_strings_do_not_cut_a_json_answer(qwen):
         c = edgevl.complete(qwen, "Read the meter.", stop=stop, **kw)
         assert c.text == want.text and c.json == want.json, stop
         jsonschema.validate(c.json, schema)
+
+
+def test_optional_cycles_and_trees_are_taken(qwen):
+    """A $ref cycle that a value can leave (an optional property, an empty list, an anyOf branch)
+    has finite values: such schemas (trees, OpenAI's UI example) are taken and answered."""
+    tree = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                             "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+            "required": ["name", "kids"], "additionalProperties": False}
+    either = {"$defs": {"n": {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1, "maxItems": 1,
+                                                             "items": {"$ref": "#/$defs/n"}}]}}, "$ref": "#/$defs/n"}
+    for schema in (tree, either):
+        c = edgevl.complete(qwen, PROMPT, json_schema=schema, max_new_tokens=60, thinking=False)
+        if c.finish_reason == "stop":
+            jsonschema.validate(c.json, schema)
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-29", "2000-02-29", "0004-02-29", "2023-04-30", "9999-12-31"],
+     ["2023-02-29", "1900-02-29", "2023-04-31", "2023-02-30", "0000-01-01", "2023-13-01"]),
+    ("time", ["23:59:59Z", "00:00:00.123456+05:30"], ["22:04:60Z", "24:00:00Z", "12:00:00", "12:00:00.1234567Z"]),
+    ("date-time", ["2024-02-29T23:59:59Z"], ["2023-02-29T10:00:00Z", "4699-04-30T05:43:60Z", "2024-01-01t00:00:00Z"]),
+])
+def test_date_formats_hold_days_and_seconds_that_exist(qwen, fmt, good, bad):
+    """The grammar engine's own date formats take 2023-02-29 and a 60th second, which JSON
+    Schema's checkers and pydantic refuse: an answer must validate, so the formats are held to the
+    days and seconds that exist, in a JSON answer and in a tool call's value alike."""
+    from edgevl import tools
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for value in good:   # the checker's own verdicts agree where it checks the format
+        assert checker.conforms(value, fmt), value
+    assert fmt != "date" or not any(checker.conforms(value, fmt) for value in bad)
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}, "required": ["v"]}
+    c = structured.compiled(qwen, structured.json_schema(schema)).constraint()
+    tok = qwen.tokenizer
+    for value, ok in [*((v, True) for v in good), *((v, False) for v in bad)]:
+        ids = tok.encode(json.dumps({"v": value}), special=False)
+        assert (c.valid_prefix(ids) == len(ids)) == ok, value
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    call = structured.compiled(qwen, tools.prepare(qwen, [tool], "required", False).structure).constraint()
+    nested = {"type": "function", "function": {"name": "g", "parameters": {   # a JSON value holding one
+        "type": "object", "properties": {"o": schema}, "required": ["o"]}}}
+    inner = structured.compiled(qwen, tools.prepare(qwen, [nested], "required", False).structure).constraint()
+    for value, ok in [(good[0], True), (bad[0], False)]:
+        ids = tok.encode(f"<tool_call>\n<function=f>\n<parameter=v>\n{value}\n</parameter>\n</function>\n"
+                         "</tool_call>", special=False)
+        assert (call.valid_prefix(ids) == len(ids)) == ok, value
+        ids = tok.encode(f"<tool_call>\n<function=g>\n<parameter=o>\n{json.dumps({'v': value})}\n</parameter>\n"
+                         "</function>\n</tool_call>", special=False)
+        assert (inner.valid_prefix(ids) == len(ids)) == ok, value
+
+
+def test_a_schema_file_holding_false_or_a_wrapper_names_the_file(tmp_path):
+    for text, needle in [("false", "false, a schema"), ('{"name": "m", "schema": {}}', "wrapper"),
+                         ('{"type": "json_schema", "json_schema": {"schema": {}}}', "response_format object")]:
+        f = tmp_path / "s.json"
+        f.write_text(text)
+        with pytest.raises(EdgevlError, match=f"^--json-schema {re.escape(str(f))} holds .*{needle}"):
+            structured.schema_file(f)

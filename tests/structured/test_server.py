@@ -80,6 +80,14 @@ def test_extension_regex_choice_grammar(server, body, check):
     ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs", "does not parse"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of json"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "not several"),
+    # named as the request names them (not as the response_format they are read into)
+    ({"guided_json": "not json"}, "guided_json", "^guided_json is not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "^guided_choice must be a non-empty list"),
+    ({"structured_outputs": {"json": {"type": "strnig"}}}, "structured_outputs",
+     r"^structured_outputs cannot be used \(Invalid type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}}}},
+     "response_format", "admits no finite value"),
 ])
 def test_bad_structures_are_400s_in_one_line(server, body, param, needle):
     code, reply, _ = post(server.server_address[1], {"messages": MSGS, **body})
