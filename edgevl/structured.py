@@ -152,7 +152,7 @@ def held_dates(schema):
     """``schema`` with the date formats as the patterns above (where no pattern is given)."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: v for k, v in schema.items()}
+    out = dict(schema)
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt in DATE_FORMATS and "pattern" not in out:
         del out["format"]
