@@ -139,7 +139,8 @@ def to_chat(req: dict, items: ItemStore | None = None) -> tuple[dict, list]:
 # the chat reading's field names, as a Responses request spells them
 FIELDS = ((r"^messages$", "input"), (r"\bmax_tokens\b", "max_output_tokens"),
           (r"\bresponse_format(\.json_schema)?", "text.format"), (r"\b(tools\[\d+\])\.function\.", r"\1."),
-          (r"\btool_choice\.function\.", "tool_choice."))
+          (r"\btool_choice\.function\.", "tool_choice."), (r"\btool_call_id\b", "call_id"),
+          (r"\btool result\b", "function_call_output"), (r'a role "tool" message', "a function_call_output item"))
 
 
 def renamed(text: str, origin: list) -> str:
@@ -247,8 +248,8 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
             origin.append(where)
             thought = {}
         elif kind == "reasoning":
-            # the thinking of the assistant turn after it: templates such as Qwen's keep it for the
-            # turns after the last user message (a tool loop's) and drop it before
+            # the thinking of the assistant turn after it: templates that think keep it for the turns
+            # after the last user message (a tool loop's) or drop it, as they were trained
             text = "".join(p.get("text", "") for p in it.get("content") or () if isinstance(p, dict)
                            and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
             thought = {"reasoning_content": text} if text else {}

@@ -599,8 +599,8 @@ def _tool_fields(m: dict, role: str, where: str) -> dict:
         return {"tool_call_id": cid} if cid else {}
     if role != "assistant":
         return {}
-    # the turn's thinking, as the openai SDK replays it: templates such as Qwen's keep the thinking
-    # of the turns after the last user message (a tool loop's), and the prompt then matches the tokens
+    # the turn's thinking, as the openai SDK replays it: templates that think keep the thinking of
+    # the turns after the last user message (a tool loop's), and the prompt then matches the tokens
     # the answer was (prefix reuse)
     thought = m.get("reasoning_content")
     if thought is not None and not isinstance(thought, str):
@@ -899,7 +899,7 @@ def _check_length(messages: list, ctk: dict, server: EdgevlServer) -> None:
     try:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **ctk)
     except EdgevlError as e:
-        if not any(m["role"] == "user" for m in messages):   # a template such as Qwen's needs one
+        if not any(m["role"] == "user" for m in messages):   # what templates refuse most, after a late system turn
             raise HTTPError(400, f"{e} (the messages have no user message, which this model's chat template "
                             "needs; send the request as a user message)", "messages", "invalid_request") from None
         # a system message after the conversation began is what templates refuse most: name it

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -169,53 +168,130 @@ def held_dates(schema):
     return out
 
 
-def _endless(schema: dict) -> str | None:
-    """Where ``schema`` admits no finite value, or None. A value of a schema needs one of each
-    $ref target, allOf member, required property and array item (up to minItems) in it, and one of
-    its anyOf/oneOf branches: a $ref cycle through them (A -> B -> A, a required property that is
-    the object itself) asks for an endless value. The grammar engine compiles such a schema to no
-    value at all: an empty answer that "stopped", or a failure mid-answer."""
+# schemas inside schemas (a property's schema in its object's, a $ref's target in the $ref), at
+# most: the grammar engine compiles such a chain recursively, and one of about 2000 (a thousand
+# $defs each holding the next) overflows its stack and the process dies
+MAX_DEPTH = 400
+
+
+def _ref(node: dict) -> str | None:
+    ref = node.get("$ref")
+    return ("#" if ref == "#/" else ref) if isinstance(ref, str) and ref.startswith("#") else None
+
+
+def _nodes(schema: dict) -> dict:
+    """Every schema in ``schema`` by its JSON pointer ("#", "#/$defs/A", ...)."""
     nodes, todo = {}, [("#", schema)]
     while todo:
         at, node = todo.pop()
         if at not in nodes:
             nodes[at] = node
             todo.extend((f"{at}/{step}", x) for step, x in _subschemas(node))
+    return nodes
 
-    def needs(at: str, node: dict) -> tuple[list, list]:
-        every, some = [], []
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            every.append(ref if ref != "#/" else "#")
-        every += [f"{at}/allOf/{i}" for i, x in enumerate(node.get("allOf") or ()) if isinstance(x, dict)]
+
+def _deepest(nodes: dict) -> int:
+    """The longest chain of schemas inside schemas, $refs followed (a cycle counted once)."""
+    def inside(at):
+        ref = _ref(nodes[at])
+        return [f"{at}/{step}" for step, _ in _subschemas(nodes[at])] + ([ref] if ref in nodes else [])
+
+    depth, on = {}, set()
+    for start in nodes:
+        if start in depth:
+            continue
+        stack = [(start, iter(inside(start)))]
+        on.add(start)
+        while stack:
+            at, rest = stack[-1]
+            nxt = next(rest, None)
+            if nxt is None:
+                stack.pop()
+                on.discard(at)
+                depth[at] = 1 + max((depth.get(c, 0) for c in inside(at) if c not in on), default=0)
+            elif nxt not in depth and nxt not in on:
+                on.add(nxt)
+                stack.append((nxt, iter(inside(nxt))))
+    return max(depth.values(), default=0)
+
+
+def _endless(nodes: dict) -> str | None:
+    """Where a schema admits no finite value, or None. A value of a schema needs one of each
+    $ref target, allOf member, required property and array item (up to minItems) in it, and one of
+    its anyOf/oneOf branches: a $ref cycle through them (A -> B -> A, a required property that is
+    the object itself) asks for an endless value. The grammar engine compiles such a schema to no
+    value at all: an empty answer that "stopped", or a failure mid-answer. What has a finite value
+    is found from the leaves up (each schema waits for a count of needs; linear time)."""
+    need, waits_all, waits_some, ready = {}, {}, {}, []
+    for at, node in nodes.items():
+        every = [_ref(node)] if _ref(node) in nodes else []
+        if isinstance(node.get("allOf"), list):
+            every += [f"{at}/allOf/{i}" for i, x in enumerate(node["allOf"]) if isinstance(x, dict)]
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        every += [f"{at}/properties/{n.replace('~', '~0').replace('/', '~1')}" for n in node.get("required") or ()
-                  if isinstance(n, str) and isinstance(props.get(n), dict)]
-        lo = node.get("minItems", 0)
-        lo = lo if isinstance(lo, int) else 0
+        if isinstance(node.get("required"), list):
+            every += [f"{at}/properties/{n.replace('~', '~0').replace('/', '~1')}" for n in node["required"]
+                      if isinstance(n, str) and isinstance(props.get(n), dict)]
+        lo = node.get("minItems")
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else 0
         prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
         every += [f"{at}/prefixItems/{i}" for i in range(min(lo, len(prefix))) if isinstance(prefix[i], dict)]
         if lo > len(prefix) and isinstance(node.get("items"), dict):
             every.append(f"{at}/items")
+        groups = 0
         for k in ("anyOf", "oneOf"):
-            if isinstance(node.get(k), list) and node[k]:
-                some.append([f"{at}/{k}/{i}" for i, x in enumerate(node[k]) if isinstance(x, dict)])
-        return every, some
-
-    edges = {at: needs(at, node) for at, node in nodes.items()}
-    finite: set = set()
-    grew = True
-    while grew:      # the least fixed point: what has a finite value
-        grew = False
-        for at, (every, some) in edges.items():
-            if at not in finite and all(x in finite or x not in nodes for x in every) and all(
-                    any(x in finite for x in branch) or not branch for branch in some):
-                finite.add(at)
-                grew = True
+            branches = node.get(k)
+            if not isinstance(branches, list) or True in branches:   # a `true` branch takes any value
+                continue
+            ids = [f"{at}/{k}/{i}" for i, x in enumerate(branches) if isinstance(x, dict)]
+            if ids:
+                groups += 1
+                for x in ids:
+                    waits_some.setdefault(x, []).append((at, k))
+        for x in every:
+            waits_all.setdefault(x, []).append(at)
+        need[at] = len(every) + groups
+        if need[at] == 0:
+            ready.append(at)
+    finite, met = set(), set()
+    while ready:
+        x = ready.pop()
+        if x in finite:
+            continue
+        finite.add(x)
+        for at in waits_all.get(x, ()):
+            need[at] -= 1
+            if need[at] == 0:
+                ready.append(at)
+        for at, k in waits_some.get(x, ()):
+            if (at, k) not in met:
+                met.add((at, k))
+                need[at] -= 1
+                if need[at] == 0:
+                    ready.append(at)
     if "#" in finite:
         return None
-    stuck = sorted(at for at in nodes if at not in finite and isinstance(nodes[at].get("$ref"), str))
-    return stuck[0] if stuck else "#"
+    stuck = sorted(at for at in nodes if at not in finite and _ref(nodes[at]) is not None)
+    return stuck[-1] if stuck else "#"
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(text: str) -> str | None:
+    """What no grammar could be built from in a schema's JSON text (the words after "the
+    schema"), or None: too deep for the engine, or no finite value. Cached: an agent sends the
+    same tools every turn."""
+    schema = json.loads(text)
+    if not isinstance(schema, dict):
+        return None
+    nodes = _nodes(schema)
+    deep = _deepest(nodes)
+    if deep > MAX_DEPTH:
+        return (f"nests schemas {deep} deep (through $ref), past the {MAX_DEPTH} the grammar engine takes safely; "
+                "flatten it")
+    stuck = _endless(nodes)
+    if stuck is not None:
+        return (f"admits no finite value (a $ref cycle through what a value must hold, at {stuck[:80]}); make one "
+                "step of the cycle optional")
+    return None
 
 
 def json_schema(schema, name: str | None = None, where: str = "json_schema") -> Structure:
@@ -227,10 +303,9 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
     except (TypeError, ValueError) as e:    # a set, a NaN: not JSON
         raise EdgevlError(f"{where} is not JSON ({e}); send a JSON schema") from None
     check_size(text, where)
-    stuck = _endless(schema)
-    if stuck is not None:
-        raise EdgevlError(f"{where} admits no finite value (a $ref cycle through what a value must hold, at "
-                          f"{stuck[:80]}); make one step of the cycle optional")
+    shape = _shape(text)
+    if shape is not None:
+        raise EdgevlError(f"{where} {shape}")
     try:
         text = json.dumps(held_dates(schema))
     except RecursionError:
@@ -245,53 +320,37 @@ def json_schema(schema, name: str | None = None, where: str = "json_schema") -> 
 @functools.lru_cache(maxsize=256)
 def _schema_problem(text: str) -> str | None:
     """``schema_problem`` of a schema's JSON text (an agent sends the same tools every turn)."""
-    schema = json.loads(text)
+    shape = _shape(text)
+    if shape is not None:
+        return f"it {shape}"
+
+    # patterns are not judged: JSON Schema's are ECMA-262 (\p{Lu}, lookaround, \b), which neither the
+    # engine's dialect nor Python's re takes whole, and under "auto" nothing holds a value to them
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()
+                    if not (k == "pattern" and isinstance(v, str) or k == "patternProperties")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
     llg = _llg()
-    lenient = {**schema, "x-guidance": {"lenient": True}}   # keywords it cannot hold are ignored
+    lenient = {**strip(json.loads(text)), "x-guidance": {"lenient": True}}   # keywords it cannot hold: ignored
     try:
         error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(json.dumps(lenient)), None)
     except ValueError as e:
         error = str(e)
-    if not error:
-        return None
-    if "regex parse error" not in error:
-        return _one_line(error)
-    # JSON Schema's patterns are ECMA-262; the engine's dialect lacks some (lookaround): a pattern is
-    # wrong only if Python's re refuses it too
-    patterns = []
-
-    def strip(x):
-        if isinstance(x, dict):
-            if isinstance(x.get("pattern"), str):
-                patterns.append(x["pattern"])
-            if isinstance(x.get("patternProperties"), dict):
-                patterns.extend(x["patternProperties"])
-            return {k: strip(v) for k, v in x.items()
-                    if not (k == "pattern" and isinstance(v, str) or k == "patternProperties")}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-    rest = json.dumps(strip(schema), sort_keys=True)
-    for pat in patterns:
-        try:
-            re.compile(re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pat))
-        except re.error as e:
-            return f"the pattern {pat!r:.60} is not a regular expression ({e})"
-    return _schema_problem(rest)
+    return _one_line(error) if error else None
 
 
 def schema_problem(schema: dict) -> str | None:
     """What makes ``schema`` not a usable JSON schema (an unknown type, a $ref to nothing, a
-    property schema that is not a schema, a bad pattern), in one line; None when it is one. Keywords
-    constrained output cannot hold are no problem here: a tool's parameters under tool_choice
-    "auto" are rendered for the model, not held to a grammar."""
+    property schema that is not a schema, no finite value), in one line; None when it is one.
+    Keywords constrained output cannot hold, and patterns, are no problem here: a tool's parameters
+    under tool_choice "auto" are rendered for the model, not held to a grammar."""
     try:
         text = json.dumps(schema, allow_nan=False, sort_keys=True)
     except (TypeError, ValueError, RecursionError) as e:
         return f"not JSON ({e})"
     if len(text) > MAX_GRAMMAR_CHARS:
         return f"too large ({len(text)} characters, limit {MAX_GRAMMAR_CHARS})"
-    stuck = _endless(schema)
-    if stuck is not None:
-        return f"it admits no finite value: a $ref cycle through what a value must hold, at {stuck[:80]}"
     return _schema_problem(text)
 
 

@@ -635,8 +635,8 @@ def _turn_error(i: int, msg: str) -> EdgevlError:
 
 def pair_results(messages: list) -> list:
     """The messages with each assistant turn's tool results (the role "tool" messages right after
-    it) put in the order of its calls. Chat templates pair a result with a call by position (Qwen's
-    drops the ids), so results sent in another order (tools run concurrently) would answer the
+    it) put in the order of its calls. Chat templates pair a result with a call by position (the
+    ids are not rendered), so results sent in another order (tools run concurrently) would answer the
     wrong calls. Refused, naming the message, as OpenAI's API refuses them: a result with no call
     before it, one whose id names no call of the turn or a call already answered, calls that share
     an id, a call left without a result. Calls without ids (the Python API) pair by position."""
@@ -653,6 +653,9 @@ def pair_results(messages: list) -> list:
         if not calls:
             continue
         ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+        odd = next((k for k, x in enumerate(ids) if x is not None and not isinstance(x, str)), None)
+        if odd is not None:
+            raise _turn_error(at, f"messages[{at}].tool_calls[{odd}].id must be a string, got {ids[odd]!r:.40}")
         named = [x for x in ids if x]
         if named and len(named) != len(ids):
             raise _turn_error(at, f"messages[{at}].tool_calls: some calls have an id and some do not; give each "
@@ -669,6 +672,8 @@ def pair_results(messages: list) -> list:
             by_id = {}
             for j, r in results:
                 cid = r.get("tool_call_id")
+                if cid is not None and not isinstance(cid, str):
+                    raise _turn_error(j, f"messages[{j}].tool_call_id must be a string, got {cid!r:.40}")
                 if not cid:
                     raise _turn_error(j, f"messages[{j}] needs a tool_call_id: the id of the call it answers "
                                          f"({', '.join(ids)[:200]})")

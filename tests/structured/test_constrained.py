@@ -340,6 +340,10 @@ def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
         "kids": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}}), "admits no finite value"),
     (dict(json_schema={"$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "array", "minItems": 1, "items": {
         "$ref": "#/$defs/n"}}]}}, "$ref": "#/$defs/n"}), "admits no finite value"),
+    # past the depth the grammar engine's compile takes (a thousand $defs each holding the next crashed it)
+    (dict(json_schema={"$defs": {**{f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}
+                                    for i in range(1000)}, "d1000": {"type": "string"}}, "$ref": "#/$defs/d0"}),
+     r"nests schemas 20\d\d deep \(through \$ref\)"),
     # what holds a schema, copied from a request, is not one (any value would match it)
     (dict(json_schema={"name": "m", "schema": {"type": "object"}, "strict": True}), "wrapper.*pass its schema"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": {

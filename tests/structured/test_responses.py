@@ -328,10 +328,11 @@ def test_usage_validates_as_the_sdks_types(server):
 
 
 @pytest.mark.parametrize("items,param,needle", [
-    (_loop(False, "c7"), "input[2]", "'c7' names no call of input[1]"),
+    (_loop(False, "c7"), "input[2]", "input[2].call_id 'c7' names no call of input[1]"),
     ([{"role": "user", "content": "hi"}, {"type": "function_call", "name": "get_weather", "arguments": "{}"}],
      "input[1].call_id", "needs its call_id"),
-    (_loop(False)[:2], "input[1]", "have no tool result"),
+    (_loop(False)[:2], "input[1]", "have no function_call_output after it; send a function_call_output item for each "
+                                   "call (its call_id)"),
 ])
 def test_function_call_items_that_do_not_pair_are_400s(server, items, param, needle):
     status, reply, _ = post(server.server_address[1], {"input": items, "tools": [FLAT_TOOL]}, path="/v1/responses")
