@@ -240,10 +240,13 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
             thought = {}
         elif kind == "function_call_output":
             output = it.get("output")
-            if isinstance(output, list):    # text parts
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
-            if not isinstance(output, str):
-                raise RequestError(f"{where}.output must be a string", f"{where}.output")
+            if isinstance(output, list):    # parts: a tool may return an image (a screenshot, a camera's frame)
+                output = [_part(p, f"{where}.output[{j}]") for j, p in enumerate(output)]
+                if all(p["type"] == "text" and isinstance(p["text"], str) for p in output):
+                    output = "".join(p["text"] for p in output)
+            if not isinstance(output, (str, list)):
+                raise RequestError(f"{where}.output must be a string or a list of input_text and input_image parts",
+                                   f"{where}.output")
             out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": output})
             origin.append(where)
             thought = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -621,6 +622,16 @@ def _describe(structure: Structure, error: str, where: str | None) -> str:
                 "(an answer must match exactly one); use anyOf, or make the branches exclusive (a const or enum "
                 "field that tells them apart)")
     return f"{what} cannot be used ({msg}); fix it"
+
+
+def plainly(error: str) -> str:
+    """The grammar engine's message without its places in the grammar text ("at 4(7): failed to
+    compile JSON schema:"), unimplemented keywords said in our words."""
+    msg = re.sub(r"^(at \d+\(\d+\): )?(failed to compile JSON schema: )?", "", _one_line(error))
+    if msg.startswith("Unimplemented keys"):
+        keys = ", ".join(re.findall(r'"([^"]+)"', msg.split(":", 1)[1])) or msg.split(":", 1)[1].strip()
+        return f"uses JSON Schema keywords constrained output does not support: {keys}"
+    return msg
 
 
 def too_large(error: str) -> bool:

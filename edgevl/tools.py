@@ -174,10 +174,14 @@ def _call_structure(model, chosen: dict, parallel: bool,
         raise EdgevlError(f"tools: the grammar of calls to {len(chosen)} functions is too large to compile in "
                           f"bounded time and memory ({error[:300]}); send fewer tools with this tool_choice, "
                           "or use tool_choice \"auto\"")
-    # the function at fault, each alone (the whole grammar's error does not say whose)
+    # the function at fault, each alone (the whole grammar's error does not say whose), and its parameter
     fn = next((f for f, params in chosen.items() if build(call_grammar({f: params}, False, tags))[1]),
               next(iter(chosen)))
-    raise EdgevlError(f"tools: the parameters of function {fn!r:.60} cannot be constrained ({error[:300]}); {fix}")
+    params = chosen[fn]
+    where = next((f" (parameter {p!r:.40})" for p, s in params.get("properties", {}).items()
+                  if build(call_grammar({fn: {**params, "properties": {p: s}, "required": [p]}}, False, tags))[1]), "")
+    raise EdgevlError(f"tools: the parameters of function {fn!r:.60}{where} cannot be constrained "
+                      f"({structured.plainly(error)[:300]}); {fix}")
 
 
 # the keywords of a parameters object the call grammar holds (or that say nothing to hold)

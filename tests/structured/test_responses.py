@@ -166,6 +166,19 @@ def test_an_image_input_answers_as_in_chat(qwen_vl_package):
                                                        {"type": "text", "text": "What is this?"}]}], max_tokens=8)
         assert r.output_text == c.choices[0].message.content
         assert r.usage.input_tokens == c.usage.prompt_tokens
+        # a tool that returns an image (a screenshot, a camera's frame): the model sees it, as in chat
+        looked = [{**x, "output": [{"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": url}]}
+                  if x.get("type") == "function_call_output" else x for x in _loop(False)]
+        r = client.responses.create(model="m", input=looked, tools=[FLAT_TOOL], max_output_tokens=1, temperature=0)
+        bare = client.responses.create(model="m", input=_loop(False), tools=[FLAT_TOOL], max_output_tokens=1,
+                                       temperature=0)
+        c = chat(client, [{"role": "user", "content": "Weather in Paris?"},
+                          {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                          {"role": "tool", "tool_call_id": "c1", "content": [
+                              {"type": "text", "text": "here"}, {"type": "image_url", "image_url": {"url": url}}]}],
+                 tools=[CHAT_TOOL], max_tokens=1)
+        assert r.usage.input_tokens == c.usage.prompt_tokens > bare.usage.input_tokens + 2
     finally:
         srv.stop()
 
@@ -196,6 +209,10 @@ BAD = [
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort must be one of none, minimal",
      "reasoning.effort"),
     ({"input": "hi", "reasoning": "high"}, "reasoning must be an object", "reasoning"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                     "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file", "file_id": "f"}]}],
+      "tools": [FLAT_TOOL]}, "must be an input_text or input_image part", "input[2].output[0]"),
     ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope",
      "tool_choice"),
 ]

@@ -441,7 +441,8 @@ def test_forced_calls_follow_the_whole_parameter_schema(qwen, tool):
 def test_a_tool_schema_that_cannot_be_constrained_names_the_tool(qwen):
     bad = {"type": "function", "function": {"name": "tag", "parameters": {
         "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}, "required": ["x"]}}}
-    with pytest.raises(EdgevlError, match="the parameters of function 'tag' cannot be constrained"):
+    with pytest.raises(EdgevlError, match=r"the parameters of function 'tag' \(parameter 'x'\) cannot be constrained "
+                                          r"\(uses JSON Schema keywords .*: uniqueItems\)"):
         edgevl.complete(qwen, ASK, tools=[WEATHER, bad], tool_choice="required")
     edgevl.complete(qwen, ASK, tools=[WEATHER, bad], max_new_tokens=2, thinking=False)   # auto: not constrained
 
@@ -792,8 +793,10 @@ def test_valid_keywords_no_grammar_holds_are_taken_in_auto_only(qwen, keyword):
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, **keyword}}}}}
     assert tools.prepare(qwen, [tool], "auto").choice == "auto"
-    with pytest.raises(EdgevlError, match="'f'"):
+    with pytest.raises(EdgevlError, match="'f'") as e:
         tools.prepare(qwen, [tool], "required")
+    # named: the parameter, and the keyword in our words (not the engine's place in its grammar text)
+    assert "(parameter 'xs')" in str(e.value) and not re.search(r"at \d+\(\d+\)", str(e.value))
     # patterns are ECMA-262's (lookaround, \p{Lu}, \b), which the engine's dialect lacks in part: not
     # judged where nothing holds them, refused where the grammar must
     for pattern in ["^(?=.*\\d)(?=.*\\p{Lu}).{8,}$", "^\\b\\w+\\b$", "(("]:
