@@ -242,6 +242,11 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
             output = it.get("output")
             if isinstance(output, list):    # parts: a tool may return an image (a screenshot, a camera's frame)
                 output = [_part(p, f"{where}.output[{j}]") for j, p in enumerate(output)]
+                for j, p in enumerate(output):    # named here: the chat reading would name a content part
+                    field = p["type"] if p["type"] in ("text", "image_url") else None
+                    value = p.get(field) if field else ""
+                    if not isinstance(value.get("url") if isinstance(value, dict) else value, str):
+                        raise RequestError(f"{where}.output[{j}] needs its {field} as a string", f"{where}.output[{j}]")
                 if all(p["type"] == "text" and isinstance(p["text"], str) for p in output):
                     output = "".join(p["text"] for p in output)
             if not isinstance(output, (str, list)):

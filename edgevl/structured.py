@@ -169,9 +169,9 @@ def held_dates(schema):
     return out
 
 
-# schemas inside schemas (a property's schema in its object's, a $ref's target in the $ref), at
-# most: the grammar engine compiles such a chain recursively, and one of about 2000 (a thousand
-# $defs each holding the next) overflows its stack and the process dies
+# $ref targets in one chain, at most (``_deepest``): the grammar engine compiles such a chain
+# recursively, and a thousand $defs each holding the next (or a ring of a thousand types) overflowed
+# its stack and killed the process; 800 did not
 MAX_DEPTH = 400
 
 
@@ -192,28 +192,56 @@ def _nodes(schema: dict) -> dict:
 
 
 def _deepest(nodes: dict) -> int:
-    """The longest chain of schemas inside schemas, $refs followed (a cycle counted once)."""
+    """A bound on how many $ref targets a compile that follows the schemas inside schemas can have
+    open at once, whatever order it takes them in: the most targets on a path through the groups of
+    schemas that refer to each other (strongly connected components, each counted at the targets
+    in it). The engine bounds plain nesting itself; the chains it overflows on go through $refs.
+    Linear time."""
+    targets = {_ref(n) for n in nodes.values()} & set(nodes)
+
     def inside(at):
         ref = _ref(nodes[at])
         return [f"{at}/{step}" for step, _ in _subschemas(nodes[at])] + ([ref] if ref in nodes else [])
 
-    depth, on = {}, set()
-    for start in nodes:
-        if start in depth:
+    index, low, comp, on, stack, groups = {}, {}, {}, set(), [], []
+    for root in nodes:       # Tarjan's algorithm, without recursion
+        if root in index:
             continue
-        stack = [(start, iter(inside(start)))]
-        on.add(start)
-        while stack:
-            at, rest = stack[-1]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        work = [(root, iter(inside(root)))]
+        while work:
+            at, rest = work[-1]
             nxt = next(rest, None)
-            if nxt is None:
-                stack.pop()
-                on.discard(at)
-                depth[at] = 1 + max((depth.get(c, 0) for c in inside(at) if c not in on), default=0)
-            elif nxt not in depth and nxt not in on:
-                on.add(nxt)
-                stack.append((nxt, iter(inside(nxt))))
-    return max(depth.values(), default=0)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(inside(nxt))))
+                elif nxt in on:
+                    low[at] = min(low[at], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[at])
+            if low[at] == index[at]:
+                members = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp[x] = len(groups)
+                    members.append(x)
+                    if x == at:
+                        break
+                groups.append(members)
+    # a group comes out after every group it reaches: the deepest path from each, in that order
+    best = []
+    for g, members in enumerate(groups):
+        below = {comp[y] for x in members for y in inside(x)} - {g}
+        best.append(len(set(members) & targets) + max((best[c] for c in below), default=0))
+    return max(best, default=0)
 
 
 def _endless(nodes: dict) -> str | None:
@@ -280,14 +308,17 @@ def _shape(text: str) -> str | None:
     """What no grammar could be built from in a schema's JSON text (the words after "the
     schema"), or None: too deep for the engine, or no finite value. Cached: an agent sends the
     same tools every turn."""
-    schema = json.loads(text)
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        return "is nested too deeply to use; simplify it"
     if not isinstance(schema, dict):
         return None
     nodes = _nodes(schema)
     deep = _deepest(nodes)
     if deep > MAX_DEPTH:
-        return (f"nests schemas {deep} deep (through $ref), past the {MAX_DEPTH} the grammar engine takes safely; "
-                "flatten it")
+        return (f"chains {deep} $ref targets one inside another, past the {MAX_DEPTH} the grammar engine takes "
+                "safely; flatten it")
     stuck = _endless(nodes)
     if stuck is not None:
         return (f"admits no finite value (a $ref cycle through what a value must hold, at {stuck[:80]}); make one "
@@ -333,7 +364,10 @@ def _schema_problem(text: str) -> str | None:
                     if not (k == "pattern" and isinstance(v, str) or k == "patternProperties")}
         return [strip(v) for v in x] if isinstance(x, list) else x
     llg = _llg()
-    lenient = {**strip(json.loads(text)), "x-guidance": {"lenient": True}}   # keywords it cannot hold: ignored
+    try:
+        lenient = {**strip(json.loads(text)), "x-guidance": {"lenient": True}}   # keywords it cannot hold: ignored
+    except RecursionError:    # data nested deep (a default, an enum) where the schemas themselves are not
+        return "it is nested too deeply to use; simplify it"
     try:
         error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(json.dumps(lenient)), None)
     except ValueError as e:

@@ -343,7 +343,7 @@ def test_a_cut_answer_is_an_error_not_half_an_object(qwen):
     # past the depth the grammar engine's compile takes (a thousand $defs each holding the next crashed it)
     (dict(json_schema={"$defs": {**{f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}
                                     for i in range(1000)}, "d1000": {"type": "string"}}, "$ref": "#/$defs/d0"}),
-     r"nests schemas 20\d\d deep \(through \$ref\)"),
+     r"chains 1001 \$ref targets one inside another"),
     # what holds a schema, copied from a request, is not one (any value would match it)
     (dict(json_schema={"name": "m", "schema": {"type": "object"}, "strict": True}), "wrapper.*pass its schema"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": {
@@ -582,3 +582,25 @@ def test_a_schema_file_holding_false_or_a_wrapper_names_the_file(tmp_path):
         f.write_text(text)
         with pytest.raises(EdgevlError, match=f"^--json-schema {re.escape(str(f))} holds .*{needle}"):
             structured.schema_file(f)
+
+
+def _ring(types: int, reverse: bool = False) -> dict:
+    """Types that refer to each other in a ring, every reference optional (an AST, a GraphQL model)."""
+    defs = {f"t{i}": {"type": "object", "properties": {
+        f"p{k}": {"anyOf": [{"$ref": f"#/$defs/t{(i + k + 1) % types}"}, {"type": "null"}]} for k in range(3)}}
+        for i in range(types)}
+    return {"$defs": dict(sorted(defs.items(), reverse=reverse)), "$ref": "#/$defs/t0"}
+
+
+def test_the_ref_chain_bound_is_the_schemas_not_a_walk_order():
+    """A ring of 300 types is taken and one of 1,000 (which overflowed the grammar engine's stack)
+    refused, whatever order its keys come in, as a response format and as a tool's parameters
+    alike; data nested deep (a default) is one line, not a RecursionError."""
+    for reverse in (False, True):
+        assert structured.schema_problem(_ring(300, reverse)) is None
+        structured.json_schema(_ring(300, reverse))
+        assert "chains 1000 $ref targets" in structured.schema_problem(_ring(1000, reverse))
+        with pytest.raises(EdgevlError, match="chains 1000 \\$ref targets"):
+            structured.json_schema(_ring(1000, reverse))
+    deep = {"type": "object", "properties": {"a": {"type": "array", "default": json.loads("[" * 900 + "]" * 900)}}}
+    assert "nested too deeply" in structured.schema_problem(deep)

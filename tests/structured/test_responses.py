@@ -213,6 +213,10 @@ BAD = [
                                                      "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file", "file_id": "f"}]}],
       "tools": [FLAT_TOOL]}, "must be an input_text or input_image part", "input[2].output[0]"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                     "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": None}]}],
+      "tools": [FLAT_TOOL]}, "input[2].output[0] needs its text as a string", "input[2].output[0]"),
     ({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope",
      "tool_choice"),
 ]
