@@ -31,7 +31,15 @@ from contextlib import closing
 from pathlib import Path
 
 from .errors import ContextOverflow, EdgevlError
-from .generate import Event, default_max_new_tokens, model_template_kwargs, prepare, stream_events, with_reasoning
+from .generate import (
+    Event,
+    _image_parts,
+    default_max_new_tokens,
+    model_template_kwargs,
+    prepare,
+    stream_events,
+    with_reasoning,
+)
 from .model import Model, load
 from .sample import resolve
 
@@ -66,12 +74,6 @@ class _Attached(str):
 
 def _key(path) -> tuple:
     return path, getattr(path, "serial", 0)
-
-
-def _attachments(messages) -> list:
-    """The attached paths of ``messages``."""
-    return [p.get("image", p.get("video")) for m in messages if isinstance(m.get("content"), list)
-            for p in m["content"] if p.get("type") in ("image", "video")]
 
 
 class _ImageMemo:
@@ -263,7 +265,7 @@ class ChatSession:
         self.pending_images, self.pending_videos = [], []
         self.messages, self.dropped = msgs[:-1], len(dropped) // 2
         self.earlier += dropped
-        self.model.keep(_attachments(msgs))
+        self.model.keep([p.get(p["type"]) for p in _image_parts(msgs, ("image", "video"))])
         return self._stream(msgs)
 
     def _stream(self, msgs) -> Iterator[str]:
