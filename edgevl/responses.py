@@ -233,7 +233,8 @@ def _items(items: list, origin: list, store: ItemStore | None = None) -> list:
                     "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}
             if out and out[-1].get("role") == "assistant":    # the turn's text, then its calls
                 out[-1].setdefault("tool_calls", []).append(call)
-                out[-1].update({**thought, **out[-1]})
+                for k, v in thought.items():    # the turn's own reasoning, if it had one, stays
+                    out[-1].setdefault(k, v)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call], **thought})
                 origin.append(where)

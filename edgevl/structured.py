@@ -198,11 +198,8 @@ def _deepest(nodes: dict) -> int:
     in it). The engine bounds plain nesting itself; the chains it overflows on go through $refs.
     Linear time."""
     targets = {_ref(n) for n in nodes.values()} & set(nodes)
-
-    def inside(at):
-        ref = _ref(nodes[at])
-        return [f"{at}/{step}" for step, _ in _subschemas(nodes[at])] + ([ref] if ref in nodes else [])
-
+    inside = {at: [f"{at}/{step}" for step, _ in _subschemas(node)] + ([_ref(node)] if _ref(node) in nodes else [])
+              for at, node in nodes.items()}
     index, low, comp, on, stack, groups = {}, {}, {}, set(), [], []
     for root in nodes:       # Tarjan's algorithm, without recursion
         if root in index:
@@ -210,7 +207,7 @@ def _deepest(nodes: dict) -> int:
         index[root] = low[root] = len(index)
         stack.append(root)
         on.add(root)
-        work = [(root, iter(inside(root)))]
+        work = [(root, iter(inside[root]))]
         while work:
             at, rest = work[-1]
             nxt = next(rest, None)
@@ -219,7 +216,7 @@ def _deepest(nodes: dict) -> int:
                     index[nxt] = low[nxt] = len(index)
                     stack.append(nxt)
                     on.add(nxt)
-                    work.append((nxt, iter(inside(nxt))))
+                    work.append((nxt, iter(inside[nxt])))
                 elif nxt in on:
                     low[at] = min(low[at], index[nxt])
                 continue
@@ -239,7 +236,7 @@ def _deepest(nodes: dict) -> int:
     # a group comes out after every group it reaches: the deepest path from each, in that order
     best = []
     for g, members in enumerate(groups):
-        below = {comp[y] for x in members for y in inside(x)} - {g}
+        below = {comp[y] for x in members for y in inside[x]} - {g}
         best.append(len(set(members) & targets) + max((best[c] for c in below), default=0))
     return max(best, default=0)
 
@@ -512,8 +509,9 @@ def schema_file(path, flag: str = "--json-schema") -> dict:
     if schema is False:
         raise EdgevlError(f"{flag} {path} holds false, a schema no answer can match; give the schema the answer "
                           "must follow")
-    if _wrapper(schema):
-        raise EdgevlError(f"{flag} {path} holds {_wrapper(schema)}")
+    wrapper = _wrapper(schema)
+    if wrapper:
+        raise EdgevlError(f"{flag} {path} holds {wrapper}")
     return {"type": "json_schema", "json_schema": {"name": p.stem, "schema": schema}}
 
 
