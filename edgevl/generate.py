@@ -589,8 +589,9 @@ def stream_choices(model, prompt, n: int = 1, image=None, max_new_tokens: int | 
     constrain the answer to calls; ``complete`` reads the calls into ``Completion.tool_calls``.
     ``engine``: an ``edgevl.engine.Engine`` over ``model`` decodes the request beside others.
     ``presence_penalty`` / ``frequency_penalty``: OpenAI's (-2 to 2), over the tokens generated so far.
-    ``logprobs`` / ``top_logprobs`` (0-20): OpenAI's; each answer token's event carries its entry in
-    ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``), the model's own
+    ``logprobs`` / ``top_logprobs`` (0-20): OpenAI's; each answer token's entry comes in
+    ``Event.logprobs`` (``{"token", "logprob", "bytes", "top_logprobs"}``) of the event that gives
+    the first of its text (a token whose text a stop string cut has none), the model's own
     log-probabilities (before penalties, temperature and constraints). The reasoning's tokens
     have none, nor has the end-of-answer token. ``logit_bias``: OpenAI's, {token id: -100 to 100}
     added to the logits before sampling (-100 in effect bans a token, 100 forces it). ``min_p``: drop
@@ -724,6 +725,15 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
     t_first = None
     finish = "length"
     hold = max((len(s) for s in stop), default=0) - 1
+    # (where a token's text starts in the answer, its logprob entry): an entry goes out with the
+    # first of its token's text, so one whose text a stop string cut is never given
+    held: deque = deque()
+
+    def release(upto: float) -> list:
+        out = []
+        while held and held[0][0] < upto:
+            out.append(held.popleft()[1])
+        return out
 
     def stats(text, token, reason=None, reasoning="", lp=()):
         nonlocal shown
@@ -756,13 +766,13 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
         # the answer's tokens only: not the reasoning's, nor its markers
         thinking = was or split.thinking
         n_think += thinking
-        answer = noted is not None and not thinking
-        lp = [logprob_entry(model.tokenizer, noted.entries[n_gen - 1])] if answer else []
+        if noted is not None and not thinking:
+            held.append((shown + len(pending), logprob_entry(model.tokenizer, noted.entries[n_gen - 1])))
         pending += post.feed(piece) if post else piece
         if stop:
             hit = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
             if hit >= 0:
-                yield stats(pending[:hit], token, "stop", lp=lp)
+                yield stats(pending[:hit], token, "stop", lp=release(shown + hit))
                 return
             # keep back the longest tail that could still grow into a stop string
             keep = 0
@@ -773,14 +783,16 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
             out, pending = (pending[:-keep], pending[-keep:]) if keep else (pending, "")
         else:
             out, pending = pending, ""
+        lp = release(shown + len(out) if pending else float("inf"))
         yield stats(out, None if thought else token, lp=lp)   # a token its reasoning event gave is not given twice
     tail, thought = split.flush()
     tail = pending + (post.feed(tail) + post.flush() if post else tail)
+    cut = float("inf")
     if stop:
         hit = min((i for i in (tail.find(s) for s in stop) if i >= 0), default=-1)
         if hit >= 0:
-            tail, finish = tail[:hit], "stop"
-    yield stats(tail, None, finish, thought)
+            tail, finish, cut = tail[:hit], "stop", shown + hit
+    yield stats(tail, None, finish, thought, lp=release(cut))
 
 
 def logprob_entry(tokenizer, entry: tuple) -> dict:

@@ -367,7 +367,8 @@ class Writer:
         elif kind == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             item["content"] = [part]
-            out += [self._ev("response.output_text.done", **where, content_index=0, text=self.text),
+            out += [self._ev("response.output_text.done", **where, content_index=0, text=self.text,
+                             logprobs=self.logprobs),
                     self._ev("response.content_part.done", **where, content_index=0, part=part)]
         else:
             out.append(self._ev("response.function_call_arguments.done", **where, name=item["name"],

@@ -674,11 +674,10 @@ def _common(req: dict, server: EdgevlServer, default_max_tokens: int | None) -> 
         raise HTTPError(400, "stream must be true or false and stream_options an object", "stream")
     if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
         raise HTTPError(400, "stream_options.include_usage must be true or false", "stream_options")
-    max_tokens = _number(req, "max_completion_tokens", None, int)
-    if max_tokens is None:
-        max_tokens = _number(req, "max_tokens", None, int)
+    named = "max_completion_tokens" if req.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(req, named, None, int)
     if max_tokens is not None and max_tokens < 1:
-        raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        raise HTTPError(400, f"{named} must be >= 1, got {max_tokens}", named)
     try:
         stop = stop_strings(req.get("stop"))
     except EdgevlError as e:

@@ -153,6 +153,37 @@ def test_the_reasonings_tokens_have_none(packages, monkeypatch):
     assert [e["token"] for ev in events for e in ev.logprobs] == [tok.decode([t]) for t in (seq[0], seq[5], seq[6])]
 
 
+def test_a_stop_string_leaves_out_the_entries_of_the_tokens_it_cut(packages, monkeypatch):
+    """An entry goes out with the first of its token's text: where a stop string cuts the answer,
+    the tokens whose text lies wholly after the cut have none (their text is not the answer's), the
+    token the cut splits keeps its entry, and streamed entries are the same."""
+    model = _model(packages, "youtu")
+    tok = model.tokenizer
+    text = "The cat sat on the mat"
+    seq = tok.encode(text)
+    pieces = [tok.decode([t]) for t in seq]
+    assert "".join(pieces) == text and len(seq) > 4
+    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+
+    def fake(ids, n, logprobs=None, **kw):
+        for i, t in enumerate(seq):
+            logprobs.entries.append((t, -float(i), []))
+            yield t
+    monkeypatch.setattr(model, "generate_tokens", fake)
+    cuts = [c for c in range(1, len(text) - 2) if text.find(text[c:c + 3]) == c]
+    assert len(cuts) > 10
+    for c in cuts:
+        events = list(stream_events(model, "x", raw=True, max_new_tokens=len(seq), logprobs=True,
+                                    stop=[text[c:c + 3]]))
+        assert "".join(ev.text for ev in events) == text[:c] and events[-1].finish_reason == "stop"
+        got = [e["logprob"] for ev in events for e in ev.logprobs]
+        assert got == [-float(i) for i in range(len(seq)) if starts[i] < c], (c, got)
+        c_all = edgevl.complete(model, "x", raw=True, max_new_tokens=len(seq), logprobs=True, stop=[text[c:c + 3]])
+        assert [e["logprob"] for e in c_all.logprobs] == got
+    whole = list(stream_events(model, "x", raw=True, max_new_tokens=len(seq), logprobs=True, stop=["zzz"]))
+    assert [e["logprob"] for ev in whole for e in ev.logprobs] == [-float(i) for i in range(len(seq))]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_token_bytes_spell_the_text_even_inside_a_character(packages, family):
     tok = _model(packages, family).tokenizer

@@ -75,6 +75,10 @@ BAD_REQUESTS = [  # (id, body, status, words)
      "tools go in the request's tools field, not in chat_template_kwargs"),
     # JSON numbers of any size: an integer past float's range is a mistake, not a 500
     ("max-tokens-huge-int", {"messages": MSGS, "max_tokens": 10 ** 400}, 400, "max_tokens must be an integer"),
+    # the field the client sent is the one named
+    ("max-completion-tokens-zero", {"messages": MSGS, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens must be >= 1, got 0"),
+    ("max-tokens-negative", {"messages": MSGS, "max_tokens": -3}, 400, "max_tokens must be >= 1, got -3"),
     ("temperature-huge-int", {"messages": MSGS, "temperature": 10 ** 400}, 400, "temperature must be a number"),
     ("seed-huge-int", {"messages": MSGS, "seed": 10 ** 400}, 400, "seed must be an integer"),
     ("min-p-huge-int", {"messages": MSGS, "min_p": 10 ** 400}, 400, "min_p must be a number"),

@@ -243,6 +243,9 @@ def test_logprobs_when_included(client):
     events = streamed(client, **kw)
     assert [e.token for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] == \
         [e.token for e in got]
+    # the text's done event carries them all too (the openai types require the field)
+    (done,) = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert [e.token for e in done.logprobs] == [e.token for e in got]
     assert client.responses.create(model="m", input=ASK, max_output_tokens=4).output[0].content[0].logprobs == []
 
 
