@@ -251,10 +251,15 @@ class Model:
                                    e["rows"], e["dim"], e["dtype"])
         self.vocab_size = int(e["rows"])
 
-        self.eos_ids = set(_as_list(self.config.get("eos_token_id")))
         # the checkpoint's own generation defaults (sampling, eos), copied into the package
         self.generation_config = _read_generation_config(self.path / "generation_config.json")
-        self.eos_ids |= set(_as_list(self.generation_config.get("eos_token_id")))
+        # the tokens that end an answer, as transformers' generate takes them: the generation
+        # config's list, else the model config's (its text config's where the top level has none:
+        # vision-language configs keep it there)
+        text = self.config.get("text_config")
+        sources = (self.generation_config, self.config, text if isinstance(text, dict) else {})
+        self.eos_ids = next((set(_as_list(c.get("eos_token_id"))) for c in sources
+                             if _as_list(c.get("eos_token_id"))), set())
         if not self.eos_ids and self.tokenizer.eos_token:
             tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)
             if tid is not None:

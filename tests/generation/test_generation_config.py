@@ -77,3 +77,45 @@ def test_demo_generation_config_keeps_the_quickstart_greedy():
 
     cfg = json.loads((DEMO_CHECKPOINT / "generation_config.json").read_text())
     assert resolve(cfg).kwargs() == resolve(None).kwargs()
+
+
+def _eos_cases():
+    """(family, edit of config.json, generation_config.json or None: removed)."""
+    return [
+        ("youtu", lambda c: {**c, "eos_token_id": 7}, {"eos_token_id": [9]}),      # the generation config's list
+        ("youtu", lambda c: {**c, "eos_token_id": 7}, None),                        # no file: the model config's
+        # a file without eos: transformers' generate would stop on nothing; edgevl takes the model config's
+        ("youtu", lambda c: {**c, "eos_token_id": 7}, {"temperature": 0.5}),
+        ("qwen3_5", lambda c: {**{k: v for k, v in c.items() if k != "eos_token_id"},   # only in text_config
+                               "text_config": {**c["text_config"], "eos_token_id": 5}}, None),
+        ("qwen3_5", lambda c: {**c, "text_config": {**c["text_config"], "eos_token_id": 5}}, {"eos_token_id": [6, 8]}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_the_answers_end_tokens_are_those_transformers_generate_stops_on(tmp_path, case):
+    """The generation config's eos list when it has one, else the model config's, else the text
+    config's (vision-language configs keep it there): a checkpoint without generation_config.json
+    still stops where transformers stops, and two lists are not merged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from support.qwen import load_hf as load_qwen
+    from support.qwen import make_qwen3_5
+
+    family, edit, gen = _eos_cases()[case]
+    ck = make_youtu(tmp_path / "ck", seed=3) if family == "youtu" else make_qwen3_5(tmp_path / "ck", seed=3)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(edit(cfg)))
+    if gen is None:
+        (ck / "generation_config.json").unlink(missing_ok=True)
+    else:
+        (ck / "generation_config.json").write_text(json.dumps(gen))
+    hf = (AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32) if family == "youtu" else load_qwen(ck))
+    want = hf.generation_config.eos_token_id
+    want = set(want if isinstance(want, list) else [want])
+    if want == {None}:
+        want = {7} if case == 2 else want
+    assert None not in want
+    m = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    assert m.eos_ids == want
