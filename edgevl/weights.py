@@ -133,6 +133,23 @@ class RowSlice:
         return self.t.read_rows(self.r0 + a, self.r0 + b)
 
 
+def _same_bytes(t: LazyTensor, path: str, dtype: str, shape, start: int, end: int, block: int = 64 << 20) -> bool:
+    """Whether the tensor stored at ``path[start:end]`` is ``t`` (its dtype, shape and bytes;
+    read in blocks, so a duplicated embedding costs no more memory than a block)."""
+    if dtype != t.dtype or list(shape) != list(t.shape) or end - start != t.end - t.start:
+        return False
+    with open(t.path, "rb") as a, open(path, "rb") as b:
+        a.seek(t.start)
+        b.seek(start)
+        left = end - start
+        while left > 0:
+            n = min(block, left)
+            if a.read(n) != b.read(n):
+                return False
+            left -= n
+    return True
+
+
 def _read_header(path: str) -> dict:
     """name -> (dtype, shape, start, end) with absolute file offsets; nothing in the header is
     trusted: every entry must be well typed, lie inside the data section and match its shape,
@@ -240,10 +257,12 @@ class Checkpoint:
         self.weight_map: dict = {}   # the index's tensor -> shard file, when sharded
         self.files = self._shard_files()
         self._tensors: dict[str, LazyTensor] = {}
+        strays = []
         for path in self.files:
             for name, (dt, shape, s, e) in _read_header(str(path)).items():
                 if self.weight_map.get(name, path.name) != path.name:
-                    continue   # a stale copy in a shard the index does not name for it: the index decides
+                    strays.append((name, path, dt, shape, s, e))   # a copy in a shard the index does not name
+                    continue
                 if name in self._tensors and not self.weight_map:
                     # files with no index to say which copy holds: never the last one by name
                     raise EdgevlError(f"tensor {_show(name)} is in both {Path(self._tensors[name].path).name} and "
@@ -254,6 +273,13 @@ class Checkpoint:
                     self._tensors[name] = _Unsupported(name, str(path), dt, shape)
                 else:
                     self._tensors[name] = LazyTensor(name, str(path), dt, shape, s, e)
+        for name, path, dt, shape, s, e in strays:
+            named = self._tensors.get(name)
+            if isinstance(named, LazyTensor) and not _same_bytes(named, str(path), dt, shape, s, e):
+                # transformers loads every shard whole, so which copy it ends with is not the index's say
+                raise EdgevlError(f"tensor {_show(name)} is in {Path(named.path).name}, where "
+                                  f"model.safetensors.index.json puts it, and with other values in {path.name} "
+                                  f"in {self.folder}; remove the stray copy or re-download the checkpoint")
 
     def _shard_files(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"

@@ -52,14 +52,23 @@ def test_missing_shard(tmp_path):
 
 
 def test_the_index_decides_which_shard_a_tensor_is_read_from(tmp_path):
-    """A stale copy of a tensor in another shard (the index names the first) is not read; a tensor
-    the index puts in a shard that does not hold it is named with that shard."""
+    """A copy of a tensor in another shard than the index names is read from the index's shard
+    when the two are the same bytes, and refused when they differ (transformers loads every shard
+    whole, so its reference may hold the other copy); a tensor the index puts in a shard that does
+    not hold it is named with that shard."""
     ts = {"a": torch.ones(2), "b": torch.full((3,), 2.0)}
     write(tmp_path / "m", ts, shards=2)
-    stale = {"b": ts["b"], "a": torch.zeros(2)}   # shard 2 holds b and a zeroed copy of a
-    save_file(stale, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
+    same = {"b": ts["b"], "a": torch.ones(2)}   # shard 2 holds b and an equal copy of a
+    save_file(same, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
     ck = Checkpoint(tmp_path / "m")
     np.testing.assert_array_equal(ck.numpy("a"), np.ones(2, np.float32))
+    for stale in (torch.zeros(2), torch.ones(3), torch.ones(2, dtype=torch.float16)):   # values, shape, dtype
+        save_file({"b": ts["b"], "a": stale}, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
+        with pytest.raises(EdgevlError, match="tensor a is in model-00001-of-00002.safetensors, where "
+                                              "model.safetensors.index.json puts it, and with other values in "
+                                              "model-00002-of-00002.safetensors .*; remove the stray copy"):
+            Checkpoint(tmp_path / "m")
+    save_file({"b": ts["b"]}, str(tmp_path / "m" / "model-00002-of-00002.safetensors"))
     index = tmp_path / "m" / "model.safetensors.index.json"
     moved = json.loads(index.read_text())
     moved["weight_map"]["a"] = "model-00002-of-00002.safetensors"
