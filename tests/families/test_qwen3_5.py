@@ -233,6 +233,27 @@ def test_a_stored_head_is_used_whatever_the_tie_flags_say(tmp_path):
     model.close()
 
 
+def test_the_top_levels_tie_flag_decides_as_in_transformers(tmp_path):
+    """With no stored head, the composite config's own tie_word_embeddings ties it whatever its
+    text_config says, as transformers ties it (the package refused, saying to download a head that
+    no download has)."""
+    from support.files import edit_json
+
+    ck = make_qwen3_5(tmp_path / "ck", seed=7, tie_word_embeddings=True, num_hidden_layers=2,
+                      full_attention_interval=2)
+
+    def disagree(c):
+        c["tie_word_embeddings"] = True
+        c["text_config"]["tie_word_embeddings"] = False
+    edit_json(ck / "config.json", disagree, restamp=False)
+    hf = load_hf(ck)
+    assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()   # tied there
+    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
+    ids = prepare(model, LONG[:200]).input_ids
+    assert list(model.generate_tokens(ids, 12, ignore_eos=True)) == hf_greedy(hf, {"input_ids": torch.tensor([ids])}, 12)
+    model.close()
+
+
 def test_a_config_in_the_older_rope_layout_is_read_as_transformers_reads_it(tmp_path):
     """Configs of the transformers 4 era keep M-RoPE's sections in rope_scaling, with rope_theta
     and partial_rotary_factor at the top; transformers takes rope_scaling as the whole of

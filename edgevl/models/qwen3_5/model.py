@@ -90,7 +90,7 @@ class TextArgs:
         tc = dict(cfg.get("text_config") or (cfg if cfg.get("model_type") in cls.text_model_types else {}))
         if not tc:
             raise EdgevlError("config.json of a qwen3_5 model needs a text_config")
-        if "tie_word_embeddings" not in tc and "tie_word_embeddings" in cfg:
+        if "tie_word_embeddings" in cfg:    # the composite model's flag ties its head, as in transformers
             tc["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         rp, field_ = rope_parameters_of(tc)
         partial = rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
