@@ -83,7 +83,8 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     if gen.is_file():
         check_token_ids(read_json_object(gen), "generation_config.json")
     # the tokenizer and chat template must work now, not first at run time
-    tokenizer = Tokenizer(ckpt.folder, fallback_template=arch.chat_template)
+    tokenizer = Tokenizer(ckpt.folder, fallback_template=arch.chat_template,
+                          processor=arch.has_vision_tower(ckpt.config))
     tokenizer.compile_template()
     if not tokenizer.chat_template and progress:   # a base model has none; a partial download lacks it
         print(f"note: {ckpt.folder} has no chat template (chat_template.jinja, or one in tokenizer_config.json): "

@@ -238,7 +238,8 @@ class Model:
         self.config = m["config"]
         self.dtype = m["dtype"]
         self.threads = check_threads(threads) if threads is not None else default_threads()
-        self.tokenizer = Tokenizer(self.path, fallback_template=self.arch.chat_template)
+        self.tokenizer = Tokenizer(self.path, fallback_template=self.arch.chat_template,
+                                   processor=self.arch.has_vision_tower(self.config))
 
         graphs = m["graphs"]
         self.max_context = int(m["context"])

@@ -1,8 +1,10 @@
 """The checkpoint's own tokenizer (``tokenizer.json`` via `tokenizers`) and chat template (jinja2).
 
 Chat templates render the way transformers renders them (sandboxed jinja, trim_blocks,
-lstrip_blocks, ``raise_exception``), from ``chat_template.jinja``, ``chat_template.json`` or
-``tokenizer_config.json``; a checkpoint without one gets its architecture's built-in template.
+lstrip_blocks, ``raise_exception``), from the file transformers takes it from: ``chat_template.jinja``
+first, then for a vision model (its processor's template) ``chat_template.json`` before
+``tokenizer_config.json``, for a text model (its tokenizer's) the other way round; a checkpoint
+without one gets its architecture's built-in template.
 """
 
 from __future__ import annotations
@@ -53,26 +55,33 @@ def read_json_object(path: Path) -> dict:
     return v
 
 
-def _load_template(folder: Path, tok_cfg: dict) -> str | None:
+def _load_template(folder: Path, tok_cfg: dict, processor: bool = True) -> str | None:
+    """The checkpoint's template; ``processor``: read as a processor reads it (vision models'
+    chat_template.json before tokenizer_config.json), else as a tokenizer does."""
     p = folder / "chat_template.jinja"
     if p.is_file():
         try:
             return p.read_text()
         except ValueError:
             raise EdgevlError(f"{p} is not UTF-8 text; fix or re-download it") from None
-    p = folder / "chat_template.json"
-    if p.is_file():
-        t = read_json_object(p).get("chat_template")
-        if t:
-            if not isinstance(t, str):
-                raise EdgevlError(f"{p}: chat_template must be a string; fix or re-download it")
-            return t
-    t = tok_cfg.get("chat_template")
-    if isinstance(t, list):  # named templates: take "default"
-        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
-    if t and not isinstance(t, str):
-        raise EdgevlError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string; fix or re-download it")
-    return t or None
+
+    def from_json():
+        p = folder / "chat_template.json"
+        t = read_json_object(p).get("chat_template") if p.is_file() else None
+        if t and not isinstance(t, str):
+            raise EdgevlError(f"{p}: chat_template must be a string; fix or re-download it")
+        return t or None
+
+    def from_config():
+        t = tok_cfg.get("chat_template")
+        if isinstance(t, list):  # named templates: take "default"
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        if t and not isinstance(t, str):
+            raise EdgevlError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string; fix or "
+                              "re-download it")
+        return t or None
+    first, then = (from_json, from_config) if processor else (from_config, from_json)
+    return first() or then()
 
 
 def _token_text(v):
@@ -82,7 +91,7 @@ def _token_text(v):
 
 
 class Tokenizer:
-    def __init__(self, folder, fallback_template: str | None = None):
+    def __init__(self, folder, fallback_template: str | None = None, processor: bool = True):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.folder = Path(folder)
@@ -96,7 +105,7 @@ class Tokenizer:
             raise EdgevlError(f"{path} could not be read ({e}); re-download it") from None
         cfg_path = self.folder / "tokenizer_config.json"
         self.config = read_json_object(cfg_path) if cfg_path.is_file() else {}
-        self.chat_template = _load_template(self.folder, self.config) or fallback_template
+        self.chat_template = _load_template(self.folder, self.config, processor) or fallback_template
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         for name in ("bos_token", "eos_token"):
