@@ -215,6 +215,12 @@ def _read_header(path: str) -> dict:
     return out
 
 
+def _check_link(f: Path) -> None:
+    if f.is_symlink() and not f.exists():
+        raise EdgevlError(f"{f} is a link to {os.readlink(f)}, which is gone (a download not finished, or a deleted "
+                          "cache entry?); download the checkpoint again")
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -229,6 +235,12 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise EdgevlError(f"{self.folder} is not a folder; pass a Hugging Face checkpoint folder "
                               "(with config.json and *.safetensors)")
+        from .package import RUNTIME_FILES
+
+        # a Hugging Face cache snapshot links its files to blobs: a file not downloaded (yet) is a
+        # dangling link, which would otherwise read as a file the checkpoint does not have
+        for name in ("config.json", "model.safetensors.index.json", *RUNTIME_FILES):
+            _check_link(self.folder / name)
         cfg = self.folder / "config.json"
         if not cfg.is_file():
             snapshots = self.folder / "snapshots" if (self.folder / "snapshots").is_dir() else (
@@ -305,12 +317,17 @@ class Checkpoint:
             self.weight_map = wm
             return [self.folder / n for n in names]
         found = sorted(self.folder.glob("*.safetensors"))
-        for f in found:   # a Hugging Face cache folder links its files to blobs, which can be deleted
-            if f.is_symlink() and not f.exists():
-                raise EdgevlError(f"{f} is a link to {os.readlink(f)}, which is gone (a deleted download or cache "
-                                  "entry?); download the checkpoint again")
+        for f in found:
+            _check_link(f)
         if found:
             return found
+        blobs = self.folder.parent.parent / "blobs"
+        if self.folder.parent.name == "snapshots" and blobs.is_dir():
+            unfinished = sorted(blobs.glob("*.incomplete"))
+            if unfinished:
+                raise EdgevlError(f"{self.folder} has no *.safetensors weights yet: the Hugging Face cache holds an "
+                                  f"unfinished download ({unfinished[0].name}); let the download finish, then "
+                                  "convert")
         if (self.folder / "manifest.json").is_file():   # what convert writes beside the graphs
             raise EdgevlError(f"{self.folder} is an edgevl package already (converted); run it as it is, or "
                               "convert the checkpoint it came from")

@@ -245,6 +245,40 @@ def test_weights_linked_to_a_deleted_blob(tmp_path, capsys):
     refused_before_writing(capsys, ck, tmp_path, "which is gone", "download the checkpoint again")
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja"])
+def test_a_snapshot_file_not_downloaded_yet_is_named(tmp_path, capsys, name):
+    """Another file's dangling link read as a file the checkpoint lacks: "has no config.json; pass
+    the folder of a checkpoint", or worse, no word (the generation defaults and eos dropped, the
+    built-in template used)."""
+    from edgevl.demo import DEMO_CHECKPOINT
+
+    snap = tmp_path / "models--org--name" / "snapshots" / "0a1b"
+    snap.mkdir(parents=True)
+    for f in DEMO_CHECKPOINT.iterdir():
+        shutil.copy(f, snap / f.name)
+    (snap / name).unlink(missing_ok=True)
+    (snap / name).symlink_to(tmp_path / "models--org--name" / "blobs" / "4f5e")
+    refused_before_writing(capsys, snap, tmp_path, f"{name} is a link to", "which is gone (a download not finished",
+                           "download the checkpoint again")
+
+
+def test_weights_still_downloading_are_named(tmp_path, capsys):
+    """The only weights a snapshot has are still downloading (huggingface_hub writes the blob as
+    <sha>.incomplete and links it when done): the advice was to save with safe_serialization."""
+    from edgevl.demo import DEMO_CHECKPOINT
+
+    repo = tmp_path / "models--org--name"
+    snap = repo / "snapshots" / "0a1b"
+    snap.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "9c8d.incomplete").write_bytes(b"\0" * 100)
+    for f in DEMO_CHECKPOINT.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, snap / f.name)
+    refused_before_writing(capsys, snap, tmp_path, "has no *.safetensors weights yet", "9c8d.incomplete",
+                           "let the download finish")
+
+
 def test_a_checkpoint_without_a_chat_template_is_said_at_convert_and_run(tiny, tmp_path, capsys):
     """A base model has no chat template, a partial download may lack it: conversion goes on and
     says so, and `run` says its prompt goes as plain text."""
