@@ -250,7 +250,8 @@ def test_the_top_levels_tie_flag_decides_as_in_transformers(tmp_path):
     assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()   # tied there
     model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
     ids = prepare(model, LONG[:200]).input_ids
-    assert list(model.generate_tokens(ids, 12, ignore_eos=True)) == hf_greedy(hf, {"input_ids": torch.tensor([ids])}, 12)
+    want = hf_greedy(hf, {"input_ids": torch.tensor([ids])}, 12)
+    assert list(model.generate_tokens(ids, 12, ignore_eos=True)) == want
     model.close()
 
 
