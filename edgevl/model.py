@@ -259,8 +259,8 @@ class Model:
         # vision-language configs keep it there)
         text = self.config.get("text_config")
         sources = (self.generation_config, self.config, text if isinstance(text, dict) else {})
-        self.eos_ids = next((set(_as_list(c.get("eos_token_id"))) for c in sources
-                             if _as_list(c.get("eos_token_id"))), set())
+        lists = [_as_list(c.get("eos_token_id")) for c in sources]    # each read, so a bad one is named
+        self.eos_ids = set(next((ids for ids in lists if ids), []))
         if not self.eos_ids and self.tokenizer.eos_token:
             tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)
             if tid is not None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import EdgevlError
-from .weights import sha256_file
+from .weights import SIDE_FILES, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "edgevl-package"
@@ -584,9 +584,7 @@ def verify_files(path, manifest: dict, full: bool = False) -> tuple[int, int]:
 
 
 # files beside the graphs that the runtime reads when present (tokenizer, templates, configs)
-RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
-                 "chat_template.jinja", "generation_config.json", "preprocessor_config.json",
-                 "video_preprocessor_config.json")
+RUNTIME_FILES = SIDE_FILES
 
 
 def check_listed(path, manifest: dict, names=RUNTIME_FILES) -> None:

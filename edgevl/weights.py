@@ -215,6 +215,13 @@ def _read_header(path: str) -> dict:
     return out
 
 
+# the checkpoint's files beside its config and weights that edgevl reads when present (a package
+# keeps them for its runtime: tokenizer, templates, generation and processor settings)
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json",
+              "chat_template.jinja", "generation_config.json", "preprocessor_config.json",
+              "video_preprocessor_config.json")
+
+
 def _check_link(f: Path) -> None:
     if f.is_symlink() and not f.exists():
         raise EdgevlError(f"{f} is a link to {os.readlink(f)}, which is gone (a download not finished, or a deleted "
@@ -235,11 +242,9 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise EdgevlError(f"{self.folder} is not a folder; pass a Hugging Face checkpoint folder "
                               "(with config.json and *.safetensors)")
-        from .package import RUNTIME_FILES
-
         # a Hugging Face cache snapshot links its files to blobs: a file not downloaded (yet) is a
         # dangling link, which would otherwise read as a file the checkpoint does not have
-        for name in ("config.json", "model.safetensors.index.json", *RUNTIME_FILES):
+        for name in ("config.json", "model.safetensors.index.json", *SIDE_FILES):
             _check_link(self.folder / name)
         cfg = self.folder / "config.json"
         if not cfg.is_file():
