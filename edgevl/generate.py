@@ -114,7 +114,9 @@ class ReasoningSplitter:
     """Routes generated tokens to the answer or to the reasoning, by the architecture's marker
     tokens. Starts in reasoning when the prompt left a start marker open (a template that
     opens the think block itself). Newlines around the reasoning and at the start of the answer
-    are dropped, as the chat template does when it reads an answer back."""
+    after it (after an end marker, the answer's or the prompt's own) are dropped, as the chat
+    template does when it reads an answer back; an answer that follows no marker (a raw
+    continuation) is the text its tokens spell."""
 
     def __init__(self, tokenizer, markers, prompt_ids):
         # a tool call's tags stay in the text even where the tokenizer has them as special tokens
@@ -127,7 +129,7 @@ class ReasoningSplitter:
             self.start = self.end = None
         last = {t: i for i, t in enumerate(prompt_ids) if t in (self.start, self.end)} if self.start is not None else {}
         self.thinking = last.get(self.start, -1) > last.get(self.end, -1)
-        self.lead = self.start is not None   # at the start of a part: newlines there are dropped
+        self.lead = bool(last)   # at the start of a part after a marker: newlines there are dropped
         self.held = ""        # reasoning newlines held back (dropped if the reasoning ends there)
 
     @property

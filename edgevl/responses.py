@@ -301,6 +301,7 @@ class Writer:
         self.text = ""                    # its text (reasoning or message) so far
         self.logprobs: list = []          # the message's tokens' log-probabilities so far (include asks)
         self.pending: list = []           # ... of tokens whose text has not been written yet
+        self.blank = ""                   # blank text outside a message: its start if text follows
         self.seq = 0
         self.created = int(time.time())
 
@@ -401,11 +402,15 @@ class Writer:
             return out + (self._write("message", ev.text) if ev.text else [])
         for e in self.calls.feed(ev.text, end):
             if e[0] == "content":
-                # blank text between calls (or before the first) is no message of its own
+                # blank text between calls (or before the first) is no message of its own; before
+                # text it is the message's start
                 if e[1].strip() or (self.open is not None and self.open["type"] == "message"):
-                    out += self._write("message", e[1])
+                    out += self._write("message", self.blank + e[1])
+                    self.blank = ""
+                else:
+                    self.blank += e[1]
             elif e[0] == "name":
-                self.pending = []     # a call's tokens: no text of a message
+                self.pending, self.blank = [], ""     # a call's tokens: no text of a message
                 out += self._begin({"id": _id("fc"), "type": "function_call", "status": "in_progress",
                                     "call_id": e[2], "name": e[3], "arguments": ""})
             else:

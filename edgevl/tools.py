@@ -454,6 +454,7 @@ class CallStream:
         # one that never does is the answer's content in "auto", and nothing where calls are forced
         self._held: list = []
         self._raw = ""
+        self._gap = ""      # the blank between the text and the call being read
 
     def feed(self, text: str, end: bool = False) -> list[tuple]:
         """Events the text completes: ("content", str), ("name", index, id, name),
@@ -472,15 +473,20 @@ class CallStream:
                 keep = 0 if end else _partial(self.buf, CALL_OPEN)
                 if self.spec.held and not end and not self.buf[:len(self.buf) - keep].strip():
                     keep = len(self.buf)   # blank text before what may be a call: not the answer's yet
+                elif not end:   # nor the blank at the end of the text: a call may follow it
+                    body = self.buf[:len(self.buf) - keep]
+                    keep += len(body) - len(body.rstrip())
                 text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 if end and self.spec.held and text.strip() and CALL_OPEN.startswith(text.strip()):
                     text = ""    # the start of a call the token limit cut (the grammar held it to one)
                 if text:
                     out.append(("content", text))
                 return out
-            if i and (self.buf[:i].strip() or not self.spec.held):
-                out.append(("content", self.buf[:i]))
-            self.buf, self.in_calls = self.buf[i:], True
+            body = self.buf[:i].rstrip()
+            if body:    # the text before the calls, without the blank before them
+                out.append(("content", body))
+            # ... which is the answer's again if the call never closes
+            self._gap, self.buf, self.in_calls = self.buf[len(body):i], self.buf[i:], True
         while True:
             before = self.buf
             ev = self._step()
@@ -493,11 +499,11 @@ class CallStream:
                     out += self._held
                 else:                  # one call at most (parallel_tool_calls false): later ones dropped
                     self.calls.pop()
-                self._held, self._raw = [], ""
+                self._held, self._raw, self._gap = [], "", ""
         if end and self.open:   # a call that never closed: its text, not half a call
             self.calls.pop()
             self._args, self._held = None, []
-            self.buf, self._raw = self._raw + self.buf, ""
+            self.buf, self._raw, self._gap = self._gap + self._raw + self.buf, "", ""
         if end and self.buf.strip():
             # text that is no call: content; but a constrained answer's rest is a call the token
             # limit cut, never shown as half a call
@@ -588,11 +594,11 @@ def _partial(text: str, tag: str) -> int:
 
 
 def parse(text: str, spec: ToolSpec) -> tuple[str, list[dict]]:
-    """(content, tool_calls) of a whole answer."""
+    """(content, tool_calls) of a whole answer: the content as a stream of it joins (blank text
+    beside the calls is none of it)."""
     s = CallStream(spec)
     content = "".join(e[1] for e in s.feed(text, end=True) if e[0] == "content")
-    calls = s.whole
-    return (content.strip() if calls else content), calls
+    return content, s.whole
 
 
 def template_messages(messages: list) -> list:
