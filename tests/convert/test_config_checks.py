@@ -293,3 +293,16 @@ def test_a_checkpoint_without_a_chat_template_is_said_at_convert_and_run(tiny, t
     assert code == 0 and "chat template" not in err, err
     code, _, err = cli(capsys, "run", tiny[1], "--prompt", "Hello", "--max-new-tokens", "2")
     assert code == 0 and "chat template" not in err, err
+
+
+def test_head_counts_that_do_not_divide_are_named_with_their_values(qwen_vl, tmp_path, capsys):
+    """A config that leaves out num_key_value_heads gets the default 4: "value heads must be a
+    multiple of key heads" did not say which count, nor that one was a default."""
+    ck = copy_ck(qwen_vl, tmp_path / "ck")
+
+    def drop(c):
+        c["text_config"].pop("num_key_value_heads", None)
+        c["text_config"]["num_attention_heads"] = 2
+    edit_json(ck / "config.json", drop)
+    refused_before_writing(capsys, ck, tmp_path, "num_attention_heads 2 over num_key_value_heads 4",
+                           "a key the config leaves out takes transformers' default")

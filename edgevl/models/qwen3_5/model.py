@@ -106,7 +106,10 @@ class TextArgs:
         if a.hidden_act != "silu":
             raise EdgevlError(f"hidden_act {a.hidden_act!r} is not supported for Qwen3.5 (expected silu)")
         if a.linear_num_value_heads % a.linear_num_key_heads or a.num_attention_heads % a.num_key_value_heads:
-            raise EdgevlError("text_config: value heads must be a multiple of key heads (linear and full attention)")
+            raise EdgevlError("text_config: value heads must be a multiple of key heads, got linear_num_value_heads "
+                              f"{a.linear_num_value_heads} over linear_num_key_heads {a.linear_num_key_heads} and "
+                              f"num_attention_heads {a.num_attention_heads} over num_key_value_heads "
+                              f"{a.num_key_value_heads} (a key the config leaves out takes transformers' default)")
         if sum(a.mrope_section) * 2 != a.rotary_dim:
             raise EdgevlError(f"{field_}.mrope_section {a.mrope_section} must sum to half the rotary "
                               f"dim ({a.rotary_dim} = head_dim x partial_rotary_factor)")
