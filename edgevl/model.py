@@ -361,6 +361,11 @@ class Model:
     def kv_elem_bytes(self) -> int:
         return 2 if self.dtype in ("bf16", "q8") else 4
 
+    @property
+    def prefill_step(self) -> int:
+        """The most rows a prompt's forward takes at once (``prefill_chunk``)."""
+        return int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
+
     # -- inputs -------------------------------------------------------------------------------
     @property
     def _vision_pads(self) -> list:
@@ -569,7 +574,7 @@ class Model:
         # runs end at the architecture's snapshot points (where a later prompt may diverge from
         # this one, e.g. before an answer that the next turn's template renders differently)
         points = {p for p in self.arch.snapshot_points(self.tokenizer, list(input_ids)) if start < p < len(keys)}
-        step = int(self.options.get("prefill_chunk") or PREFILL_CHUNK)
+        step = self.prefill_step
         cuts = sorted(points | set(range(start + step, len(keys), step)) | {len(keys)})
         # the whole prompt's KV room at once: regrowing it chunk by chunk left the freed smaller
         # caches as heap holes (a 2B model, a 1000-token prompt in 512-token chunks: 0.84 -> 0.45

@@ -233,6 +233,8 @@ class Mtp:
         go = [b for b, st in enumerate(states) if ms[b] > 0 and st["js"]]
         if not go:
             return drafts
+        for b in go:
+            self._catch_up(states[b])
         xs, poss = [], []
         for b in go:
             st = states[b]
@@ -283,6 +285,25 @@ class Mtp:
             if ms[b] > 1:
                 states[b]["cache"].rollback(len(states[b]["rows"]))
         return drafts
+
+    def _catch_up(self, st: dict) -> None:
+        """Feed a sequence's waiting rows but the last ``prefill_step`` in chunks of that many, as
+        the prompt they came from was prefilled: a long prompt's rows in one pass took memory
+        that grew with its square (the mask and attention scores; 9 GB at 28k tokens)."""
+        step = self.model.prefill_step
+        done = len(st["js"]) - step        # the last rows go with the drafting pass
+        if done <= 0:
+            return
+        axes = max(len(p) for p in st["positions"])
+        hint = len(st["rows"]) + len(st["js"])     # the KV room the whole prompt takes, allocated once
+        for s in range(0, done, step):
+            e = min(done, s + step)
+            x = np.concatenate([np.stack(st["embeds"][s:e]), np.stack(st["hidden"][s:e])], 1)
+            pos = np.stack([np.broadcast_to(p, (axes,)) for p in st["positions"][s:e]], 1)
+            self.decoder.forward(x, st["cache"], pos, kv_hint=hint)
+        st["rows"] += st["js"][:done]
+        for f in STATE_FIELDS[2:]:
+            del st[f][:done]
 
     def _forward(self, caches: list, xs: list, positions: list) -> np.ndarray:
         """The block over each sequence's rows ``xs[b]`` at ``positions[b]`` on ``caches[b]``:

@@ -394,3 +394,38 @@ def test_float_packages_draft_with_an_int8_head(packages, tmp_path):
     assert (got == want).mean() >= 0.95, (got == want).mean()
     out = list(spec.generate_tokens(ids, N_NEW, ignore_eos=True, reuse_cache=False))
     assert len(out) == N_NEW and spec.runtime_stats()["speculative"]["accepted"] > 0
+
+
+def test_the_blocks_pass_over_a_long_prompt_runs_in_prefill_chunks(packages, monkeypatch):
+    """The block catches up with a prompt in chunks of ``prefill_chunk`` rows, as the prompt was
+    prefilled, alone and in the engine: it took the whole prompt in one pass, whose mask and
+    attention scores grew with the prompt's square (a 28k-token prompt: 9 GB)."""
+    from edgevl.engine import Engine
+
+    spec = _model(packages, IDS[0])
+    plain = _model(packages, IDS[0], speculative="none")
+    rows = []
+    dec = spec.mtp.decoder
+    real_one, real_rows = dec.forward, dec.forward_rows
+
+    def one(x, cache, pos, *a, **k):
+        rows.append(len(x))
+        return real_one(x, cache, pos, *a, **k)
+
+    def many(x, parts, pos, *a, **k):
+        rows.extend(n for _, n in parts)
+        return real_rows(x, parts, pos, *a, **k)
+    monkeypatch.setattr(dec, "forward", one)
+    monkeypatch.setattr(dec, "forward_rows", many)
+    ids = prepare(spec, " ".join(CORPUS[:12])).input_ids
+    assert len(ids) > 4 * spec.prefill_step == 64
+    want = list(plain.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False))
+    assert list(spec.generate_tokens(ids, 12, ignore_eos=True, reuse_cache=False)) == want
+    assert max(rows) <= spec.prefill_step and len(rows) > len(ids) // spec.prefill_step
+    rows.clear()
+    other = prepare(spec, " ".join(CORPUS[2:14])).input_ids
+    with Engine(spec, parallel=2) as engine:
+        streams = [engine.generate_tokens(p, 12, ignore_eos=True) for p in (ids, other)]
+        got = [list(s) for s in streams]
+    assert got[0] == want and got[1] == list(plain.generate_tokens(other, 12, ignore_eos=True, reuse_cache=False))
+    assert max(rows) <= spec.prefill_step
