@@ -1081,6 +1081,8 @@ class Decoder:
         # outputs with their kind's extraction type
         hidden = self.info["outputs"]["hidden"]
         wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
+        if kv_hint and seq > 1:
+            self._fresh_pools()
         self.net.fit_rows(seq)
         res = self._run(seq, lambda: self.net.execute(feeds, wanted, passes, kv_hint=kv_hint))
         extra = {n: from_mat(res[n]) for n in extract}
@@ -1212,12 +1214,21 @@ class Decoder:
             elif step["pass"].get("when", "always") == "always" or total > 1:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
+        if any(hints):
+            self._fresh_pools()
         self.net.fit_rows(total)
         res = self._run(total, lambda: self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin},
                                                         [(hidden, 0)], passes))
         for b, ((cache, _), out) in enumerate(zip(parts, new)):
             cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
         return from_mat(res[hidden])
+
+    def _fresh_pools(self) -> None:
+        """Before a chunk of a longer prompt: the last chunk's buffers are too small for this
+        one's attention (it sees more keys), and pooled beside it they added up to the square of
+        the prompt (an fp32 package, 16k tokens in 64-row chunks: 0.89 GB at peak, 0.11 GB now)."""
+        if hasattr(self.net, "release"):
+            self.net.release()
 
     def _run(self, rows: int, fn):
         """A forward; decode-sized ones are timed for the OpenMP team's size (``team``)."""

@@ -403,3 +403,27 @@ def test_verify_table_has_the_recurrent_states(models, capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("state")]
     assert [(r[2], r[3]) for r in rows] == [("0", "conv"), ("0", "recurrent"), ("1", "conv"), ("1", "recurrent")]
     assert all(float(r[4]) >= 0.99999 for r in rows) and "PASS" in out
+
+
+def test_prefill_memory_grows_linearly_with_the_prompt(tmp_path):
+    """A prompt prefilled in chunks: each chunk's attention sees more keys than the last, so its
+    buffers never fit in the last chunk's, and pooled beside them they added up to the square of
+    the prompt (fp32, 16k tokens in 64-row chunks: 0.84 GB above the loaded model; now about the
+    KV and state). In a child process, whose peak (VmHWM) is its own."""
+    import subprocess
+    import sys
+
+    ck = make_qwen3_5(tmp_path / "ck", seed=9, max_position_embeddings=65536)
+    pk = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
+    grown = {}
+    for n in (3000, 12000):
+        code = (f"import edgevl, numpy as np; m = edgevl.load({str(pk)!r}, prefill_chunk=64, threads=1); "
+                "hwm = lambda: int([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0]); "
+                f"h0 = hwm(); ids = [int(t) for t in np.random.default_rng(0).integers(10, 300, {n})]; "
+                "list(m.generate_tokens(ids, 1, reuse_cache=False)); print(hwm() - h0)")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        grown[n] = int(r.stdout.split()[-1]) / 1024
+    print(f"prefill peak above the loaded model: 3000 tokens {grown[3000]:.0f} MB, 12000 tokens {grown[12000]:.0f} MB")
+    # 4x the prompt: linear growth adds about 4x; the square, 16x
+    assert grown[12000] < 8 * max(grown[3000], 8), grown
