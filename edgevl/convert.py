@@ -79,6 +79,8 @@ def convert(hf_path, out_path, dtype: str = "bf16", overwrite: bool = False, pro
     arch = models.resolve(ckpt.config)
     options = arch.resolve_options(check_vision_option(arch, ckpt.config, options))
     check_token_ids(ckpt.config, "config.json")
+    if isinstance(ckpt.config.get("text_config"), dict):
+        check_token_ids(ckpt.config["text_config"], "config.json text_config")
     gen = ckpt.folder / "generation_config.json"
     if gen.is_file():
         check_token_ids(read_json_object(gen), "generation_config.json")

@@ -785,7 +785,7 @@ def _events(model, gen, prep, t0, stop, post, split, videos, noted=None):
             out, pending = (pending[:-keep], pending[-keep:]) if keep else (pending, "")
         else:
             out, pending = pending, ""
-        lp = release(shown + len(out) if pending else float("inf"))
+        lp = release(shown + len(out) if stop else float("inf"))   # (a token of part of a character has no text yet)
         yield stats(out, None if thought else token, lp=lp)   # a token its reasoning event gave is not given twice
     tail, thought = split.flush()
     tail = pending + (post.feed(tail) + post.flush() if post else tail)

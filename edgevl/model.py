@@ -132,6 +132,14 @@ def _as_list(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
 
 
+def _config_ids(v) -> list[int]:
+    """A config's token id or list of them (null: none), integers only."""
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise ValueError(f"token ids must be integers, got {v!r:.60}")
+    return ids
+
+
 def _on_owner(fn):
     """Run the method on the model's owner thread (edgevl.owner): every ncnn call of a model
     runs on the thread that loaded its nets."""
@@ -259,7 +267,7 @@ class Model:
         # vision-language configs keep it there)
         text = self.config.get("text_config")
         sources = (self.generation_config, self.config, text if isinstance(text, dict) else {})
-        lists = [_as_list(c.get("eos_token_id")) for c in sources]    # each read, so a bad one is named
+        lists = [_config_ids(c.get("eos_token_id")) for c in sources]    # each read, so a bad one is named
         self.eos_ids = set(next((ids for ids in lists if ids), []))
         if not self.eos_ids and self.tokenizer.eos_token:
             tid = self.tokenizer.token_to_id(self.tokenizer.eos_token)

@@ -146,6 +146,9 @@ class DraftHead:
 
 # the block's per-sequence fields (Mtp.new_state)
 STATE_FIELDS = ("cache", "rows", "embeds", "hidden", "positions", "js")
+# waiting rows past which the block catches up in chunks: a prompt's, never a decoding cycle's
+# (a few drafts and the tokens a grammar forced after them)
+CATCH_UP_ROWS = 64
 
 
 class Mtp:
@@ -290,7 +293,8 @@ class Mtp:
         """Feed a sequence's waiting rows but the last ``prefill_step`` in chunks of that many, as
         the prompt they came from was prefilled: a long prompt's rows in one pass took memory
         that grew with its square (the mask and attention scores; 9 GB at 28k tokens)."""
-        step = self.model.prefill_step
+        # (never a decoding cycle's few rows, whatever a small prefill_chunk says)
+        step = max(self.model.prefill_step, CATCH_UP_ROWS)
         done = len(st["js"]) - step        # the last rows go with the drafting pass
         if done <= 0:
             return

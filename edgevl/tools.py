@@ -505,11 +505,11 @@ class CallStream:
             self._args, self._held = None, []
             self.buf, self._raw, self._gap = self._gap + self._raw + self.buf, "", ""
         if end and self.buf.strip():
-            # text that is no call: content; but a constrained answer's rest is a call the token
-            # limit cut, never shown as half a call
+            # text that is no call: content (with the blank before it, when no call closed since);
+            # but a constrained answer's rest is a call the token limit cut, never shown as half a call
             if not self.spec.held:
-                out.append(("content", self.buf))
-            self.buf = ""
+                out.append(("content", self._gap + self.buf))
+            self.buf = self._gap = ""
         return out
 
     @property

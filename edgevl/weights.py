@@ -244,7 +244,7 @@ class Checkpoint:
                               "(with config.json and *.safetensors)")
         # a Hugging Face cache snapshot links its files to blobs: a file not downloaded (yet) is a
         # dangling link, which would otherwise read as a file the checkpoint does not have
-        for name in ("config.json", "model.safetensors.index.json", *SIDE_FILES):
+        for name in ("config.json", "model.safetensors.index.json", "processor_config.json", *SIDE_FILES):
             _check_link(self.folder / name)
         cfg = self.folder / "config.json"
         if not cfg.is_file():

@@ -245,7 +245,8 @@ def test_weights_linked_to_a_deleted_blob(tmp_path, capsys):
     refused_before_writing(capsys, ck, tmp_path, "which is gone", "download the checkpoint again")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja",
+                                  "processor_config.json"])
 def test_a_snapshot_file_not_downloaded_yet_is_named(tmp_path, capsys, name):
     """Another file's dangling link read as a file the checkpoint lacks: "has no config.json; pass
     the folder of a checkpoint", or worse, no word (the generation defaults and eos dropped, the
@@ -306,3 +307,11 @@ def test_head_counts_that_do_not_divide_are_named_with_their_values(qwen_vl, tmp
     edit_json(ck / "config.json", drop)
     refused_before_writing(capsys, ck, tmp_path, "num_attention_heads 2 over num_key_value_heads 4",
                            "a key the config leaves out takes transformers' default")
+
+
+def test_token_ids_in_the_text_config_are_checked(qwen_vl, tmp_path, capsys):
+    """Vision-language configs keep eos_token_id in text_config, which the runtime now reads: a
+    malformed one was converted and stopped every load."""
+    ck = copy_ck(qwen_vl, tmp_path / "ck")
+    edit_json(ck / "config.json", lambda c: c["text_config"].update(eos_token_id=[5, None]))
+    refused_before_writing(capsys, ck, tmp_path, "config.json text_config field eos_token_id must be a token id")

@@ -104,8 +104,19 @@ def test_the_responses_api_keeps_an_answers_leading_blank_when_tools_were_offere
     assert chat == text == deltas == answer
 
 
-@pytest.mark.parametrize("text", ["Let me look.\n\n" + CALL, "  你好\n\n" + CALL + "\n\nDone  ", CALL + "\n" + CALL,
-                                  "Checking.\n" + CALL[:-12], "a \n" + CALL + " b \n" + CALL + "\n", "plain  \n"])
+def test_a_call_tag_that_opens_no_call_leaves_the_text_as_written(setup):
+    """The token limit right after <tool_call>, or a small model's malformed call: the blank
+    before the tag was dropped with the call that never came."""
+    from edgevl import tools
+
+    spec = tools.prepare(setup[0], [SAY], "auto")
+    for text in ("Hello\n\n<tool_call>", "Hello\n\n<tool_call>\noops, no function tag", "Checking.\n" + CALL[:-12]):
+        assert tools.parse(text, spec) == (text, [])
+
+
+@pytest.mark.parametrize("text", ["Let me look.\n\n" + CALL, "Hello\n\n<tool_call>", CALL + "\n" + CALL,
+                                  "  你好\n\n" + CALL + "\n\nDone  ", "Checking.\n" + CALL[:-12],
+                                  "a \n" + CALL + " b \n" + CALL + "\n", "plain  \n"])
 def test_a_streams_content_joins_to_the_whole_answers(setup, text):
     """Fed in pieces of any size, the content events join to what the whole answer parses to."""
     from edgevl import tools

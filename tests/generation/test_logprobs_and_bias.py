@@ -184,6 +184,29 @@ def test_a_stop_string_leaves_out_the_entries_of_the_tokens_it_cut(packages, mon
     assert [e["logprob"] for ev in whole for e in ev.logprobs] == [-float(i) for i in range(len(seq))]
 
 
+def test_a_stop_string_at_a_character_split_into_byte_tokens_leaves_out_their_entries(packages, monkeypatch):
+    """Tokens that each hold part of a character add no text until the character is whole: where
+    a stop string starts at that character, their entries went out before the cut was known."""
+    model = _model(packages, "youtu")
+    tok = model.tokenizer
+    text = "ab你好cd"
+    seq = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in seq)     # the CJK characters come in byte tokens
+    # where each token's text starts: the whole characters of the bytes before it
+    starts = [len(b"".join(tok.token_bytes(t) for t in seq[:i]).decode("utf-8", "ignore")) for i in range(len(seq))]
+
+    def fake(ids, n, logprobs=None, **kw):
+        for i, t in enumerate(seq):
+            logprobs.entries.append((t, -float(i), []))
+            yield t
+    monkeypatch.setattr(model, "generate_tokens", fake)
+    for stop, cut in (("你", 2), ("你好c", 2), ("好", 3), ("ab", 0)):
+        events = list(stream_events(model, "x", raw=True, max_new_tokens=len(seq), logprobs=True, stop=[stop]))
+        assert "".join(ev.text for ev in events) == text[:cut]
+        got = [e["logprob"] for ev in events for e in ev.logprobs]
+        assert got == [-float(i) for i in range(len(seq)) if starts[i] < cut], (stop, got, starts)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_token_bytes_spell_the_text_even_inside_a_character(packages, family):
     tok = _model(packages, family).tokenizer

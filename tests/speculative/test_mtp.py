@@ -44,7 +44,7 @@ _models = {}
 def _model(packages, case, **options):
     key = (case, tuple(sorted(options.items())))
     if key not in _models:
-        _models[key] = edgevl.load(packages[case][1], prefill_chunk=16, **options)
+        _models[key] = edgevl.load(packages[case][1], **{"prefill_chunk": 16, **options})
     return _models[key]
 
 
@@ -402,6 +402,7 @@ def test_the_blocks_pass_over_a_long_prompt_runs_in_prefill_chunks(packages, mon
     attention scores grew with the prompt's square (a 28k-token prompt: 9 GB)."""
     from edgevl.engine import Engine
 
+    monkeypatch.setattr(speculative, "CATCH_UP_ROWS", 1)    # these tiny prompts: catch up past prefill_chunk
     spec = _model(packages, IDS[0])
     plain = _model(packages, IDS[0], speculative="none")
     rows = []
@@ -429,3 +430,24 @@ def test_the_blocks_pass_over_a_long_prompt_runs_in_prefill_chunks(packages, mon
         got = [list(s) for s in streams]
     assert got[0] == want and got[1] == list(plain.generate_tokens(other, 12, ignore_eos=True, reuse_cache=False))
     assert max(rows) <= spec.prefill_step
+
+
+def test_a_decoding_cycles_rows_never_take_the_prompts_catch_up(packages, monkeypatch):
+    """However small prefill_chunk is, the few rows a decoding cycle leaves waiting go with the
+    next drafting pass: taken as a prompt's catch-up they cost extra block passes and emptied the
+    block's pools every cycle."""
+    spec = _model(packages, IDS[0], prefill_chunk=2)
+    assert spec.prefill_step == 2
+    passes = []
+    real = spec.mtp.decoder.forward
+
+    def forward(x, cache, pos, *a, kv_hint=0, **k):
+        passes.append(kv_hint)      # a catch-up pass says the length the prompt will reach
+        return real(x, cache, pos, *a, kv_hint=kv_hint, **k)
+    monkeypatch.setattr(spec.mtp.decoder, "forward", forward)
+    ids = prepare(spec, "Describe a cat.").input_ids
+    assert len(ids) < speculative.CATCH_UP_ROWS
+    want = list(_model(packages, IDS[0], speculative="none").generate_tokens(ids, 24, ignore_eos=True,
+                                                                             reuse_cache=False))
+    assert list(spec.generate_tokens(ids, 24, ignore_eos=True, reuse_cache=False)) == want
+    assert spec.runtime_stats()["speculative"]["drafted"] > 0 and passes and not any(passes), passes
