@@ -7,9 +7,10 @@ generated; the cache is then reused up to that point.
 
 Context policy: a turn needs ``prompt tokens + max_new_tokens <= model.max_context`` (room for a
 full answer). When the history makes the prompt too long, the oldest whole turns (a user message
-and its answer) are dropped, the system message is kept, and a one-line notice is printed; the
-next prefill then recomputes the cache once. A message that does not fit even alone is refused
-with a message, and the chat goes on.
+and its answer) are dropped, as many as leave a quarter of the room free (or, failing that, as
+few as fit), the system message is kept, and a one-line notice is printed; the next prefill then
+recomputes the cache once, and the turns after it reuse it until the context is full again. A
+message that does not fit even alone is refused with a message, and the chat goes on.
 
     /image PATH   attach an image to the next message      /reset       forget the conversation
     /video PATH   attach a video to the next message
@@ -242,6 +243,33 @@ class ChatSession:
             self._overflow = e
             return self.model.max_context + 1
 
+    def _pairs_to_drop(self, msgs: list, head: int, room: int) -> int:
+        """How many of the oldest turns (user/assistant pairs after ``head``) go: the fewest that
+        leave a quarter of ``room`` free, else the fewest that fit (the prompt then starts anew,
+        and its whole prefill is paid once per quarter of the context, not on every turn). The
+        count falls as turns go, so a binary search renders the conversation a few times, not
+        once per turn dropped. Refuses a message that does not fit alone."""
+        pairs = (len(msgs) - head - 1) // 2
+
+        def fits(k: int, limit: int) -> bool:
+            return self._count(msgs[:head] + msgs[head + 2 * k:]) <= limit
+
+        if not fits(pairs, room):
+            n = self._count(msgs[:head] + msgs[-1:])
+            if n > self.model.max_context and self._overflow is not None:
+                raise self._overflow
+            raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
+                              f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
+                              "answer); shorten it or lower --max-new-tokens")
+        for limit in (room - room // 4, room):
+            if fits(pairs, limit):
+                lo, hi = 1, pairs          # the fewest k in [lo, hi] that fit
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if fits(mid, limit) else (mid + 1, hi)
+                return lo
+        return pairs
+
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;
         the history gets the message and its answer (partial if interrupted) once streaming ends."""
@@ -252,15 +280,9 @@ class ChatSession:
         head = 1 if self.system else 0  # the system message is never dropped
         room = self.model.max_context - self.max_new_tokens
         dropped = []
-        while (n := self._count(msgs)) > room:
-            if len(msgs) - head == 1:
-                if n > self.model.max_context and self._overflow is not None:
-                    raise self._overflow
-                raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
-                                  f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
-                                  "answer); shorten it or lower --max-new-tokens")
-            dropped += msgs[head:head + 2]
-            msgs = msgs[:head] + msgs[head + 2:]  # history is user/assistant pairs after the head
+        if self._count(msgs) > room:
+            k = self._pairs_to_drop(msgs, head, room)
+            dropped, msgs = msgs[head:head + 2 * k], msgs[:head] + msgs[head + 2 * k:]
         # attached images stay for the next message until one is taken (a refusal keeps them)
         self.pending_images, self.pending_videos = [], []
         self.messages, self.dropped = msgs[:-1], len(dropped) // 2

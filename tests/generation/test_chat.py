@@ -335,3 +335,47 @@ def test_attachments_are_let_go_with_their_turns_and_kept_across_reset(vl_pkg, t
         {"type": "image", "image": str(tmp_path / "before.png")}, {"type": "text", "text": "What is it?"}]}],
         max_new_tokens=4)
     model.close()
+
+
+def test_a_full_context_drops_enough_turns_that_the_next_ones_reuse_the_cache(pkg):
+    """Dropping just the one oldest turn left the context full: every turn after that dropped one
+    again, and each drop moves the prompt's start, so every turn recomputed the whole context
+    (42 s a turn at 64k tokens). Now a drop leaves a quarter of the room free and the turns after
+    it reuse the cache."""
+    model = edgevl.load(pkg)
+    chat = ChatSession(model, max_new_tokens=4)
+    room = model.max_context - 4
+    drops, reused = [], []
+    for i in range(40):
+        "".join(chat.send(f"Say {i}."))
+        n = len(prepare(model, chat.messages[:-1]).input_ids)     # this turn's prompt
+        if chat.dropped:
+            assert n <= room - room // 4, (i, n)
+            drops.append(i)
+        elif drops:
+            reused.append(model.last_prefill_tokens < n // 2)
+    assert len(drops) >= 2 and min(b - a for a, b in zip(drops, drops[1:])) >= 2, drops
+    assert reused and all(reused)
+
+
+def test_a_long_message_after_many_turns_renders_the_conversation_a_few_times(pkg, monkeypatch):
+    """The turns to drop were found one at a time, each rendering and tokenizing the whole
+    conversation again: a long message after many short turns cost the square of the context
+    (7 s before the prefill at 16k tokens). Now a binary search finds the fewest that leave a
+    quarter of the room free."""
+    model = edgevl.load(pkg)
+    chat = ChatSession(model, max_new_tokens=4)
+    chat.messages = [m for i in range(40) for m in ({"role": "user", "content": f"u{i}"},
+                                                   {"role": "assistant", "content": f"a{i}"})]
+    calls = []
+    real = ChatSession._count
+    monkeypatch.setattr(ChatSession, "_count", lambda self, m: calls.append(1) or real(self, m))
+    chat.send("hi").close()      # the turns go before the answer starts
+    k, room = chat.dropped, model.max_context - 4
+    assert k >= 20 and len(calls) <= 4 + 2 * (40).bit_length(), (k, len(calls))
+    left = chat.messages + [{"role": "user", "content": "hi"}]     # the prompt of the turn
+    assert left[0] == {"role": "user", "content": f"u{k}"}
+    prompt = lambda msgs: len(prepare(model, msgs).input_ids)   # noqa: E731
+    assert prompt(left) <= room - room // 4
+    one_less = [{"role": "user", "content": f"u{k - 1}"}, {"role": "assistant", "content": f"a{k - 1}"}] + left
+    assert prompt(one_less) > room - room // 4       # the fewest that leave a quarter free
