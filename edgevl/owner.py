@@ -109,7 +109,10 @@ class Owner:
                 raise EdgevlError("this model's ncnn thread is gone (a forked process?); load the model again")
             self._tasks.put(task)
         try:
-            task.done.wait()
+            # in short waits: an untimed one was not always woken by Ctrl-C on a busy machine (the
+            # interrupt came only once the task had ended; a test caught it 1 to 3 times in 6)
+            while not task.done.wait(0.05):
+                pass
         except KeyboardInterrupt:
             # stop the owner at its next safe point and wait for it: the cache is whole again
             # before the interrupt goes on (a second Ctrl-C stops the waiting only)
