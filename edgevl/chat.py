@@ -251,24 +251,22 @@ class ChatSession:
         once per turn dropped. Refuses a message that does not fit alone."""
         pairs = (len(msgs) - head - 1) // 2
 
-        def fits(k: int, limit: int) -> bool:
-            return self._count(msgs[:head] + msgs[head + 2 * k:]) <= limit
+        def count(k: int) -> int:
+            return self._count(msgs[:head] + msgs[head + 2 * k:])
 
-        if not fits(pairs, room):
-            n = self._count(msgs[:head] + msgs[-1:])
+        n = count(pairs)      # the message alone
+        if n > room:
             if n > self.model.max_context and self._overflow is not None:
                 raise self._overflow
             raise EdgevlError(f"message refused: it needs {n} prompt tokens but only {room} fit (the "
                               f"{self.model.max_context}-token context minus {self.max_new_tokens} for the "
                               "answer); shorten it or lower --max-new-tokens")
-        for limit in (room - room // 4, room):
-            if fits(pairs, limit):
-                lo, hi = 1, pairs          # the fewest k in [lo, hi] that fit
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if fits(mid, limit) else (mid + 1, hi)
-                return lo
-        return pairs
+        limit = room - room // 4 if n <= room - room // 4 else room
+        lo, hi = 1, pairs          # the fewest k in [lo, hi] that fit the limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if count(mid) <= limit else (mid + 1, hi)
+        return lo
 
     def send(self, text: str) -> Iterator[str]:
         """Fit the context (module doc), then stream the answer. Refusals raise EdgevlError at once;

@@ -1082,7 +1082,7 @@ class Decoder:
         hidden = self.info["outputs"]["hidden"]
         wanted = [(n, 0) for n in extract] + [(hidden, 0)] + cache.wanted()
         if kv_hint and seq > 1:
-            self._fresh_pools()
+            self.release_pools()
         self.net.fit_rows(seq)
         res = self._run(seq, lambda: self.net.execute(feeds, wanted, passes, kv_hint=kv_hint))
         extra = {n: from_mat(res[n]) for n in extract}
@@ -1215,7 +1215,7 @@ class Decoder:
                 passes.append((step["extract"], self._hook(step["pass"], total, None, ids)))
         hidden = self.info["outputs"]["hidden"]
         if any(hints):
-            self._fresh_pools()
+            self.release_pools()
         self.net.fit_rows(total)
         res = self._run(total, lambda: self.net.execute({names["embeds"]: embeds, names["cos"]: cos, names["sin"]: sin},
                                                         [(hidden, 0)], passes))
@@ -1223,10 +1223,11 @@ class Decoder:
             cache.update(out, positions[:, bounds[b]:bounds[b + 1]].max(axis=0) + 1)
         return from_mat(res[hidden])
 
-    def _fresh_pools(self) -> None:
-        """Before a chunk of a longer prompt: the last chunk's buffers are too small for this
-        one's attention (it sees more keys), and pooled beside it they added up to the square of
-        the prompt (an fp32 package, 16k tokens in 64-row chunks: 0.89 GB at peak, 0.11 GB now)."""
+    def release_pools(self) -> None:
+        """Free the net's pooled activation buffers (a low-memory net pools none). Done before each
+        chunk of a longer prompt: the last chunk's buffers are too small for this one's attention
+        (it sees more keys), and pooled beside it they added up to the square of the prompt (an
+        fp32 package, 16k tokens in 64-row chunks: 0.89 GB at peak, 0.11 GB now)."""
         if hasattr(self.net, "release"):
             self.net.release()
 

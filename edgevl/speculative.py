@@ -308,8 +308,7 @@ class Mtp:
         st["rows"] += st["js"][:done]
         for f in STATE_FIELDS[2:]:
             del st[f][:done]
-        if hasattr(self.decoder.net, "release"):    # drafting needs a small part of a chunk's buffers
-            self.decoder.net.release()
+        self.decoder.release_pools()    # drafting needs a small part of a chunk's buffers
 
     def _forward(self, caches: list, xs: list, positions: list) -> np.ndarray:
         """The block over each sequence's rows ``xs[b]`` at ``positions[b]`` on ``caches[b]``:
