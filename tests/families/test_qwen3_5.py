@@ -213,41 +213,26 @@ def test_text_only_checkpoint(tmp_path):
         edgevl.generate(model, "hi", image=smooth_image(32, 32))
 
 
-def test_a_stored_head_is_used_whatever_the_tie_flags_say(tmp_path):
-    """A composite config's two tie_word_embeddings flags may disagree; transformers leaves a
-    stored lm_head of its own values untied, so the package uses it too (it took text_config's
-    "tied" and answered with the embedding)."""
+@pytest.mark.parametrize("stored, top, text", [(True, False, True), (False, True, False)],
+                         ids=["stored-head", "no-head"])
+def test_tie_flags_that_disagree_are_read_as_transformers_reads_them(tmp_path, stored, top, text):
+    """A composite config's two tie_word_embeddings flags may disagree. A stored lm_head of its own
+    values stays untied in transformers, so the package uses it too (it took text_config's "tied"
+    and answered with the embedding). With no stored head, the composite config's own flag ties it
+    whatever its text_config says (the package refused, saying to download a head that no download
+    has)."""
     from support.files import edit_json
 
-    ck = make_qwen3_5(tmp_path / "ck", seed=6, tie_word_embeddings=False, num_hidden_layers=2,
-                      full_attention_interval=2)
+    ck = make_qwen3_5(tmp_path / "ck", seed=6 if stored else 7, tie_word_embeddings=not stored,
+                      num_hidden_layers=2, full_attention_interval=2)
 
     def disagree(c):
-        c["tie_word_embeddings"] = False
-        c["text_config"]["tie_word_embeddings"] = True
-    edit_json(ck / "config.json", disagree, restamp=False)
-    model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
-    ids = prepare(model, LONG[:200]).input_ids
-    ours = list(model.generate_tokens(ids, 12, ignore_eos=True))
-    assert ours == hf_greedy(load_hf(ck), {"input_ids": torch.tensor([ids])}, 12)
-    model.close()
-
-
-def test_the_top_levels_tie_flag_decides_as_in_transformers(tmp_path):
-    """With no stored head, the composite config's own tie_word_embeddings ties it whatever its
-    text_config says, as transformers ties it (the package refused, saying to download a head that
-    no download has)."""
-    from support.files import edit_json
-
-    ck = make_qwen3_5(tmp_path / "ck", seed=7, tie_word_embeddings=True, num_hidden_layers=2,
-                      full_attention_interval=2)
-
-    def disagree(c):
-        c["tie_word_embeddings"] = True
-        c["text_config"]["tie_word_embeddings"] = False
+        c["tie_word_embeddings"] = top
+        c["text_config"]["tie_word_embeddings"] = text
     edit_json(ck / "config.json", disagree, restamp=False)
     hf = load_hf(ck)
-    assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()   # tied there
+    if not stored:
+        assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()   # tied there
     model = edgevl.load(edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False))
     ids = prepare(model, LONG[:200]).input_ids
     want = hf_greedy(hf, {"input_ids": torch.tensor([ids])}, 12)
@@ -410,20 +395,16 @@ def test_prefill_memory_grows_linearly_with_the_prompt(tmp_path):
     buffers never fit in the last chunk's, and pooled beside them they added up to the square of
     the prompt (fp32, 16k tokens in 64-row chunks: 0.84 GB above the loaded model; now about the
     KV and state). In a child process, whose peak (VmHWM) is its own."""
-    import subprocess
-    import sys
+    from support.common import child_peak_kb
 
     ck = make_qwen3_5(tmp_path / "ck", seed=9, max_position_embeddings=65536)
     pk = edgevl.convert(ck, tmp_path / "pk", dtype="fp32", progress=False)
     grown = {}
     for n in (3000, 12000):
-        code = (f"import edgevl, numpy as np; m = edgevl.load({str(pk)!r}, prefill_chunk=64, threads=1); "
-                "hwm = lambda: int([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0]); "
-                f"h0 = hwm(); ids = [int(t) for t in np.random.default_rng(0).integers(10, 300, {n})]; "
-                "list(m.generate_tokens(ids, 1, reuse_cache=False)); print(hwm() - h0)")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr
-        grown[n] = int(r.stdout.split()[-1]) / 1024
+        grown[n] = child_peak_kb(
+            f"import edgevl, numpy as np; m = edgevl.load({str(pk)!r}, prefill_chunk=64, threads=1); "
+            f"h0 = peak(); ids = [int(t) for t in np.random.default_rng(0).integers(10, 300, {n})]; "
+            "list(m.generate_tokens(ids, 1, reuse_cache=False)); print(peak() - h0)") / 1024
     print(f"prefill peak above the loaded model: 3000 tokens {grown[3000]:.0f} MB, 12000 tokens {grown[12000]:.0f} MB")
     # 4x the prompt: linear growth adds about 4x; the square, 16x
     assert grown[12000] < 8 * max(grown[3000], 8), grown

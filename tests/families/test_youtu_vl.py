@@ -258,8 +258,7 @@ def test_vision_window_memory_is_linear_in_patches(tmp_path):
     The model has window layers only: whether full-attention layers hold N x N scores depends on
     ncnn's SDPA kernel (docs/ncnn.md, section 6), which is not ours to test.
     """
-    import subprocess
-    import sys
+    from support.common import child_peak_kb
 
     ck, _ = make_vl(tmp_path / "win", seed=31, vision_config={"fullatt_block_indexes": []})
     pk = tmp_path / "win-pk"
@@ -267,14 +266,11 @@ def test_vision_window_memory_is_linear_in_patches(tmp_path):
     peaks = {}
     for side, grid in ((1024, 64), (2048, 128)):
         smooth_image(side, side, seed=9).save(tmp_path / f"{side}.png")
-        # VmHWM is this process's own peak; ru_maxrss would carry pytest's size across fork+exec
         image = str(tmp_path / f"{side}.png")
-        code = (f"import edgevl; m = edgevl.load({str(pk)!r}); "
-                f"rows, info = m.vision({image!r}); assert info['spatial_shapes'] == ({grid}, {grid}), info; "
-                "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0])")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr
-        peaks[side] = int(r.stdout.split()[-1]) / 1024
+        peaks[side] = child_peak_kb(
+            f"import edgevl; m = edgevl.load({str(pk)!r}); "
+            f"rows, info = m.vision({image!r}); assert info['spatial_shapes'] == ({grid}, {grid}), info; "
+            "print(peak())") / 1024
     print(f"vision peak RSS: 4096 patches {peaks[1024]:.0f} MB, 16384 patches {peaks[2048]:.0f} MB")
     assert peaks[2048] < 600, f"peak RSS {peaks[2048]:.0f} MB for 16384 patches"
     # 4x the patches: linear growth adds at most ~4x the increment; quadratic would add 16x

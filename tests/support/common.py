@@ -39,3 +39,17 @@ def smooth_image(w, h, seed=0, mode="RGB"):
     base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
     image = Image.fromarray(base).resize((w, h), Image.BICUBIC)
     return image if mode == "RGB" else image.convert(mode)
+
+
+def child_peak_kb(code: str) -> int:
+    """Run ``code`` in a fresh Python, where ``peak()`` gives the process's own peak resident
+    memory in kB (VmHWM; ru_maxrss would carry pytest's size across fork+exec), and return the
+    last number it printed."""
+    import subprocess
+    import sys
+
+    head = ("def peak():\n    return int([ln.split()[1] for ln in open('/proc/self/status') "
+            "if ln.startswith('VmHWM')][0])\n")
+    r = subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.split()[-1])
